@@ -1,0 +1,5 @@
+import sys
+
+from meshforge.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Checkpoints: DCP save/load in each format, atomic commit with LATEST, exact resume."""

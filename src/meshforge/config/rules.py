@@ -1,0 +1,271 @@
+"""Every cross-field constraint, checked before any process group exists.
+
+Each rule is one function `(cfg, world_size) -> list[str]`; a message names the
+keys, their values and the fix. `check` runs all of them and returns every
+violation at once. `warnings` returns the notes for options that are accepted
+but do nothing in this configuration (silent no-op blocks are a top complaint
+about the reference projects, so we always say so).
+
+`world_size=None` means "the smallest world this config describes": an explicit
+dp_size (or dp_replicate_size, or 1) times tp * pp * cp.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from meshforge.config.schema import Config
+from meshforge.planning.layout import Layout
+
+Rule = Callable[[Config, int], list[str]]
+RULES: list[Rule] = []
+
+
+def rule(fn: Rule) -> Rule:
+    RULES.append(fn)
+    return fn
+
+
+def default_world_size(cfg: Config) -> int:
+    d = cfg.distributed
+    dp = d.dp_size or d.dp_replicate_size or 1
+    return dp * d.tp_size * d.pp_size * d.cp_size
+
+
+def layout_of(cfg: Config, world_size: int) -> Layout:
+    d = cfg.distributed
+    return Layout.from_sizes(world_size, tp=d.tp_size, pp=d.pp_size, cp=d.cp_size, ep=d.ep_size,
+                             dp=d.dp_size, dp_replicate=d.dp_replicate_size)
+
+
+def _dp(cfg: Config, world_size: int) -> int | None:
+    d = cfg.distributed
+    denom = d.tp_size * d.pp_size * d.cp_size
+    return world_size // denom if world_size % denom == 0 else None
+
+
+# 1 ----------------------------------------------------------------------------
+@rule
+def dp_size_inferred(cfg: Config, world_size: int) -> list[str]:
+    d = cfg.distributed
+    denom = d.tp_size * d.pp_size * d.cp_size
+    if world_size % denom:
+        return [f"distributed.tp_size*pp_size*cp_size = {d.tp_size}*{d.pp_size}*{d.cp_size} = {denom} does not "
+                f"divide the world size {world_size}: choose sizes whose product divides {world_size}"]
+    if d.dp_size is not None and d.dp_size != world_size // denom:
+        return [f"distributed.dp_size={d.dp_size} disagrees with world_size/(tp_size*pp_size*cp_size) = "
+                f"{world_size}/{denom} = {world_size // denom}: remove dp_size (it is inferred) or fix the sizes"]
+    return []
+
+
+# 2 ----------------------------------------------------------------------------
+@rule
+def dp_replicate(cfg: Config, world_size: int) -> list[str]:
+    d = cfg.distributed
+    rep = d.dp_replicate_size
+    if rep is None or rep == 1:
+        return []
+    out = []
+    if d.strategy != "fsdp2":  # normally caught by the schema; kept for programmatic edits
+        out.append(f"distributed.dp_replicate_size={rep} (HSDP) is only supported by strategy fsdp2, not "
+                   f"{d.strategy!r}: remove dp_replicate_size or use strategy fsdp2")
+    dp = _dp(cfg, world_size)
+    if dp is not None and (dp % rep or rep >= dp):
+        out.append(f"distributed.dp_replicate_size={rep} must divide dp_size={dp} and be smaller than it "
+                   f"(pure replication is not sharding): choose a proper divisor of {dp}")
+    return out
+
+
+# 3 ----------------------------------------------------------------------------
+@rule
+def expert_parallel(cfg: Config, world_size: int) -> list[str]:
+    d = cfg.distributed
+    if d.ep_size == 1:
+        return []
+    out = []
+    dp = _dp(cfg, world_size)
+    if dp is not None and (dp * d.cp_size) % d.ep_size:
+        out.append(f"distributed.ep_size={d.ep_size} must divide dp_size*cp_size = {dp}*{d.cp_size} = "
+                   f"{dp * d.cp_size}: choose an ep_size that divides it")
+    from meshforge.models import preset_is_moe
+
+    if not preset_is_moe(cfg.model):
+        out.append(f"distributed.ep_size={d.ep_size} needs a mixture-of-experts model, but model.preset="
+                   f"{cfg.model.preset!r} is dense: set ep_size 1 or use an MoE preset (e.g. tiny_moe)")
+    return out
+
+
+# 4 ----------------------------------------------------------------------------
+@rule
+def megatron_fsdp_limits(cfg: Config, world_size: int) -> list[str]:
+    d = cfg.distributed
+    if d.strategy != "megatron_fsdp":
+        return []
+    out = []
+    for key, bad in (("pp_size", d.pp_size > 1), ("ep_size", d.ep_size > 1)):
+        if bad:
+            out.append(f"distributed.{key}={getattr(d, key)} is not supported by strategy megatron_fsdp: "
+                       f"use strategy fsdp2 for {'pipeline' if key == 'pp_size' else 'expert'} parallelism")
+    if d.sequence_parallel:
+        out.append("distributed.sequence_parallel=true is not supported by strategy megatron_fsdp: "
+                   "use strategy fsdp2 or set sequence_parallel false")
+    return out
+
+
+# 5 ----------------------------------------------------------------------------
+@rule
+def ddp_limits(cfg: Config, world_size: int) -> list[str]:
+    d = cfg.distributed
+    if d.strategy != "ddp":
+        return []
+    bad = [f"{k}={getattr(d, k)}" for k in ("tp_size", "pp_size", "cp_size", "ep_size") if getattr(d, k) > 1]
+    if bad:
+        return [f"strategy ddp is plain data parallelism and does not support distributed.{', '.join(bad)}: "
+                "use strategy fsdp2 for tensor/pipeline/context/expert parallelism"]
+    return []
+
+
+# 6 ----------------------------------------------------------------------------
+@rule
+def sequence_parallel_needs_tp(cfg: Config, world_size: int) -> list[str]:
+    d = cfg.distributed
+    if d.sequence_parallel and d.tp_size == 1:
+        return ["distributed.sequence_parallel=true requires tp_size > 1 (it shards along the TP group): "
+                "set tp_size or sequence_parallel false"]
+    return []
+
+
+# 8 ----------------------------------------------------------------------------
+@rule
+def cpu_offload(cfg: Config, world_size: int) -> list[str]:
+    d = cfg.distributed
+    if not d.offload_policy:
+        return []
+    out = []
+    if d.pp_size > 1:
+        out.append(f"distributed.offload_policy=true is not supported with pp_size={d.pp_size}: "
+                   "set pp_size 1 or turn offloading off")
+    if d.ac_mode:
+        out.append(f"distributed.offload_policy=true is not supported with activation_checkpointing="
+                   f"{d.activation_checkpointing}: turn one of them off")
+    return out
+
+
+# 9 ----------------------------------------------------------------------------
+@rule
+def checkpoint_format(cfg: Config, world_size: int) -> list[str]:
+    fmt, s = cfg.checkpoint.ckpt_format, cfg.distributed.strategy
+    if s == "megatron_fsdp" and fmt == "torch_dist":
+        return ["checkpoint.ckpt_format=torch_dist is not supported by strategy megatron_fsdp, which saves "
+                "sharded DTensors: set checkpoint.ckpt_format=fsdp_dtensor (or leave it unset)"]
+    return []
+
+
+# 11 ---------------------------------------------------------------------------
+@rule
+def cuda_device_max_connections(cfg: Config, world_size: int) -> list[str]:
+    d = cfg.distributed
+    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1" and d.strategy in ("fsdp2", "megatron_fsdp") \
+            and world_size > 1 and cfg.training.device != "cpu" and _cuda_available():
+        return [f"CUDA_DEVICE_MAX_CONNECTIONS=1 serialises the side-stream collectives strategy {d.strategy} "
+                "overlaps with compute: unset it (meshforge sets it for TP/CP without FSDP itself)"]
+    return []
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - no torch, no CUDA
+        return False
+
+
+# 12 ---------------------------------------------------------------------------
+@rule
+def batch_and_sequence(cfg: Config, world_size: int) -> list[str]:
+    d, t = cfg.distributed, cfg.training
+    out = []
+    dp = _dp(cfg, world_size)
+    if dp is not None and t.global_batch_size % (t.micro_batch_size * dp):
+        out.append(f"training.global_batch_size={t.global_batch_size} must be divisible by micro_batch_size*"
+                   f"dp_size = {t.micro_batch_size}*{dp} = {t.micro_batch_size * dp}: pick a multiple of "
+                   f"{t.micro_batch_size * dp}")
+    if d.cp_size > 1 and t.seq_len % (2 * d.cp_size):
+        out.append(f"training.seq_len={t.seq_len} must be divisible by 2*cp_size = {2 * d.cp_size} "
+                   "(causal load balancing gives each cp rank one early and one late chunk)")
+    if d.sequence_parallel and t.seq_len % d.tp_size:
+        out.append(f"training.seq_len={t.seq_len} must be divisible by tp_size={d.tp_size} with sequence_parallel")
+    if d.sequence_parallel and d.cp_size > 1 and (t.seq_len // d.cp_size) % d.tp_size:
+        out.append(f"training.seq_len/cp_size = {t.seq_len // d.cp_size} must be divisible by tp_size={d.tp_size} "
+                   "with sequence_parallel and cp")
+    if d.pp_size > 1 and dp is not None:
+        local = t.micro_batch_size
+        mb = d.pipeline_or_default.pp_microbatch_size
+        if local % mb:
+            out.append(f"training.micro_batch_size={local} (the batch one pipeline step carries) must be divisible "
+                       f"by distributed.pipeline.pp_microbatch_size={mb}")
+    return out
+
+
+@rule
+def model_fits_data(cfg: Config, world_size: int) -> list[str]:
+    from meshforge.models import resolve_model_args
+
+    try:
+        args = resolve_model_args(cfg.model)
+    except (KeyError, ValueError) as err:
+        return [str(err.args[0]) if err.args else str(err)]
+    out = []
+    if cfg.training.seq_len > args.max_seq_len:
+        out.append(f"training.seq_len={cfg.training.seq_len} exceeds model.max_seq_len={args.max_seq_len}: "
+                   "shorten seq_len or raise model.max_seq_len")
+    if cfg.data.source == "text" and args.vocab_size < 256:
+        out.append(f"model.vocab_size={args.vocab_size} is smaller than the 256 byte tokens of data.source=text")
+    d = cfg.distributed
+    if d.tp_size > 1:
+        for name, val in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads)):
+            if val % d.tp_size:
+                out.append(f"model.{name}={val} is not divisible by distributed.tp_size={d.tp_size}: "
+                           "tensor parallelism splits attention heads evenly")
+    if d.pp_size > 1 and args.n_layers < d.pp_size * d.pipeline_or_default.virtual_stages_per_rank:
+        out.append(f"model.n_layers={args.n_layers} is fewer than the {d.pp_size * d.pipeline_or_default.virtual_stages_per_rank} "
+                   "pipeline stages: every stage needs at least one block")
+    return out
+
+
+def check(cfg: Config, world_size: int | None = None) -> list[str]:
+    """Every violation, one line each (empty when the config is valid for this world size)."""
+    ws = world_size if world_size is not None else default_world_size(cfg)
+    if ws < 1:
+        return [f"world size must be positive (got {ws})"]
+    out: list[str] = []
+    for fn in RULES:
+        out += fn(cfg, ws)
+    return out
+
+
+def warnings(cfg: Config, world_size: int | None = None) -> list[str]:
+    """Accepted but no-op options, and choices meshforge made for the user."""
+    d = cfg.distributed
+    out = []
+    if d.pipeline is not None and d.pp_size == 1:
+        out.append("distributed.pipeline is ignored because pp_size=1")
+    if d.moe is not None and d.ep_size == 1:
+        out.append("distributed.moe is ignored because ep_size=1")
+    if d.keep_fp8_transpose_cache:
+        out.append("distributed.keep_fp8_transpose_cache only matters with fp8 weights; meshforge trains "
+                   "in fp32/bf16, so it has no effect")
+    ws = world_size if world_size is not None else default_world_size(cfg)
+    if ws == 1 and d.strategy != "fsdp2" and any(
+            k in d.model_fields_set for k in ("data_parallel_sharding_strategy", "bucket_cap_mb")):
+        out.append(f"world size 1: strategy {d.strategy} options have nothing to shard or reduce")
+    return out
+
+
+def resolved_ckpt_format(cfg: Config) -> str:
+    """The checkpoint format actually used: explicit, else the right one for the strategy."""
+    if cfg.checkpoint.ckpt_format:
+        return cfg.checkpoint.ckpt_format
+    return "torch_dist" if cfg.distributed.strategy == "ddp" else "fsdp_dtensor"

@@ -1,0 +1,66 @@
+"""A stateful, sharded, resumable loader of global batches.
+
+Global batch k is always the same `global_batch_size` samples, in the same order,
+whatever the world size and micro batch size: sample positions k*G .. k*G+G-1 of
+a seeded per-epoch permutation. Data-parallel rank r takes the contiguous slice
+[r*G/D, (r+1)*G/D) of it and splits that into micro batches. The only state is k,
+so `load_state_dict` resumes with exactly the next batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class ShardedBatchLoader:
+    def __init__(self, source, global_batch_size: int, micro_batch_size: int, dp_rank: int = 0,
+                 dp_size: int = 1, seed: int = 0, shuffle: bool = True):
+        if global_batch_size % (micro_batch_size * dp_size):
+            raise ValueError(f"global_batch_size={global_batch_size} is not divisible by micro_batch_size*dp_size = "
+                             f"{micro_batch_size}*{dp_size}")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} outside dp_size={dp_size}")
+        self.source, self.G, self.m = source, global_batch_size, micro_batch_size
+        self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
+        self.step = 0
+        self._perm_epoch, self._perm = -1, None
+
+    @property
+    def accum_steps(self) -> int:
+        return self.G // (self.m * self.dp_size)
+
+    def _index(self, position: int) -> int:
+        n = self.source.num_samples
+        if not self.shuffle or n >= 2**32:
+            return position
+        epoch, offset = divmod(position, n)
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(n)
+            self._perm_epoch = epoch
+        return int(self._perm[offset])
+
+    def global_batch_indices(self, k: int) -> list[int]:
+        return [self._index(k * self.G + j) for j in range(self.G)]
+
+    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro batches of the next global batch, as (inputs, labels) int64 tensors."""
+        idx = self.global_batch_indices(self.step)
+        local = self.G // self.dp_size
+        mine = idx[self.dp_rank * local:(self.dp_rank + 1) * local]
+        self.step += 1
+        out = []
+        for i in range(0, local, self.m):
+            seqs = torch.from_numpy(np.stack([self.source.sample(j) for j in mine[i:i + self.m]]))
+            out.append((seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()))
+        return out
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "seed": self.seed, "global_batch_size": self.G, "source": self.source.digest()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, mine in (("seed", self.seed), ("global_batch_size", self.G), ("source", self.source.digest())):
+            if key in state and state[key] != mine:
+                raise ValueError(f"data loader state was saved with {key}={state[key]!r} but this run has {mine!r}; "
+                                 "resume with the same data and batch settings")
+        self.step = int(state["step"])

@@ -1,0 +1,120 @@
+"""Token sources: synthetic, byte-level text, and pre-tokenized memory-mapped files.
+
+A source is a random-access sequence of fixed-length samples: `sample(i)` returns
+`seq_len + 1` token ids (input and the shifted label). Text and tokenized sources
+cut their token stream into non-overlapping windows; synthetic samples are a pure
+function of (seed, i), so any rank can produce any sample without coordination.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+
+class DataError(ValueError):
+    """Bad data input (missing files, wrong dtype, too short); reported in one line, exit code 2."""
+
+
+def stdlib_sources(max_files: int | None = None) -> list[Path]:
+    """The Python standard library's own top-level .py files: present on every machine with Python."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if p.is_file())
+    return files[:max_files] if max_files else files
+
+
+def expand_paths(patterns: list[str]) -> list[Path]:
+    files: list[Path] = []
+    for pat in patterns:
+        hits = sorted(glob.glob(pat, recursive=True))
+        if not hits:
+            raise DataError(f"data.paths: {pat!r} matches no file")
+        files += [Path(h) for h in hits if Path(h).is_file()]
+    return files
+
+
+def byte_tokens(files: list[Path]) -> np.ndarray:
+    """Byte-level tokenization: each byte is one token (vocab 256); files are joined by a NUL byte."""
+    chunks = []
+    for f in files:
+        chunks.append(np.frombuffer(f.read_bytes(), dtype=np.uint8))
+        chunks.append(np.zeros(1, dtype=np.uint8))
+    if not chunks:
+        raise DataError("data: no text files to read")
+    return np.concatenate(chunks)
+
+
+class TokenStreamSource:
+    """Non-overlapping windows of `seq_len + 1` tokens over one token array (in memory or memory-mapped)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, name: str):
+        self.tokens, self.seq_len, self.name = tokens, seq_len, name
+        self.num_samples = (len(tokens) - 1) // seq_len
+        if self.num_samples < 1:
+            raise DataError(f"data: {name} holds {len(tokens)} tokens, fewer than one sequence of "
+                            f"training.seq_len+1 = {seq_len + 1}")
+
+    def sample(self, i: int) -> np.ndarray:
+        s = (i % self.num_samples) * self.seq_len
+        return np.asarray(self.tokens[s:s + self.seq_len + 1], dtype=np.int64)
+
+    def max_token(self) -> int:
+        return int(self.tokens.max())
+
+    def digest(self) -> str:
+        h = hashlib.sha256(f"{self.name}:{len(self.tokens)}:{self.seq_len}".encode())
+        h.update(np.asarray(self.tokens[:4096]).tobytes())
+        return h.hexdigest()[:16]
+
+
+class SyntheticSource:
+    """Uniform random tokens, a pure function of (seed, index); endless."""
+
+    def __init__(self, vocab_size: int, seq_len: int, seed: int):
+        self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
+        self.num_samples = 2**40
+        self.name = "synthetic"
+
+    def sample(self, i: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, i])
+        return rng.integers(0, self.vocab_size, self.seq_len + 1, dtype=np.int64)
+
+    def max_token(self) -> int:
+        return self.vocab_size - 1
+
+    def digest(self) -> str:
+        return f"synthetic-{self.vocab_size}-{self.seq_len}-{self.seed}"
+
+
+def load_token_file(path: str) -> np.ndarray:
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"data.path: {path!r} does not exist (make one with `meshforge data prepare`)")
+    try:
+        arr = np.load(p, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError) as err:
+        raise DataError(f"data.path: {path!r} is not a .npy token file ({err})") from None
+    if arr.dtype not in (np.uint16, np.uint32) or arr.ndim != 1:
+        raise DataError(f"data.path: {path!r} holds {arr.dtype} of shape {arr.shape}; expected a 1-D uint16 or "
+                        "uint32 token array")
+    return arr
+
+
+def build_source(data_cfg, seq_len: int, vocab_size: int, seed: int):
+    if data_cfg.source == "synthetic":
+        return SyntheticSource(vocab_size, seq_len, seed)
+    if data_cfg.source == "tokenized":
+        src = TokenStreamSource(load_token_file(data_cfg.path), seq_len, data_cfg.path)
+    else:
+        files = expand_paths(data_cfg.paths) if data_cfg.paths else stdlib_sources(data_cfg.max_files)
+        if data_cfg.max_files:
+            files = files[:data_cfg.max_files]
+        name = ",".join(data_cfg.paths) if data_cfg.paths else "python-stdlib"
+        src = TokenStreamSource(byte_tokens(files), seq_len, name)
+    if src.max_token() >= vocab_size:
+        raise DataError(f"data: token id {src.max_token()} in {src.name} is outside model.vocab_size={vocab_size}")
+    return src

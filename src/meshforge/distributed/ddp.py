@@ -1,0 +1,33 @@
+"""`strategy: ddp`: torch DistributedDataParallel over the dp group, with the config's ddp options."""
+
+from __future__ import annotations
+
+import contextlib
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from meshforge.distributed.strategy import Strategy, register
+
+
+@register("ddp")
+class DDPStrategy(Strategy):
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        if not self.active:
+            return model
+        d = self.dcfg
+        kwargs = {}
+        if d.bucket_cap_mb is not None:
+            kwargs["bucket_cap_mb"] = d.bucket_cap_mb
+        return DistributedDataParallel(
+            model, process_group=self.mesh_ctx.group("dp"),
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            find_unused_parameters=bool(d.find_unused_parameters), static_graph=bool(d.static_graph), **kwargs)
+
+    def micro_step(self, model, is_last):
+        if self.active and not is_last:
+            return model.no_sync()
+        return contextlib.nullcontext()
+
+    def unwrap(self, model):
+        return model.module if isinstance(model, DistributedDataParallel) else model

@@ -1,0 +1,51 @@
+"""Global gradient norm and clipping that is correct for sharded, tensor-parallel and pipelined grads.
+
+Gradients are grouped by how they are distributed (plain, or DTensor on a given
+mesh with given placements); torch computes each group's norm (DTensor
+reductions know which shards to sum and which replicas not to double count),
+the groups combine as a 2-norm, and pipeline stages add their squares over the
+pp group, since each stage holds different parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def _group_key(g: torch.Tensor):
+    if isinstance(g, DTensor):
+        return (id(g.device_mesh), tuple(g.placements))
+    return ("plain", g.device)
+
+
+def total_grad_norm(params: list[torch.Tensor], mesh_ctx=None, extra_sq: torch.Tensor | None = None) -> torch.Tensor:
+    grads = [p.grad for p in params if p.grad is not None]
+    groups: dict = {}
+    for g in grads:
+        groups.setdefault(_group_key(g), []).append(g)
+    device = grads[0].device if grads else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for gs in groups.values():
+        n = torch.nn.utils.get_total_norm(gs, 2.0, foreach=None)
+        if isinstance(n, DTensor):
+            n = n.full_tensor()
+        sq = sq + n.float().to(device) ** 2
+    if extra_sq is not None:
+        sq = sq + extra_sq
+    if mesh_ctx is not None and mesh_ctx.pp_size > 1:
+        dist.all_reduce(sq, group=mesh_ctx.group("pp"))
+    return sq.sqrt()
+
+
+def clip_grad_norm_(params: list[torch.Tensor], max_norm: float | None, mesh_ctx=None) -> torch.Tensor:
+    norm = total_grad_norm(params, mesh_ctx)
+    if max_norm is not None:
+        grads_params = [p for p in params if p.grad is not None]
+        by_key: dict = {}
+        for p in grads_params:
+            by_key.setdefault(_group_key(p.grad), []).append(p)
+        for ps in by_key.values():
+            torch.nn.utils.clip_grads_with_norm_(ps, max_norm, norm, foreach=None)
+    return norm

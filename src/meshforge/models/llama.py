@@ -1,0 +1,209 @@
+"""A Llama-3-style decoder in plain PyTorch: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+No distributed code lives here. The model *declares* what can be parallelised
+(`blocks`, `tp_plan`, `pp_split_points`, `hf_name_map`) and the distributed
+package applies it. Layers live in a `ModuleDict` keyed "0", "1", ... so that a
+pipeline stage that holds only some of them keeps the whole model's parameter
+names (checkpoints move between PP and non-PP runs without renaming).
+
+The attention kernel is a swappable `CoreAttention` module, so context
+parallelism can replace it without the model knowing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshforge.models.presets import ModelArgs
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin for true token positions (shape (..., S, head_dim/2)); positions may be non-contiguous (CP)."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    ang = positions.to(torch.float32).unsqueeze(-1) * inv
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (B, S, H, D) with interleaved pairs, as Meta's reference implementation."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    if cos.dim() == 2:  # (S, D/2) -> broadcast over batch and heads
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    else:  # (B, S, D/2)
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+class CoreAttention(nn.Module):
+    """Causal scaled-dot-product attention on (B, H, S, D); context parallelism swaps this module."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.hd
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.core = CoreAttention()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1 instead of n_heads: under tensor parallelism each rank holds a slice of the heads
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, feed_forward: nn.Module | None = None):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = feed_forward if feed_forward is not None else FeedForward(args.dim, args.ffn_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    block_cls = TransformerBlock
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): self.make_block(i) for i in range(args.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def make_block(self, index: int) -> nn.Module:
+        return TransformerBlock(self.args)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: (B, S) ids on the first stage, (B, S, dim) hidden states on later pipeline stages."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if positions is None:
+            positions = torch.arange(h.shape[1], device=h.device)
+        cos, sin = rope_cos_sin(positions, self.args.hd, self.args.rope_theta)
+        for block in self.layers.values():
+            h = block(h, cos, sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    # ------------------------------------------------------------ declared plans
+    def blocks(self) -> list[nn.Module]:
+        """The transformer blocks: the unit FSDP wraps, activation checkpointing recomputes."""
+        return list(self.layers.values())
+
+    @staticmethod
+    def tp_plan(sequence_parallel: bool = False) -> dict[str, str]:
+        """Module-name patterns -> tensor-parallel style; interpreted by distributed/tensor_parallel.py."""
+        plan = {
+            "tok_embeddings": "vocab_embedding",
+            "layers.*.attention.wq": "colwise",
+            "layers.*.attention.wk": "colwise",
+            "layers.*.attention.wv": "colwise",
+            "layers.*.attention.wo": "rowwise",
+            "layers.*.feed_forward.w1": "colwise",
+            "layers.*.feed_forward.w3": "colwise",
+            "layers.*.feed_forward.w2": "rowwise",
+            "output": "vocab_output",
+        }
+        if sequence_parallel:
+            plan.update({"layers.*.attention_norm": "sequence_parallel", "layers.*.ffn_norm": "sequence_parallel",
+                         "norm": "sequence_parallel"})
+        return plan
+
+    def pp_split_points(self) -> list[str]:
+        """Names of the layers in order; a pipeline stage takes a contiguous run of them.
+
+        The embedding goes with the first stage and the final norm + output with the last.
+        """
+        return [f"layers.{k}" for k in self.layers]
+
+    def init_spec(self, name: str) -> tuple[str, float]:
+        """How parameter `name` is initialised: ("normal", std), ("ones", 0) or ("zeros", 0)."""
+        if name.endswith("norm.weight"):
+            return ("ones", 0.0)
+        std = self.args.init_std
+        if name.endswith(("wo.weight", "w2.weight")):
+            std = std / math.sqrt(2 * self.args.n_layers)  # residual projections, GPT-2 style
+        return ("normal", std)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x matmul parameters, plus causal attention 6 * layers * heads * head_dim * seq
+        (the PaLM formula's 12 * L * H * hd * S, halved for the causal mask)."""
+        a = self.args
+        n = a.n_layers
+        attn_proj = a.dim * a.hd * (2 * a.n_heads + 2 * a.n_kv_heads)
+        dense_ffn = 3 * a.dim * a.ffn_dim
+        ffn = self.active_ffn_params_per_layer() if a.is_moe else dense_ffn
+        matmul = n * (attn_proj + ffn) + a.dim * a.vocab_size  # output projection (embedding lookup is free)
+        # attention scores + weighted sum: 2 matmuls of S x S x head_dim per head, causal halves it
+        attn = n * 2 * a.n_heads * a.hd * seq_len  # forward FLOPs/token: 2*2*S*hd*H / 2 (causal)
+        return 6 * matmul + 3 * attn
+
+    def active_ffn_params_per_layer(self) -> int:
+        a = self.args
+        return 3 * a.dim * a.moe_ffn_dim * (a.top_k + a.n_shared_experts) + a.dim * a.n_experts
+
+    @staticmethod
+    def hf_name_map() -> dict[str, str]:
+        """meshforge name pattern -> Hugging Face Llama name pattern ({} = layer index)."""
+        return {
+            "tok_embeddings.weight": "model.embed_tokens.weight",
+            "layers.{}.attention.wq.weight": "model.layers.{}.self_attn.q_proj.weight",
+            "layers.{}.attention.wk.weight": "model.layers.{}.self_attn.k_proj.weight",
+            "layers.{}.attention.wv.weight": "model.layers.{}.self_attn.v_proj.weight",
+            "layers.{}.attention.wo.weight": "model.layers.{}.self_attn.o_proj.weight",
+            "layers.{}.feed_forward.w1.weight": "model.layers.{}.mlp.gate_proj.weight",
+            "layers.{}.feed_forward.w3.weight": "model.layers.{}.mlp.up_proj.weight",
+            "layers.{}.feed_forward.w2.weight": "model.layers.{}.mlp.down_proj.weight",
+            "layers.{}.attention_norm.weight": "model.layers.{}.input_layernorm.weight",
+            "layers.{}.ffn_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
+            "norm.weight": "model.norm.weight",
+            "output.weight": "lm_head.weight",
+        }

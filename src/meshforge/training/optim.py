@@ -1,0 +1,34 @@
+"""AdamW and the learning-rate schedule (linear warmup, then cosine, linear or constant)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def build_optimizer(param_groups: list[dict], ocfg, device: torch.device) -> torch.optim.Optimizer:
+    impl = ocfg.impl
+    if impl == "auto":
+        impl = "fused" if device.type == "cuda" else "foreach"
+    kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+    return torch.optim.AdamW(param_groups, lr=ocfg.lr, betas=tuple(ocfg.betas), eps=ocfg.eps,
+                             weight_decay=ocfg.weight_decay, **kwargs)
+
+
+def lr_factor(step: int, scfg, max_steps: int) -> float:
+    """Multiplier of the peak lr at optimizer step `step` (0-based)."""
+    if scfg.warmup_steps and step < scfg.warmup_steps:
+        return (step + 1) / scfg.warmup_steps
+    if scfg.name == "constant":
+        return 1.0
+    decay = scfg.decay_steps or max(1, max_steps - scfg.warmup_steps)
+    t = min(1.0, (step - scfg.warmup_steps) / decay)
+    lo = scfg.min_lr_ratio
+    if scfg.name == "linear":
+        return 1.0 - (1.0 - lo) * t
+    return lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+def build_scheduler(optimizer, scfg, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, scfg, max_steps))
