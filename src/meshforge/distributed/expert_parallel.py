@@ -1,0 +1,147 @@
+"""Expert parallelism: experts split over the `ep` mesh, tokens moved to them and back with all-to-all.
+
+`apply_ep(model, mesh_ctx, dcfg)` runs after TP/CP and before activation checkpointing and the strategy.
+For every MoE layer (`model.moe_layers()`):
+
+1. The stacked expert parameters (`experts.w1/w2/w3`, dim 0 = expert) become DTensors `Shard(0)` on the
+   `ep` mesh: ep rank j holds experts [j*E/ep, (j+1)*E/ep). Checkpoints, full state dicts and the global
+   gradient norm see the whole experts through DTensor, so nothing else needs to know about EP.
+2. The layer's dispatcher becomes an `AllToAllDispatcher`: the per-expert counts of token copies are
+   exchanged first (`all_to_all_single` on the counts), then the token copies (already sorted by expert)
+   go to their owners with `all_to_all_single_autograd` (uneven and zero splits), are regrouped by local
+   expert, computed, put back in arrival order and returned by the reverse all-to-all. Autograd runs
+   through both directions.
+3. The experts module is `fully_shard`ed over the `ep_shard` mesh (dim 1, since there may be more shards
+   than local experts), with `moe.reshard_after_forward`, before the strategy wraps each block over the
+   dense dp mesh: FSDP2 leaves parameters that another FSDP module manages alone, so routers, attention,
+   norms and shared experts are sharded over the dense dp mesh and experts only over ep_shard. This is done
+   also when ep_shard has size 1, which is what keeps the dense wrapping's hands off the expert parameters.
+4. Gradient scale: the owner of an expert receives the token copies of all ep ranks, so its local weight
+   gradient is the SUM over the ep group of the per-rank losses' gradients, and FSDP over ep_shard then
+   AVERAGES over ep_shard. The single-process gradient is the mean over all dp*cp ranks, so the expert
+   weights' gradient is multiplied by 1/ep in backward (`GroupedExperts.grad_scale`):
+   (1/ep) * (1/ep_shard) * sum over dp*cp ranks = the mean. Parity tests prove it (EP2, EP4, EP2 x ep_shard 2).
+5. `moe.ignore_router_for_ac` with activation checkpointing on: each router keeps its top-k decision of the
+   forward and the recompute reuses it (`Router.replay_routing`), so routing is identical in the recompute.
+6. `moe.wrap_outer_model: false`: the outer model's own parameters are not put in one root FSDP unit: the
+   embedding and the output head get FSDP units of their own on the dense mesh (the strategy's root unit is
+   left with the final norm), so they are gathered only around their own use.
+
+Experts that receive no token still get a (zero) gradient on every rank: every local expert runs, also on
+zero rows, so optimizers and clipping stay consistent across ranks.
+
+`AllToAllDispatcher.stats` counts what moved (rows and bytes per direction, tokens per local expert) for
+`benchmarks/moe_dispatch.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+
+class AllToAllDispatcher:
+    """Sends token copies (sorted by global expert id) to the ranks owning those experts and back."""
+
+    def __init__(self, group, ep_size: int, n_experts: int):
+        if n_experts % ep_size:
+            raise ValueError(f"model.n_experts={n_experts} is not divisible by distributed.ep_size={ep_size}")
+        self.group, self.ep, self.n_experts = group, ep_size, n_experts
+        self.local_experts = n_experts // ep_size
+        self.stats = {"calls": 0, "rows_sent": 0, "rows_sent_remote": 0, "bytes_sent": 0, "bytes_sent_remote": 0,
+                      "tokens_per_local_expert": torch.zeros(self.local_experts, dtype=torch.long)}
+        self.my_ep_rank = dist.get_rank(group)
+
+    def __call__(self, xs: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+        ep, el = self.ep, self.local_experts
+        send_counts = counts.to(torch.long)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # [src, local expert] after view
+        in_splits = send_counts.view(ep, el).sum(1).tolist()
+        rc = recv_counts.view(ep, el)
+        out_splits = rc.sum(1).tolist()
+        xr = all_to_all_single_autograd(xs.contiguous(), out_splits, in_splits, self.group)
+        # arrivals are ordered (source rank, local expert): regroup by local expert, sources in rank order
+        local_id = torch.arange(el, device=xs.device).repeat(ep)
+        perm = torch.argsort(torch.repeat_interleave(local_id, rc.flatten().to(xs.device)), stable=True)
+        local_counts = rc.sum(0)
+        y_local = experts(xr[perm], local_counts)
+        y_arrival = y_local[torch.argsort(perm)]
+        ys = all_to_all_single_autograd(y_arrival.contiguous(), in_splits, out_splits, self.group)
+        self._count(xs, ys, in_splits, local_counts)
+        return ys
+
+    def _count(self, xs, ys, in_splits, local_counts) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # an activation-checkpointing recompute inside backward: count each forward once
+        s = self.stats
+        rows = int(sum(in_splits))
+        remote = rows - in_splits[self.my_ep_rank]
+        s["calls"] += 1
+        s["rows_sent"] += rows
+        s["rows_sent_remote"] += remote
+        # dispatch (xs) + combine (ys) of the forward
+        s["bytes_sent"] += rows * (xs.shape[-1] * xs.element_size() + ys.shape[-1] * ys.element_size())
+        s["bytes_sent_remote"] += remote * (xs.shape[-1] * xs.element_size() + ys.shape[-1] * ys.element_size())
+        s["tokens_per_local_expert"] += local_counts.detach().cpu()
+
+    def reset_stats(self) -> None:
+        for k, v in self.stats.items():
+            self.stats[k] = torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0
+
+
+def moe_layers(model: nn.Module) -> list[nn.Module]:
+    if hasattr(model, "moe_layers"):
+        return list(model.moe_layers())
+    return [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "dispatcher")]
+
+
+def apply_ep(model: nn.Module, mesh_ctx, dcfg) -> nn.Module:
+    """Split every MoE layer's experts over `ep`, shard them over `ep_shard`; see the module docstring."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from meshforge.distributed.fsdp2 import FSDP2Strategy
+
+    layers = moe_layers(model)
+    if not layers:
+        raise ValueError(f"distributed.ep_size={mesh_ctx.ep_size} but the model ({type(model).__name__}) has no "
+                         "MoE layers: use an MoE preset (e.g. tiny_moe) or set ep_size 1")
+    ep_mesh, shard_mesh = mesh_ctx.mesh("ep"), mesh_ctx.mesh("ep_shard")
+    ep = ep_mesh.size()
+    moe_cfg = dcfg.moe_or_default
+    device = next(model.parameters()).device
+    fsdp = FSDP2Strategy(dcfg, mesh_ctx, device if device.type != "meta" else torch.device(mesh_ctx.device_type))
+    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if dcfg.offload_policy \
+        else OffloadPolicy()
+    replay = bool(moe_cfg.ignore_router_for_ac) and dcfg.ac_mode is not None
+    for layer in layers:
+        experts = layer.experts
+        for name, p in list(experts.named_parameters(recurse=False)):
+            if isinstance(p, DTensor):
+                raise ValueError(f"expert parameter {name} is already a DTensor: apply_ep runs once, before "
+                                 "any data-parallel wrapping")
+            dt = distribute_tensor(p.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
+            experts.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
+        experts.grad_scale = 1.0 / ep
+        layer.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), ep, layer.n_experts)
+        layer.router.replay_routing = replay
+        fully_shard(experts, mesh=shard_mesh, shard_placement_fn=lambda _p: Shard(1),
+                    reshard_after_forward=bool(moe_cfg.reshard_after_forward), mp_policy=fsdp.mp_policy(False),
+                    offload_policy=offload)
+    if not moe_cfg.wrap_outer_model:
+        dense = mesh_ctx.dp_shard_mesh()
+        emb, out = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+        tied = emb is not None and out is not None and out.weight is emb.weight
+        for mod in () if tied else (emb, out):  # a tied pair stays together in the root unit
+            if mod is not None:
+                fully_shard(mod, mesh=dense, reshard_after_forward=bool(moe_cfg.reshard_after_forward),
+                            mp_policy=fsdp.mp_policy(False), offload_policy=offload)
+    return model
+
+
+def dispatch_stats(model: nn.Module) -> list[dict]:
+    """Per MoE layer, the dispatcher's counters (empty dicts for layers without EP)."""
+    return [getattr(layer.dispatcher, "stats", {}) for layer in moe_layers(model)]

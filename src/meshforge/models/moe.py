@@ -1,0 +1,249 @@
+"""A mixture-of-experts decoder: the Llama blocks with the SwiGLU MLP replaced by routed experts.
+
+Per block, `feed_forward` is an `MoE`:
+  router  -> top-k experts per token (softmax or sigmoid scores, optional renormalisation of the
+             k weights), dropless: every token copy is computed, no capacity factor.
+  experts -> `GroupedExperts`, the routed SwiGLU experts as three stacked 3-D parameters
+             `experts.w1` / `experts.w3` (n_experts, dim, hidden) and `experts.w2` (n_experts, hidden, dim),
+             computed by `torch._grouped_mm` where it runs (any device; 16-byte aligned rows), else by a loop
+             over experts. Both give the same numbers (tests/unit/test_moe_model.py).
+  shared  -> optional `shared_experts`, a plain SwiGLU of hidden moe_ffn_dim * n_shared_experts.
+  aux     -> the Switch-Transformer load-balancing loss coeff * E * sum_e f_e * P_e (f_e: fraction of
+             token copies sent to e, not differentiable; P_e: mean router probability of e, differentiable),
+             summed over layers and returned by `MoETransformer.forward` as `(logits, aux_loss)` in training,
+             so `training.step.lm_loss` adds it to the loss and its gradient reaches the router.
+
+Why the aux loss is collected as it is: the block keeps `TransformerBlock`'s forward (`h -> h`), so the MoE
+leaves its aux loss on itself (`MoE.aux_loss`) and the model's forward collects it right after each block.
+Under activation checkpointing the block's forward runs again inside backward; that recompute computes the
+same ops (the checkpoint needs the same saved tensors) but does not store its aux loss, so nothing is
+counted twice, and the gradient flows through the aux tensor of the original forward.
+
+Token dispatch is pluggable: `MoE.dispatcher` is None here (all experts local). Expert parallelism
+(`distributed/expert_parallel.py`) sets it to an all-to-all dispatcher and shards the stacked expert
+parameters on dim 0; the model itself never imports torch.distributed.
+
+`Router.replay_routing` (set by expert parallelism for `moe.ignore_router_for_ac`): the routing decision
+(top-k indices) of each forward is kept and reused by the activation-checkpointing recompute, so the
+recompute routes every token exactly as the original forward did, whatever the numerics.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshforge.models.llama import FeedForward, Llama, TransformerBlock
+from meshforge.models.presets import ModelArgs
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs (an activation-checkpointing recompute happens there)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by `scale` (expert parallelism's 1/ep, see expert_parallel)."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity forward; makes the incoming gradient contiguous (`_grouped_mm` backward rejects expanded grads)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.contiguous()
+
+
+def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` can run these operands: it needs 16-byte aligned row strides."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    es = x.element_size()
+    return all((w.shape[-1] * es) % 16 == 0 and (w.shape[-2] * es) % 16 == 0 for w in weights)
+
+
+class Router(nn.Module):
+    """Scores every expert for every token and picks the top k."""
+
+    def __init__(self, dim: int, n_experts: int, top_k: int, score_func: str, route_norm: bool):
+        super().__init__()
+        if score_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"model.score_func={score_func!r} must be softmax or sigmoid")
+        self.gate = nn.Linear(dim, n_experts, bias=False)
+        self.n_experts, self.top_k, self.score_func, self.route_norm = n_experts, top_k, score_func, route_norm
+        self.replay_routing = False
+        self._routing_fifo: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: (T, dim) -> scores (T, E) fp32, top-k expert ids (T, k), top-k weights (T, k) fp32."""
+        logits = self.gate(x).float()
+        scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
+        idx = self._choose(scores)
+        weights = scores.gather(-1, idx)
+        if self.route_norm:
+            weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
+        return scores, idx, weights
+
+    def _choose(self, scores: torch.Tensor) -> torch.Tensor:
+        if not (self.replay_routing and torch.is_grad_enabled()):
+            return scores.detach().topk(self.top_k, dim=-1).indices
+        if in_backward():  # activation-checkpointing recompute: route exactly as the original forward did
+            if not self._routing_fifo:
+                raise RuntimeError("MoE router: recompute without a stored routing decision")
+            return self._routing_fifo.pop(0)
+        idx = scores.detach().topk(self.top_k, dim=-1).indices
+        self._routing_fifo.append(idx)
+        return idx
+
+
+class GroupedExperts(nn.Module):
+    """n_experts SwiGLU experts as stacked parameters; `forward(x, counts)` on rows sorted by expert."""
+
+    use_grouped_mm = True  # False forces the loop (tests compare both)
+
+    def __init__(self, n_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        # expert parallelism scales these parameters' gradients (see distributed/expert_parallel.py)
+        self.grad_scale = 1.0
+
+    def _local(self, w: torch.Tensor) -> torch.Tensor:
+        if hasattr(w, "to_local"):  # a DTensor sharded on the expert dim: this rank's experts
+            w = w.to_local()
+        return _ScaleGrad.apply(w, self.grad_scale) if self.grad_scale != 1.0 else w
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: (N, dim) rows grouped by expert in order; counts: (local experts,) rows per expert."""
+        w1, w3, w2 = self._local(self.w1), self._local(self.w3), self._local(self.w2)
+        x = x.to(w1.dtype)
+        if self.use_grouped_mm and grouped_mm_supported(x, w1, w2):
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            x = x.contiguous()
+            h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
+            return _ContiguousGrad.apply(torch._grouped_mm(h, w2, offs=offs))
+        # every expert runs, also on zero rows: its weights then get a zero gradient, never None
+        outs = []
+        for e, xe in enumerate(torch.split(x, counts.tolist())):
+            outs.append((F.silu(xe @ w1[e]) * (xe @ w3[e])) @ w2[e])
+        return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
+
+
+class MoE(nn.Module):
+    """Router + routed experts (+ shared experts); returns (T..., dim) and leaves `self.aux_loss`."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_experts, self.top_k, self.aux_coeff = args.n_experts, args.top_k, args.aux_loss_coeff
+        self.router = Router(args.dim, args.n_experts, args.top_k, args.score_func, args.route_norm)
+        self.experts = GroupedExperts(args.n_experts, args.dim, args.moe_ffn_dim)
+        self.shared_experts = FeedForward(args.dim, args.moe_ffn_dim * args.n_shared_experts) \
+            if args.n_shared_experts > 0 else None
+        self.dispatcher = None  # None: all experts on this rank; expert parallelism sets an all-to-all one
+        self.aux_loss: torch.Tensor | None = None
+        self.last_counts: torch.Tensor | None = None  # token copies per expert of the last forward (stats)
+
+    def load_balance_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        probs = scores if self.router.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
+        frac = counts.to(probs.dtype) / counts.sum().clamp_min(1)
+        return self.aux_coeff * self.n_experts * (frac * probs.mean(0)).sum()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        scores, idx, weights = self.router(x)
+        flat = idx.reshape(-1)
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        aux = self.load_balance_loss(scores, counts)
+        order = torch.argsort(flat, stable=True)  # token copies grouped by expert, token order inside
+        token = order // self.top_k
+        xs = x[token]
+        ys = self.experts(xs, counts) if self.dispatcher is None else self.dispatcher(xs, counts, self.experts)
+        ys = ys * weights.reshape(-1)[order].unsqueeze(-1).to(ys.dtype)
+        out = torch.zeros(x.shape[0], ys.shape[-1], dtype=ys.dtype, device=ys.device).index_add(0, token, ys)
+        out = out.to(x.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        if not in_backward():  # a checkpoint recompute computes the same, but must not count it again
+            self.aux_loss = aux
+            self.last_counts = counts.detach()
+        return out.view(shape)
+
+
+class MoETransformer(Llama):
+    """Llama with an `MoE` feed-forward in every block; forward returns (logits, aux_loss) in training."""
+
+    def make_block(self, index: int) -> nn.Module:
+        return TransformerBlock(self.args, feed_forward=MoE(self.args))
+
+    def moe_layers(self) -> list[MoE]:
+        """The MoE modules, in layer order (expert parallelism applies to these)."""
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None):
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if positions is None:
+            positions = torch.arange(h.shape[1], device=h.device)
+        from meshforge.models.llama import rope_cos_sin
+
+        cos, sin = rope_cos_sin(positions, self.args.hd, self.args.rope_theta)
+        aux = None
+        for block in self.layers.values():
+            h = block(h, cos, sin)
+            ff = block.feed_forward
+            if ff.aux_loss is not None:
+                aux = ff.aux_loss if aux is None else aux + ff.aux_loss
+                ff.aux_loss = None
+        if self.norm is not None:
+            h = self.norm(h)
+        out = self.output(h) if self.output is not None else h
+        if self.training and aux is not None and self.args.aux_loss_coeff > 0:
+            return out, aux
+        return out
+
+    # ------------------------------------------------------------ declared plans
+    @staticmethod
+    def tp_plan(sequence_parallel: bool = False) -> dict[str, str]:
+        """Attention and shared experts split as in Llama; router and routed experts stay whole (EP splits those)."""
+        plan = {k: v for k, v in Llama.tp_plan(sequence_parallel).items() if ".feed_forward." not in k}
+        plan.update({"layers.*.feed_forward.shared_experts.w1": "colwise",
+                     "layers.*.feed_forward.shared_experts.w3": "colwise",
+                     "layers.*.feed_forward.shared_experts.w2": "rowwise"})
+        return plan
+
+    def init_spec(self, name: str) -> tuple[str, float]:
+        if name.endswith("experts.w2"):  # stacked routed experts' down projection: a residual projection
+            return ("normal", self.args.init_std / math.sqrt(2 * self.args.n_layers))
+        return super().init_spec(name)
+
+    def active_ffn_params_per_layer(self) -> int:
+        """Routed experts a token visits (top_k) + shared experts (hidden moe_ffn_dim * n_shared) + router."""
+        a = self.args
+        return 3 * a.dim * a.moe_ffn_dim * (a.top_k + a.n_shared_experts) + a.dim * a.n_experts
+
+    def total_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    @staticmethod
+    def hf_name_map() -> dict[str, str]:
+        """No Hugging Face mapping: meshforge's HF import/export (checkpoint/hf.py) is Llama-only, and stacked
+        experts would need splitting per expert. Raising beats a partial map that loads some weights silently."""
+        raise NotImplementedError("Hugging Face weight names are defined for the dense Llama model only; "
+                                  "MoE presets have no hf_name_map")
