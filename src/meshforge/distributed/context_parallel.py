@@ -1,0 +1,188 @@
+"""Context parallelism: each sequence is split over the `cp` ranks, attention stays exact and causal.
+
+`apply_cp(model, mesh_ctx, dcfg)` does two things:
+
+1. **Shards every micro-batch** (`model._meshforge_batch_transform`, read by `training/step.py`). The sequence
+   is cut into 2*cp equal chunks; cp rank r keeps chunks r and 2*cp-1-r (one early, one late), so every rank
+   has the same causal work. Input ids, labels and position ids are sharded the same way; RoPE uses the true
+   positions. Each rank's cross-entropy is the mean over its B*S/cp tokens; all ranks hold the same number of
+   tokens, so the average over the cp ranks (done by the data-parallel gradient reduction over
+   `dp_shard_cp`/`dp_cp`, and by `ParallelModel.reduce_loss` for the logged value) is exactly the mean over
+   all tokens. Uneven chunks are not allowed: `training.seq_len` must divide by 2*cp_size (a config rule).
+
+2. **Replaces every `CoreAttention`** (the model's swappable attention kernel) with `ContextParallelAttention`.
+
+The algorithm: all-gather K/V, with recomputation in backward
+-----------------------------------------------------------------
+Forward: one `all_gather_into_tensor` of the stacked local (K, V) over the cp group, reorder the chunks to
+global order, then for each of the two local query chunks (global chunk index i, c = S/(2cp) tokens) one
+scaled-dot-product attention over the key prefix [0, (i+1)c) with a lower-right causal mask. On CUDA that is
+`causal_lower_right` (flash / memory-efficient kernels); on CPU an explicit boolean mask (the SDPA CPU kernel).
+Backward (a hand-written `autograd.Function`, collectives called directly, so gloo works and gradients are
+exact; `torch.distributed.nn.functional.all_gather` gives wrong gradients on gloo): all-gather K/V again,
+recompute the local attention under autograd, and `reduce_scatter_tensor` (sum) the gradients of the full
+K/V back to the rank that owns each chunk.
+
+Cost per attention layer and rank, with S the full sequence length, Hkv the local kv heads, D the head dim,
+B the micro-batch and e the element size:
+- traffic: forward all-gather 2*B*Hkv*S*D*e*(cp-1)/cp received; backward the same all-gather again plus a
+  reduce-scatter of the same size. 3x one K/V all-gather per layer, not overlapped with compute here.
+- memory kept for backward: only the local q, k, v (size S/cp), so activation memory per rank falls as 1/cp
+  (measured by benchmarks/cp_activation_memory.py). The full-sequence K/V (2*B*Hkv*S*D*e, and the
+  GQA-expanded copy on CUDA) exists only transiently, inside one layer's forward or backward.
+- compute: the attention forward is done twice (forward, and recomputed in backward); the projections and
+  MLP are not affected.
+A ring (pass K/V blocks around the ring, online softmax) would overlap communication and keep the transient
+K/V at 2/cp of the sequence; the all-gather is simpler to make exact on every backend and is what we ship.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+# ------------------------------------------------------------------------------ load balancing
+def load_balanced_indices(seq_len: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
+    """Global positions held by `cp_rank`: chunks r and 2*cp-1-r of 2*cp equal chunks."""
+    if seq_len % (2 * cp_size):
+        raise ValueError(f"sequence length {seq_len} must be divisible by 2*cp_size = {2 * cp_size} "
+                         "(training.seq_len; causal load balancing needs equal chunks)")
+    c = seq_len // (2 * cp_size)
+    early = torch.arange(cp_rank * c, (cp_rank + 1) * c, device=device)
+    late_chunk = 2 * cp_size - 1 - cp_rank
+    late = torch.arange(late_chunk * c, (late_chunk + 1) * c, device=device)
+    return torch.cat([early, late])
+
+
+class CPBatchTransform:
+    """(x, y) full sequences -> (x_local, y_local, positions_local) for this cp rank (dim 1 is the sequence)."""
+
+    def __init__(self, cp_size: int, cp_rank: int):
+        self.cp_size, self.cp_rank = cp_size, cp_rank
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor):
+        idx = load_balanced_indices(x.shape[1], self.cp_size, self.cp_rank, device=x.device)
+        return x.index_select(1, idx), y.index_select(1, idx), idx
+
+
+# ------------------------------------------------------------------------------ attention
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    fn(out, inp, group=group)
+
+
+def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    fn(out, inp, op=dist.ReduceOp.SUM, group=group)
+
+
+class _CPGroup:
+    """The cp process group and the chunk bookkeeping the attention function needs."""
+
+    def __init__(self, group, cp_size: int, cp_rank: int):
+        self.group, self.size, self.rank = group, cp_size, cp_rank
+
+    def gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local (B, H, S/cp, D) k, v -> full-sequence k, v in global token order."""
+        kv = torch.stack([k, v]).contiguous()
+        out = kv.new_empty((self.size * kv.shape[0],) + tuple(kv.shape[1:]))
+        _all_gather(out, kv, self.group)
+        out = out.unflatten(0, (self.size, kv.shape[0]))  # (cp, 2, B, H, S/cp, D)
+        c = kv.shape[-2] // 2
+        # rank j holds chunks j and 2cp-1-j: first halves in rank order, then second halves in reverse
+        early = out[..., :c, :].movedim(0, -3).flatten(-3, -2)  # (2, B, H, cp*c, D)
+        late = out.flip(0)[..., c:, :].movedim(0, -3).flatten(-3, -2)
+        full = torch.cat([early, late], dim=-2)
+        return full[0], full[1]
+
+    def reduce_scatter_kv(self, dk: torch.Tensor, dv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gradients of full k, v (global order) -> summed gradients of this rank's local k, v."""
+        full = torch.stack([dk, dv])  # (2, B, H, S, D)
+        s = full.shape[-2]
+        c = s // (2 * self.size)
+        chunks = full.unflatten(-2, (2 * self.size, c))  # (2, B, H, 2cp, c, D)
+        early, late = chunks[..., : self.size, :, :], chunks[..., self.size:, :, :].flip(-3)
+        per_rank = torch.cat([early, late], dim=-2)  # (2, B, H, cp, 2c, D)
+        per_rank = per_rank.movedim(-3, 0).flatten(0, 1).contiguous()  # (cp*2, B, H, 2c, D)
+        out = per_rank.new_empty((2,) + tuple(per_rank.shape[1:]))
+        _reduce_scatter(out, per_rank, self.group)
+        return out[0], out[1]
+
+    def local_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Exact causal attention of this rank's two query chunks against the full-sequence k, v."""
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: expand kv heads (transient)
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        c = q.shape[-2] // 2
+        outs = []
+        for j, chunk in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
+            kv_len = (chunk + 1) * c
+            qj = q[..., j * c:(j + 1) * c, :]
+            if q.device.type == "cuda":
+                from torch.nn.attention.bias import causal_lower_right
+
+                mask = causal_lower_right(c, kv_len)
+            else:
+                mask = torch.ones(c, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - c)
+            outs.append(F.scaled_dot_product_attention(qj, k[..., :kv_len, :], v[..., :kv_len, :], attn_mask=mask))
+        return torch.cat(outs, dim=-2)
+
+
+class _AllGatherKVAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, cp: _CPGroup):
+        kf, vf = cp.gather_kv(k, v)
+        out = cp.local_attention(q, kf, vf)
+        ctx.save_for_backward(q, k, v)
+        ctx.cp = cp
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v = ctx.saved_tensors
+        cp: _CPGroup = ctx.cp
+        kf, vf = cp.gather_kv(k, v)
+        with torch.enable_grad():
+            q_, kf_, vf_ = (t.detach().requires_grad_(True) for t in (q, kf, vf))
+            out = cp.local_attention(q_, kf_, vf_)
+            dq, dkf, dvf = torch.autograd.grad(out, (q_, kf_, vf_), dout)
+        dk, dv = cp.reduce_scatter_kv(dkf, dvf)
+        return dq, dk, dv, None
+
+
+class ContextParallelAttention(nn.Module):
+    """Drop-in for `CoreAttention`: q, k, v are this rank's (B, H, S/cp, D) load-balanced shards."""
+
+    def __init__(self, group, cp_size: int, cp_rank: int):
+        super().__init__()
+        self.cp = _CPGroup(group, cp_size, cp_rank)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if q.shape[-2] % 2:
+            raise ValueError(f"context-parallel attention needs an even local sequence length, got {q.shape[-2]}")
+        return _AllGatherKVAttention.apply(q, k, v, self.cp)
+
+    def extra_repr(self) -> str:
+        return f"cp_size={self.cp.size}, cp_rank={self.cp.rank}, all-gather K/V"
+
+
+# ------------------------------------------------------------------------------ apply
+def apply_cp(model: nn.Module, mesh_ctx, dcfg) -> nn.Module:
+    """Swap every CoreAttention for the cp version and make the trainer shard each micro-batch."""
+    from meshforge.models.llama import CoreAttention
+
+    cp_size, cp_rank, group = mesh_ctx.cp_size, mesh_ctx.cp_rank, mesh_ctx.group("cp")
+    swapped = 0
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, CoreAttention):
+                setattr(module, child_name, ContextParallelAttention(group, cp_size, cp_rank))
+                swapped += 1
+    if not swapped:
+        raise ValueError("distributed.cp_size > 1 needs the model's attention kernel to be a meshforge "
+                         "CoreAttention module (found none): use a built-in model or cp_size 1")
+    model._meshforge_batch_transform = CPBatchTransform(cp_size, cp_rank)
+    return model
