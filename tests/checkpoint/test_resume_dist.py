@@ -1,0 +1,185 @@
+"""Exact resume, resharding, async save, fallback and kill -9 mid-save, on gloo CPU processes.
+
+Three launches in all (grouped by world size): a `meshforge train` at N=2 whose rank 1 is SIGKILLed in the
+middle of saving step 10; one N=4 launch (fsdp2, saves step 10); one N=2 launch running every other phase.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+
+import pytest
+import torch
+
+from ckpt_helpers import cli_cmd, env, run_phases, write_cfg
+
+STRATS = ["ddp", "fsdp2", "megatron_fsdp"]
+
+
+def _megatron_saves() -> bool:
+    try:
+        from meshforge.distributed.megatron_fsdp.strategy import MegatronFSDPStrategy
+    except ImportError:
+        return False
+    return hasattr(MegatronFSDPStrategy, "model_state_dict")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("resume")
+    cfg = write_cfg(tmp / "cfg.yaml")
+    out = {"tmp": tmp, "times": {}}
+
+    # 1. kill -9 of rank 1 in the middle of saving step 10 (after its shards, before the commit)
+    kill_dir = tmp / "kill"
+    t0 = time.perf_counter()
+    proc = subprocess.run(cli_cmd(["distributed.strategy=ddp", f"run.output_dir={kill_dir}", "checkpoint.interval=5",
+                                   "distributed.timeout_minutes=0.1"], 2, cfg), capture_output=True, text=True, timeout=180,
+                          env=env(MESHFORGE_FAULT="kill_during_save:10:1"))
+    out["kill"] = {"rc": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr,
+                   "latest": (kill_dir / "checkpoints" / "LATEST").read_text().strip()
+                   if (kill_dir / "checkpoints" / "LATEST").exists() else None,
+                   "listing": sorted(p.name for p in (kill_dir / "checkpoints").iterdir())}
+    out["times"]["kill_launch"] = time.perf_counter() - t0
+
+    # 2. N=4: fsdp2, 20-step schedule, saves at 10 and 20
+    n4 = tmp / "n4"
+    out["n4"] = run_phases([{"name": "fsdp2_n4", "steps": 20, "overrides": [
+        "distributed.strategy=fsdp2", f"run.output_dir={n4}", "checkpoint.interval=10"]}], 4, tmp / "n4res")
+    out["times"]["n4_launch"] = out["n4"]["_launch"]["wall_s"]
+
+    # 3. N=2: everything else
+    strats = [s for s in STRATS if s != "megatron_fsdp" or _megatron_saves()]
+    phases = []
+    for s in strats:
+        d = tmp / s
+        base = [f"distributed.strategy={s}"]
+        phases += [
+            {"name": f"{s}_full", "steps": 20, "weights": True, "overrides": base + [f"run.output_dir={d}_full"]},
+            # saves at 4 and 8 by interval; a real SIGUSR1 on rank 0 after step 10 -> preemption save of step 10
+            {"name": f"{s}_first", "steps": 20, "env": {"MESHFORGE_FAULT": "signal_at_step:10:0:USR1"},
+             "overrides": base + [f"run.output_dir={d}", "checkpoint.interval=4"]},
+            {"name": f"{s}_resume", "steps": 20, "weights": True,
+             "overrides": base + [f"run.output_dir={d}", "checkpoint.interval=4", "checkpoint.resume=auto"]},
+        ]
+    phases += [
+        # resharded: saved by fsdp2 at N=4, resumed by fsdp2 at N=2
+        {"name": "reshard_4to2", "steps": 20, "weights": True, "overrides": [
+            "distributed.strategy=fsdp2", f"run.output_dir={tmp}/rs", f"checkpoint.resume={n4}/checkpoints/step_10"]},
+        # another strategy: ddp resumes fsdp2's step 10 (fsdp_dtensor)
+        {"name": "ddp_from_fsdp2", "steps": 20, "overrides": [
+            "distributed.strategy=ddp", f"run.output_dir={tmp}/x", f"checkpoint.resume={tmp}/fsdp2/checkpoints/step_10"]},
+        # fsdp2 resumes ddp's step 10 (torch_dist)
+        {"name": "fsdp2_from_ddp", "steps": 20, "overrides": [
+            "distributed.strategy=fsdp2", f"run.output_dir={tmp}/y", f"checkpoint.resume={tmp}/ddp/checkpoints/step_10"]},
+        # async save with retention; must not perturb training
+        {"name": "async", "steps": 20, "overrides": [
+            "distributed.strategy=fsdp2", f"run.output_dir={tmp}/async", "checkpoint.interval=3", "checkpoint.async_save=true", "checkpoint.keep_last=2"]},
+        {"name": "async_resume", "steps": 20, "overrides": [
+            "distributed.strategy=fsdp2", f"run.output_dir={tmp}/async2", f"checkpoint.resume={tmp}/async/checkpoints/step_15"]},
+        # the killed run resumes (auto) from step 5, cleaning the leftover step_10.partial
+        {"name": "kill_resume", "steps": 20, "weights": True, "overrides": [
+            "distributed.strategy=ddp", f"run.output_dir={kill_dir}", "checkpoint.interval=5"]},
+        # LATEST (ddp step_20) corrupted in the shard rank 1 hashes: auto falls back to step_16
+        {"name": "fallback", "steps": 20, "corrupt": [f"{tmp}/ddp/checkpoints/step_20/__0_0.distcp"],
+         "overrides": ["distributed.strategy=ddp", f"run.output_dir={tmp}/ddp"]},
+        # the same corruption with an explicit path: one-line error on every rank
+        {"name": "corrupt_path", "steps": 20, "overrides": [
+            "distributed.strategy=ddp", f"run.output_dir={tmp}/z", f"checkpoint.resume={tmp}/ddp/checkpoints/step_20"]},
+    ]
+    out["n2"] = run_phases(phases, 2, tmp / "n2res")
+    out["times"]["n2_launch"] = out["n2"]["_launch"]["wall_s"]
+    out["strats"] = strats
+    print("launch times:", {k: round(v, 1) for k, v in out["times"].items()})
+    yield out
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _ok(r, name):
+    assert "error" not in r, f"{name}: {r.get('error')}\n{r.get('trace')}"
+    return r
+
+
+def _bitwise(a: dict, b: dict, name: str):
+    assert set(a) == set(b), name
+    bad = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not bad, f"{name}: weights differ in {bad[:4]}"
+
+
+@pytest.mark.parametrize("strategy", STRATS)
+def test_exact_resume_bitwise(runs, strategy):
+    if strategy not in runs["strats"]:
+        pytest.skip(f"{strategy} does not expose state-dict methods yet")
+    n2 = runs["n2"]
+    full, first, res = (_ok(n2[f"{strategy}_{k}"], f"{strategy}_{k}") for k in ("full", "first", "resume"))
+    assert first["stopped_by_signal"] and first["final_step"] == 10, first
+    assert first["losses"] == full["losses"][:10]
+    assert res["start_step"] == 10 and res["final_step"] == 20
+    assert res["losses"] == full["losses"][10:], (res["losses"], full["losses"][10:])  # bitwise
+    _bitwise(full["weights"], res["weights"], strategy)
+    ck = runs["tmp"] / strategy / "checkpoints"
+    assert {p.name for p in ck.iterdir()} >= {"LATEST", "step_4", "step_8", "step_10", "step_12", "step_20"}
+
+
+def test_resharded_resume_n4_to_n2(runs):
+    n4 = _ok(runs["n4"]["fsdp2_n4"], "n4")
+    full2 = _ok(runs["n2"]["fsdp2_full"], "fsdp2_full")
+    rs = _ok(runs["n2"]["reshard_4to2"], "reshard")
+    assert rs["start_step"] == 10 and len(rs["losses"]) == 10
+    for ref in (n4["losses"][10:], full2["losses"][10:]):
+        rel = max(abs(a - b) / abs(a) for a, b in zip(ref, rs["losses"]))
+        print(f"resharded 4->2: max rel loss diff {rel:.2e}")
+        assert rel <= 1e-6
+    wd = max((full2["weights"][k] - rs["weights"][k]).abs().max().item() for k in rs["weights"])
+    assert wd < 1e-5, wd
+
+
+def test_cross_strategy_resume(runs):
+    n2 = runs["n2"]
+    for name, ref in (("ddp_from_fsdp2", "fsdp2_full"), ("fsdp2_from_ddp", "ddp_full")):
+        r = _ok(n2[name], name)
+        assert r["start_step"] == 10
+        rel = max(abs(a - b) / abs(a) for a, b in zip(n2[ref]["losses"][10:], r["losses"]))
+        print(f"{name}: max rel loss diff {rel:.2e}")
+        assert rel <= 1e-6
+
+
+def test_async_save_retention_and_resume(runs):
+    n2, ck = runs["n2"], runs["tmp"] / "async" / "checkpoints"
+    a = _ok(n2["async"], "async")
+    assert a["losses"] == n2["fsdp2_full"]["losses"]  # saving in the background changes nothing
+    # keep_last=2 while async (saves at 3, 6, ..., 18): only the two newest remain, LATEST on the newest
+    assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step_")) == ["step_15", "step_18"]
+    assert (ck / "LATEST").read_text().strip() == "step_18"
+    assert "saved step_18" in runs["n2"]["_launch"]["stdout"] and "(async)" in runs["n2"]["_launch"]["stdout"]
+    r = _ok(n2["async_resume"], "async_resume")
+    assert r["start_step"] == 15 and r["losses"] == n2["fsdp2_full"]["losses"][15:]
+
+
+def test_kill9_mid_save_keeps_latest_and_resumes(runs):
+    k = runs["kill"]
+    print(f"kill -9 run: exit {k['rc']}, LATEST={k['latest']}, files {k['listing']}")
+    assert k["rc"] != 0
+    assert "kills itself (SIGKILL) in the middle of saving step 10" in k["stderr"]
+    assert k["latest"] == "step_5"
+    assert "step_10.partial" in k["listing"] and "step_10" not in k["listing"]
+    n2 = runs["n2"]
+    r = _ok(n2["kill_resume"], "kill_resume")
+    assert "removed leftover step_10.partial" in n2["_launch"]["stdout"]
+    assert r["start_step"] == 5 and r["losses"] == n2["ddp_full"]["losses"][5:]
+    _bitwise(n2["ddp_full"]["weights"], r["weights"], "kill_resume")
+
+
+def test_corrupt_latest_falls_back_and_explicit_path_fails(runs):
+    n2 = runs["n2"]
+    fb = _ok(n2["fallback"], "fallback")
+    err_lines = [ln for ln in n2["_launch"]["stderr"].splitlines() if "falling back" in ln]
+    print(err_lines)
+    assert err_lines and "checksum mismatch" in err_lines[0] and "step_16" in err_lines[0]
+    assert fb["start_step"] == 16 and fb["losses"] == n2["ddp_full"]["losses"][16:]
+    cp = n2["corrupt_path"]
+    assert cp["ranks_failed"] == 2 and cp["error"].startswith("CheckpointError")
+    msg = cp["error"].split(": ", 1)[1]
+    assert "\n" not in msg and "__0_0.distcp: checksum mismatch" in msg
