@@ -1,0 +1,535 @@
+"""`MegatronFSDPStrategy`: the `Strategy` protocol over per-unit flat buffers (see `buffers.py`).
+
+Lifecycle of one step (optim_grads_params, the default):
+  forward   root pre-hook gathers the root unit and prefetches block 0; each block's pre-hook waits for its
+            gather and prefetches the next; each block but the last frees its buffer after forward and puts a
+            hook on its output tensor, which gathers it again (and prefetches the previous block) as soon as
+            backward reaches it.
+  backward  each parameter's post-accumulate-grad hook adds its `.grad` into the unit's flat grad buffer and
+            drops `.grad`; when a unit has all its grads and this is the last micro-batch, the unit's buffer
+            is reduce-scattered (all-reduced for no_shard/optim) and, under optim_grads_params, freed.
+  sync      `finish_grad_sync` reduces any unit whose count did not complete (unused params), waits for
+            outstanding reductions, divides by N unless `average_in_collective`, and frees full buffers.
+  clip      the global norm is the sum of squares of this rank's grad pieces (no padding), all-reduced.
+  step      a plain torch AdamW over per-parameter pieces of the fp32 main shard; `after_optimizer_step`
+            copies main -> compute shard and all-gathers for optim/optim_grads.
+
+Overlap: with `overlap_param_gather` / `overlap_grad_reduce` (default on for CUDA, off for CPU) the
+collectives are issued with `async_op=True` and waited for at first use; NCCL runs them on its own
+streams, so they overlap compute. The code path is device-agnostic; on CPU/gloo it also works
+(background threads), and with the flags off it runs synchronously.
+
+Accounting read by the benchmarks (stable names):
+  `strategy.comm_bytes`  Counter {all_gather, reduce_scatter, all_reduce, grad_norm, checkpoint} -> bytes
+                         handed to collectives since the last `strategy.reset_comm()`.
+  `strategy.comm_calls`  the same keys -> number of calls.
+  `strategy.memory_report(optimizer=None)` -> dict of bytes per rank: params_at_rest, grads (held now),
+                         grads_peak, optimizer_state, gathered_peak (largest sum of full compute buffers
+                         alive at once), units, largest_unit_bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshforge.distributed.blocks import find_blocks
+from meshforge.distributed.megatron_fsdp.buffers import (
+    SHARDED_OPTIM,
+    FlatUnit,
+    ParamSlot,
+    alloc_storage,
+    free_storage,
+    row_chunk,
+    storage_bytes,
+)
+from meshforge.distributed.megatron_fsdp.comm import CommCounter
+from meshforge.distributed.strategy import Strategy, register
+
+
+@register("megatron_fsdp")
+class MegatronFSDPStrategy(Strategy):
+    def __init__(self, dcfg, mesh_ctx, device: torch.device, compute_dtype: torch.dtype | None = None):
+        super().__init__(dcfg, mesh_ctx, device)
+        cuda = device.type == "cuda"
+        self.mode = dcfg.sharding_strategy
+        self.avg_in_collective = bool(dcfg.average_in_collective)
+        self.compute_dtype = compute_dtype or (torch.bfloat16 if cuda else torch.float32)
+        fp32_reduce = True if dcfg.grad_reduce_in_fp32 is None else dcfg.grad_reduce_in_fp32
+        self.reduce_dtype = torch.float32 if fp32_reduce else self.compute_dtype
+        self.overlap_grad = cuda if dcfg.overlap_grad_reduce is None else dcfg.overlap_grad_reduce
+        self.overlap_param = cuda if dcfg.overlap_param_gather is None else dcfg.overlap_param_gather
+        if mesh_ctx.world_size > 1:
+            self.group = mesh_ctx.group("dp_cp")
+            self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+            self.dp_mesh = mesh_ctx.mesh("dp_cp")
+        else:
+            self.group, self.world, self.rank, self.dp_mesh = None, 1, 0, None
+        self.comm = CommCounter(self.group, self.world)
+        self.units: list[FlatUnit] = []
+        self.blocks: list[FlatUnit] = []
+        self.root_unit: FlatUnit | None = None
+        self._is_last = True
+        self.gathered_peak = 0
+        self.grads_peak = 0
+
+    @property
+    def active(self) -> bool:
+        return True  # buffers and hooks at every size; at dp size 1 no collective runs
+
+    @property
+    def comm_bytes(self):
+        return self.comm.bytes
+
+    @property
+    def comm_calls(self):
+        return self.comm.calls
+
+    def reset_comm(self) -> None:
+        self.comm.reset()
+
+    # ================================================================== wrapping
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        names: dict[int, list[str]] = {}
+        params: dict[int, nn.Parameter] = {}
+        for fqn, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(fqn)
+            params[id(p)] = p
+        if any(type(p).__name__ == "DTensor" for p in params.values()):
+            raise NotImplementedError("strategy megatron_fsdp does not pack tensor-parallel (DTensor) parameters "
+                                      "yet: use distributed.strategy=fsdp2 with tp_size > 1")
+        unit_classes = self.dcfg.fsdp_unit_classes or self.dcfg.block_classes or None
+        blocks = find_blocks(model, unit_classes)
+        owner: dict[int, int] = {}
+        for i, b in enumerate(blocks):
+            for p in b.parameters():
+                owner.setdefault(id(p), i)
+        meta = any(p.is_meta for p in params.values())
+        groups: list[list[int]] = [[] for _ in range(len(blocks) + 1)]
+        for pid in params:  # model order
+            groups[owner.get(pid, len(blocks))].append(pid)
+        modules = list(blocks) + [model]
+        for i, pids in enumerate(groups):
+            if not pids:
+                continue
+            slots, off = [], 0
+            for pid in pids:
+                p, fqn = params[pid], names[pid][0]
+                mod_path, _, attr = fqn.rpartition(".")
+                slots.append(ParamSlot(names[pid], model.get_submodule(mod_path) if mod_path else model, attr,
+                                       p.shape, off, p.numel(), p.requires_grad))
+                off += p.numel()
+            name = "root" if i == len(blocks) else f"unit{i}"
+            u = FlatUnit(name, modules[i], slots, self.world, self.rank, self.mode, self.compute_dtype,
+                         self.reduce_dtype, self.device, root=model)
+            flat = None if meta else u.full_flat_from_params(
+                {s.fqn: params[pid].detach().to(self.device, torch.float32) for s, pid in zip(slots, pids)})
+            u.bind_params()
+            u.make_leaves()
+            if flat is not None:
+                u.set_full_flat(flat)
+            if u.params_sharded:
+                free_storage(u.compute)
+            self.units.append(u)
+            if i < len(blocks):
+                self.blocks.append(u)
+            else:
+                self.root_unit = u
+        self._order = [u for u in ([self.root_unit] if self.root_unit else []) + self.blocks]
+        self._register_hooks(model)
+        model.state_dict_for_checkpoint = lambda: self.full_state_dict(model)
+        return model
+
+    def _register_hooks(self, model: nn.Module) -> None:
+        for u in self.units:
+            for s in u.slots:
+                if s.requires_grad:
+                    s.param.register_post_accumulate_grad_hook(self._grad_hook(u, s))
+            u.n_grads = sum(s.requires_grad for s in u.slots)
+        for u in self.blocks:
+            u.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u))
+            u.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out))
+        # the root hooks also run when every parameter lives in the blocks (root_unit None)
+        model.register_forward_pre_hook(lambda m, a: self._pre_forward(self.root_unit))
+        model.register_forward_hook(lambda m, a, out: self._post_forward_root())
+
+    # ================================================================== gather / free
+    def _gather(self, u: FlatUnit | None, async_op: bool) -> None:
+        if u is None or not u.params_sharded or u.gather_work is not None or u.gathered:
+            return
+        alloc_storage(u.compute)
+        self.gathered_peak = max(self.gathered_peak, sum(storage_bytes(x.compute) for x in self.units
+                                                         if x.params_sharded))
+        u.gather_work = self.comm.all_gather(u.compute, u.compute_shard, async_op=async_op) or None
+
+    def _ensure_gathered(self, u: FlatUnit | None) -> None:
+        if u is None or not u.params_sharded:
+            return
+        self._gather(u, async_op=False)
+        if u.gather_work is not None:
+            u.gather_work.wait()
+            u.gather_work = None
+
+    def _reshard(self, u: FlatUnit) -> None:
+        if not u.params_sharded:
+            return
+        if u.gather_work is not None:
+            u.gather_work.wait()
+            u.gather_work = None
+        free_storage(u.compute)
+
+    def _next(self, u: FlatUnit | None, step: int) -> FlatUnit | None:
+        if u is None:
+            return None
+        i = self._order.index(u) + step
+        return self._order[i] if 0 <= i < len(self._order) and self._order[i] is not self.root_unit else None
+
+    def _pre_forward(self, u: FlatUnit | None) -> None:
+        if self.mode != "optim_grads_params":
+            return
+        self._ensure_gathered(u)
+        nxt = self.blocks[0] if u is self.root_unit and self.blocks else self._next(u, 1)
+        self._gather(nxt, async_op=self.overlap_param)
+
+    def _post_forward(self, u: FlatUnit, out):
+        if not u.params_sharded:
+            return out
+        if not torch.is_grad_enabled():
+            self._reshard(u)
+            return out
+        if u is self.blocks[-1]:
+            return out  # backward needs it at once
+        tensors = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not tensors:
+            return out
+        self._reshard(u)
+        fired = [False]
+
+        def pre_backward(grad, u=u):
+            if not fired[0]:
+                fired[0] = True
+                self._ensure_gathered(u)
+                self._gather(self._next(u, -1), async_op=self.overlap_param)
+            return grad
+
+        for t in tensors:
+            t.register_hook(pre_backward)
+        return out
+
+    def _post_forward_root(self) -> None:
+        if self.mode == "optim_grads_params" and not torch.is_grad_enabled():
+            for u in self.units:
+                self._reshard(u)
+
+    # ================================================================== gradients
+    def _grad_hook(self, u: FlatUnit, s: ParamSlot):
+        def hook(p: torch.Tensor) -> None:
+            if p.grad is None:
+                return
+            self._ensure_grad_buffer(u)
+            u.grad_full[s.offset:s.offset + s.numel].view(s.shape).add_(p.grad)
+            p.grad = None
+            u.ready += 1
+            if u.ready == u.n_grads:
+                u.ready = 0
+                if self._is_last:
+                    self._reduce(u)
+                self._reshard(u)
+
+        return hook
+
+    def _ensure_grad_buffer(self, u: FlatUnit) -> None:
+        if u.grads_seen:
+            return
+        alloc_storage(u.grad_full)
+        u.grad_full.zero_()
+        u.grads_seen = True
+        self.grads_peak = max(self.grads_peak, self.grad_bytes())
+
+    def _reduce(self, u: FlatUnit) -> None:
+        if u.reduced:
+            return
+        self._ensure_grad_buffer(u)
+        avg = self.avg_in_collective
+        if u.grads_sharded:
+            u.work = self.comm.reduce_scatter(u.grad_shard, u.grad_full, avg=avg, async_op=self.overlap_grad)
+        else:
+            u.work = self.comm.all_reduce(u.grad_full, avg=avg, async_op=self.overlap_grad)
+        u.reduced = True
+        if not self.overlap_grad:
+            self._complete_reduce(u)
+
+    def _complete_reduce(self, u: FlatUnit) -> None:
+        if u.work is not None:
+            u.work.wait()
+            u.work = None
+        reduced = u.grad_shard if u.grads_sharded else u.grad_full
+        if not self.avg_in_collective and self.world > 1:
+            reduced.div_(self.world)  # divide after the (sum) collective
+        if u.reduce_dtype != torch.float32:  # the optimizer reads an fp32 copy
+            lo, hi = (0, u.shard) if u.grads_sharded else u.opt_range
+            u.main_grad.copy_(reduced[lo:hi])
+        if u.grads_sharded:
+            free_storage(u.grad_full)
+            u.grads_seen = False
+        u.done = True
+
+    @contextlib.contextmanager
+    def micro_step(self, model: nn.Module, is_last: bool) -> Iterator[None]:
+        self._is_last = is_last
+        for u in self.units:
+            u.ready = 0
+        try:
+            yield
+        finally:
+            self._is_last = True
+        if not is_last:
+            for u in self.units:
+                self._reshard(u)
+
+    def finish_grad_sync(self, model: nn.Module) -> None:
+        for u in self.units:  # same order on every rank
+            if not u.reduced:
+                self._reduce(u)
+        for u in self.units:
+            if not u.done:
+                self._complete_reduce(u)
+            self._reshard(u)
+            u.reduced, u.done, u.ready = False, False, 0
+
+    def zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        for u in self.units:
+            if u.grads_sharded:
+                free_storage(u.grad_full)
+                u.grad_shard.zero_()
+            else:
+                u.grad_full.zero_()
+            if u.reduce_dtype != torch.float32:
+                u.main_grad.zero_()
+            u.grads_seen = u.reduced = u.done = False
+            u.ready = 0
+        for s in self._all_slots():  # a parameter that escaped the hooks (e.g. used outside forward)
+            if s.param is not None:
+                s.param.grad = None
+
+    # ================================================================== norm and optimizer
+    def _leaves(self) -> list[tuple[ParamSlot, nn.Parameter]]:
+        return [(s, s.leaf) for s in self._all_slots() if s.leaf is not None]
+
+    def _all_slots(self) -> list[ParamSlot]:
+        return [s for u in self.units for s in u.slots]
+
+    def optimizer_param_groups(self, model: nn.Module, weight_decay: float) -> list[dict]:
+        decay, no_decay = [], []
+        for s, leaf in self._leaves():
+            (decay if s.ndim >= 2 else no_decay).append(leaf)
+        groups = [{"params": decay, "weight_decay": weight_decay}]
+        if no_decay:
+            groups.append({"params": no_decay, "weight_decay": 0.0})
+        return groups
+
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float | None) -> torch.Tensor:
+        leaves = [leaf for _, leaf in self._leaves()]
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for leaf in leaves:
+            sq += leaf.grad.float().pow(2).sum()
+        if self.mode in SHARDED_OPTIM:
+            self.comm.all_reduce(sq, avg=False, kind="grad_norm")
+        norm = sq.sqrt()
+        if max_norm is not None:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for leaf in leaves:
+                leaf.grad.mul_(coef.to(leaf.grad.dtype))
+        return norm
+
+    def after_optimizer_step(self, model: nn.Module) -> None:
+        works = []
+        for u in self.units:
+            if self.mode == "no_shard":
+                if u.compute is not u.main:
+                    u.compute.copy_(u.main)
+            elif u.params_sharded:
+                if u.compute_shard is not u.main:
+                    u.compute_shard.copy_(u.main)
+            else:
+                src = u.main if u.compute_dtype == torch.float32 else u.main.to(u.compute_dtype)
+                works.append(self.comm.all_gather(u.compute, src, async_op=self.overlap_param))
+        for w in works:
+            if w is not None:
+                w.wait()
+
+    # ================================================================== init
+    def materialize(self, model: nn.Module, seed: int) -> None:
+        from meshforge.models import param_init_tensor
+
+        for m in model.modules():
+            for k, b in list(m._buffers.items()):
+                if b is not None and b.is_meta:
+                    m._buffers[k] = torch.zeros_like(b, device=self.device)
+        for u in self.units:
+            flat = torch.zeros(u.padded, dtype=torch.float32, device=self.device)
+            for s in u.slots:
+                full = param_init_tensor(model, s.fqn, tuple(s.shape), seed)
+                flat[s.offset:s.offset + s.numel].copy_(full.reshape(-1))
+            u.set_full_flat(flat)
+
+    # ================================================================== state dicts (fsdp_dtensor)
+    def _full_main(self, u: FlatUnit) -> torch.Tensor:
+        """The unit's full fp32 values (padded); an all-gather for sharded optimizer state."""
+        if self.mode not in SHARDED_OPTIM:
+            return u.main
+        out = torch.empty(u.padded, dtype=torch.float32, device=self.device)
+        w = self.comm.all_gather(out, u.main)
+        if w is not None:
+            w.wait()
+        return out
+
+    def _gather_flat(self, u: FlatUnit, local: torch.Tensor) -> torch.Tensor:
+        if self.mode not in SHARDED_OPTIM or self.world == 1:
+            return local
+        out = torch.empty(u.padded, dtype=local.dtype, device=self.device)
+        dist.all_gather_into_tensor(out, local.contiguous(), group=self.group)
+        self.comm.bytes["checkpoint"] += out.numel() * out.element_size()
+        return out
+
+    def _sharded(self, full: torch.Tensor):
+        """Full tensor -> this rank's DTensor Shard(0) piece on the dp mesh (a plain clone at world size 1)."""
+        if self.dp_mesh is None:
+            return full.detach().clone()
+        from torch.distributed.tensor import DTensor, Shard
+
+        a, b = row_chunk(full.shape[0], self.world, self.rank)
+        return DTensor.from_local(full[a:b].detach().clone(), self.dp_mesh, [Shard(0)], run_check=False,
+                                  shape=full.shape, stride=full.stride())
+
+    @staticmethod
+    def _full(v) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        return v.full_tensor() if isinstance(v, DTensor) else v
+
+    def model_state_dict(self, model: nn.Module) -> dict:
+        """{fqn: DTensor Shard(0) over the dp mesh} in fp32, FSDP2's layout (tied names share a tensor)."""
+        out = {}
+        for u in self.units:
+            full = self._gather_flat(u, u.main)
+            for s in u.slots:
+                t = self._sharded(full[s.offset:s.offset + s.numel].view(s.shape))
+                for n in s.names:
+                    out[n] = t
+        return out
+
+    def load_model_state_dict(self, model: nn.Module, sd: dict) -> None:
+        for u in self.units:
+            flat = torch.zeros(u.padded, dtype=torch.float32, device=self.device)
+            for s in u.slots:
+                if s.fqn not in sd:
+                    raise KeyError(f"model state dict has no entry {s.fqn!r}")
+                flat[s.offset:s.offset + s.numel].copy_(self._full(sd[s.fqn]).reshape(-1).to(self.device))
+            u.set_full_flat(flat)
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Every parameter as a full tensor on every rank (for parity checks and consolidated export)."""
+        out = {}
+        for u in self.units:
+            full = self._gather_flat(u, u.main)
+            for s in u.slots:
+                for n in s.names:
+                    out[n] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
+        return out
+
+    def _group_fqns(self, optimizer) -> list[list[str]]:
+        by_leaf = {id(s.leaf): s.fqn for s, _ in self._leaves()}
+        return [[by_leaf[id(p)] for p in g["params"] if id(p) in by_leaf] for g in optimizer.param_groups]
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """{"state": {fqn: {"step": tensor, <key>: DTensor Shard(0)}}, "param_groups": [{..., "params": fqns}]}.
+
+        The same FQN-keyed structure DCP's `get_optimizer_state_dict` gives for FSDP2. Before the first step
+        (no state yet) exp_avg / exp_avg_sq are zeros, so DCP can load into it.
+        """
+        keys, step = set(), 0.0
+        for _, leaf in self._leaves():
+            st = optimizer.state.get(leaf, {})
+            step = max(step, float(st["step"])) if "step" in st else step
+            keys |= {k for k, v in st.items() if torch.is_tensor(v) and v.shape == leaf.shape and v.dim() > 0}
+        keys = sorted(keys) or ["exp_avg", "exp_avg_sq"]
+        if self.world > 1:  # every rank must agree (a rank can hold no piece at all)
+            t = torch.tensor([step], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            step = float(t.item())
+        state = {}
+        for u in self.units:
+            lo, hi = u.opt_range
+            fulls = {}
+            for k in keys:
+                local = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
+                for s in u.slots:
+                    if s.leaf is not None and k in optimizer.state.get(s.leaf, {}):
+                        a, b = s.piece
+                        local[a - lo:b - lo].copy_(optimizer.state[s.leaf][k])
+                fulls[k] = self._gather_flat(u, local)
+            for s in u.slots:
+                if not s.requires_grad:
+                    continue
+                entry = {k: self._sharded(fulls[k][s.offset:s.offset + s.numel].view(s.shape)) for k in keys}
+                entry["step"] = torch.tensor(step, dtype=torch.float32)
+                state[s.fqn] = entry
+        groups = []
+        for g, fqns in zip(optimizer.param_groups, self._group_fqns(optimizer)):
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": fqns})
+        return {"state": state, "param_groups": groups}
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, sd: dict) -> None:
+        state = sd["state"]
+        for u in self.units:
+            for s in u.slots:
+                if not s.requires_grad:
+                    continue
+                if s.fqn not in state:
+                    raise KeyError(f"optimizer state dict has no entry {s.fqn!r}")
+                entry = state[s.fqn]
+                new = {}
+                for k, v in sorted(entry.items()):
+                    if k == "step":
+                        new[k] = torch.tensor(float(v), dtype=torch.float32)
+                        continue
+                    full = self._full(v)  # collective for DTensors: every rank, every slot, same order
+                    if s.leaf is not None:
+                        a, b = s.piece
+                        new[k] = full.reshape(-1)[a - s.offset:b - s.offset].to(self.device, torch.float32).clone()
+                if s.leaf is not None:
+                    optimizer.state[s.leaf] = new
+        saved = sd.get("param_groups", [])
+        for g, fqns in zip(optimizer.param_groups, self._group_fqns(optimizer)):
+            for sg in saved:
+                if set(fqns) & set(sg.get("params", [])):
+                    g.update({k: v for k, v in sg.items() if k != "params"})
+                    break
+
+    # ================================================================== accounting
+    def grad_bytes(self) -> int:
+        return sum(u.grad_bytes() for u in self.units)
+
+    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        opt = 0
+        if optimizer is not None:
+            for st in optimizer.state.values():
+                opt += sum(v.numel() * v.element_size() for v in st.values() if torch.is_tensor(v))
+        return {
+            "params_at_rest": sum(u.param_bytes_at_rest() for u in self.units),
+            "params_gathered_now": sum(storage_bytes(u.compute) for u in self.units if u.params_sharded),
+            "grads": self.grad_bytes(),
+            "grads_peak": self.grads_peak,
+            "optimizer_state": opt,
+            "gathered_peak": self.gathered_peak,
+            "units": len(self.units),
+            "largest_unit_bytes": max((u.padded * u.compute.element_size() for u in self.units), default=0),
+            "total_param_numel": sum(u.numel for u in self.units),
+        }
+
