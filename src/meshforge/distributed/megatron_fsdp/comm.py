@@ -15,6 +15,10 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 
+# torch >= 2.13 names; the older ones are deprecated there
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class CommCounter:
     def __init__(self, group, world: int):
@@ -30,12 +34,12 @@ class CommCounter:
         self.bytes[kind] += t.numel() * t.element_size()
         self.calls[kind] += 1
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False):
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False, kind: str = "all_gather"):
         if self.world == 1:
             out.copy_(inp)
             return None
-        self._count("all_gather", out)
-        return dist.all_gather_into_tensor(out, inp, group=self.group, async_op=async_op)
+        self._count(kind, out)
+        return _all_gather(out, inp, group=self.group, async_op=async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, avg: bool, async_op: bool = False):
         if self.world == 1:
@@ -43,7 +47,7 @@ class CommCounter:
             return None
         self._count("reduce_scatter", inp)
         op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
-        return dist.reduce_scatter_tensor(out, inp, op=op, group=self.group, async_op=async_op)
+        return _reduce_scatter(out, inp, op=op, group=self.group, async_op=async_op)
 
     def all_reduce(self, t: torch.Tensor, avg: bool, async_op: bool = False, kind: str = "all_reduce"):
         if self.world == 1:

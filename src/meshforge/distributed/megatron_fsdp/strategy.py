@@ -379,22 +379,11 @@ class MegatronFSDPStrategy(Strategy):
             u.set_full_flat(flat)
 
     # ================================================================== state dicts (fsdp_dtensor)
-    def _full_main(self, u: FlatUnit) -> torch.Tensor:
-        """The unit's full fp32 values (padded); an all-gather for sharded optimizer state."""
-        if self.mode not in SHARDED_OPTIM:
-            return u.main
-        out = torch.empty(u.padded, dtype=torch.float32, device=self.device)
-        w = self.comm.all_gather(out, u.main)
-        if w is not None:
-            w.wait()
-        return out
-
     def _gather_flat(self, u: FlatUnit, local: torch.Tensor) -> torch.Tensor:
         if self.mode not in SHARDED_OPTIM or self.world == 1:
             return local
         out = torch.empty(u.padded, dtype=local.dtype, device=self.device)
-        dist.all_gather_into_tensor(out, local.contiguous(), group=self.group)
-        self.comm.bytes["checkpoint"] += out.numel() * out.element_size()
+        self.comm.all_gather(out, local.contiguous(), kind="checkpoint")
         return out
 
     def _sharded(self, full: torch.Tensor):
