@@ -18,7 +18,7 @@ def train(cfg: Config):
 
 def parallelize(model, mesh_ctx, dcfg, device=None):
     """Apply the configured parallelism to any nn.Module (see `meshforge.distributed.setup`)."""
-    from meshforge.distributed import parallelize as _parallelize
+    from meshforge.distributed.parallelize import parallelize as _parallelize
 
     return _parallelize(model, mesh_ctx, dcfg, device)
 

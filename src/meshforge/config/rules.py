@@ -93,6 +93,13 @@ def expert_parallel(cfg: Config, world_size: int) -> list[str]:
     if not preset_is_moe(cfg.model):
         out.append(f"distributed.ep_size={d.ep_size} needs a mixture-of-experts model, but model.preset="
                    f"{cfg.model.preset!r} is dense: set ep_size 1 or use an MoE preset (e.g. tiny_moe)")
+    else:
+        from meshforge.models import resolve_model_args
+
+        n = resolve_model_args(cfg.model).n_experts
+        if n % d.ep_size:
+            out.append(f"distributed.ep_size={d.ep_size} must divide model.n_experts={n} (each ep rank holds "
+                       f"n_experts/ep_size experts): choose an ep_size dividing {n}")
     return out
 
 
@@ -200,13 +207,7 @@ def batch_and_sequence(cfg: Config, world_size: int) -> list[str]:
     if d.sequence_parallel and d.cp_size > 1 and (t.seq_len // d.cp_size) % d.tp_size:
         out.append(f"training.seq_len/cp_size = {t.seq_len // d.cp_size} must be divisible by tp_size={d.tp_size} "
                    "with sequence_parallel and cp")
-    if d.pp_size > 1 and dp is not None:
-        local = t.micro_batch_size
-        mb = d.pipeline_or_default.pp_microbatch_size
-        if local % mb:
-            out.append(f"training.micro_batch_size={local} (the batch one pipeline step carries) must be divisible "
-                       f"by distributed.pipeline.pp_microbatch_size={mb}")
-    return out
+    return out  # the pipeline's microbatch arithmetic is checked by `pipeline_split`
 
 
 @rule
@@ -229,10 +230,55 @@ def model_fits_data(cfg: Config, world_size: int) -> list[str]:
             if val % d.tp_size:
                 out.append(f"model.{name}={val} is not divisible by distributed.tp_size={d.tp_size}: "
                            "tensor parallelism splits attention heads evenly")
-    if d.pp_size > 1 and args.n_layers < d.pp_size * d.pipeline_or_default.virtual_stages_per_rank:
-        out.append(f"model.n_layers={args.n_layers} is fewer than the {d.pp_size * d.pipeline_or_default.virtual_stages_per_rank} "
-                   "pipeline stages: every stage needs at least one block")
     return out
+
+
+@rule
+def pipeline_split(cfg: Config, world_size: int) -> list[str]:
+    """pp_size > 1: the stage split, schedule and microbatch count (planning/pipeline_plan.py), and what PP
+    does not compose with yet."""
+    from meshforge.models import resolve_model_args
+    from meshforge.planning.pipeline_plan import pipeline_problems
+
+    d, t = cfg.distributed, cfg.training
+    if d.pp_size == 1:
+        return []
+    try:
+        args = resolve_model_args(cfg.model)
+    except (KeyError, ValueError):
+        return []  # reported by model_fits_data
+    out = []
+    if args.tie_embeddings:
+        out.append(f"model.tie_embeddings=true cannot be split by distributed.pp_size={d.pp_size} (the embedding "
+                   "is on the first stage, the output on the last): set model.tie_embeddings=false or pp_size 1")
+    if args.is_moe:
+        out.append(f"distributed.pp_size={d.pp_size} with a mixture-of-experts model (model.preset="
+                   f"{cfg.model.preset!r}) is not supported yet: set pp_size 1")
+    if d.cp_size > 1:
+        out.append(f"distributed.pp_size={d.pp_size} with cp_size={d.cp_size} is not supported yet: "
+                   "set one of them to 1")
+    dp = _dp(cfg, world_size)
+    if dp is not None and t.global_batch_size % dp == 0:
+        out += pipeline_problems(args.n_layers, d.pp_size, d.pipeline_or_default, t.global_batch_size // dp)
+    return out
+
+
+@rule
+def tensor_parallel_plan(cfg: Config, world_size: int) -> list[str]:
+    """The model's TP plan plus distributed.tp_plan must name real modules whose shapes divide by tp_size
+    (checked on a one-block meta model; see distributed/tensor_parallel.py)."""
+    d = cfg.distributed
+    if d.tp_plan and d.tp_size == 1:
+        return [f"distributed.tp_plan is set but distributed.tp_size=1, so it would do nothing: set tp_size > 1 "
+                "or remove tp_plan"]
+    if d.tp_size == 1:
+        return []
+    from meshforge.distributed.tensor_parallel import config_plan_problems
+
+    try:
+        return config_plan_problems(cfg.model, d.tp_size, d.sequence_parallel, d.tp_plan)
+    except (KeyError, ValueError):
+        return []  # an invalid model is reported by model_fits_data
 
 
 def check(cfg: Config, world_size: int | None = None) -> list[str]:
@@ -258,6 +304,11 @@ def warnings(cfg: Config, world_size: int | None = None) -> list[str]:
         out.append("distributed.keep_fp8_transpose_cache only matters with fp8 weights; meshforge trains "
                    "in fp32/bf16, so it has no effect")
     ws = world_size if world_size is not None else default_world_size(cfg)
+    dp = _dp(cfg, ws)
+    t = cfg.training
+    if d.strategy == "ddp" and d.static_graph and dp and t.global_batch_size // (t.micro_batch_size * dp) > 1:
+        out.append("distributed.static_graph=true with gradient accumulation: DDP's static graph cannot skip a "
+                   "reduction, so gradients are all-reduced after every micro-batch (same result, more traffic)")
     if ws == 1 and d.strategy != "fsdp2" and any(
             k in d.model_fields_set for k in ("data_parallel_sharding_strategy", "bucket_cap_mb")):
         out.append(f"world size 1: strategy {d.strategy} options have nothing to shard or reduce")

@@ -1,18 +1,9 @@
-"""Distributed training: MeshContext, one module per strategy and per parallelism, and the order they apply in."""
+"""Distributed training: MeshContext, one module per strategy and per parallelism, and the order they apply in.
 
-from __future__ import annotations
+`setup` and `parallelize` are imported eagerly: the submodule `parallelize.py` would otherwise replace the
+function of the same name on this package the first time it is imported.
+"""
 
-
-def setup(dcfg, device: str = "auto"):
-    from meshforge.distributed.parallelize import setup as _setup
-
-    return _setup(dcfg, device)
-
-
-def parallelize(model, mesh_ctx, dcfg, device=None):
-    from meshforge.distributed.parallelize import parallelize as _parallelize
-
-    return _parallelize(model, mesh_ctx, dcfg, device)
-
+from meshforge.distributed.parallelize import parallelize, setup
 
 __all__ = ["parallelize", "setup"]

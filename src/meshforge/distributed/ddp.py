@@ -25,7 +25,9 @@ class DDPStrategy(Strategy):
             find_unused_parameters=bool(d.find_unused_parameters), static_graph=bool(d.static_graph), **kwargs)
 
     def micro_step(self, model, is_last):
-        if self.active and not is_last:
+        # static_graph DDP cannot skip a reduction (its reducer asserts), so it syncs every micro-batch;
+        # config.rules.warnings says so when accumulation is on.
+        if self.active and not is_last and not self.dcfg.static_graph:
             return model.no_sync()
         return contextlib.nullcontext()
 

@@ -52,6 +52,23 @@ def pick_device(requested: str = "auto") -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
+def choose_cuda_device_max_connections(dcfg, world_size: int, cuda: bool) -> str | None:
+    """TP/CP without FSDP sharding wants CUDA_DEVICE_MAX_CONNECTIONS=1 (kernel order = issue order, so
+    TP/CP collectives overlap predictably); FSDP wants it unset (the rules reject 1 there). Sets it when the
+    user has not, and returns a line saying what was chosen (None when nothing applies)."""
+    if not cuda:
+        return None
+    current = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    dp_cp = world_size // max(1, dcfg.tp_size * dcfg.pp_size)
+    fsdp_sharding = dcfg.strategy in ("fsdp2", "megatron_fsdp") and dp_cp > 1
+    if (dcfg.tp_size > 1 or dcfg.cp_size > 1) and not fsdp_sharding:
+        if current is None:
+            os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+            return "CUDA_DEVICE_MAX_CONNECTIONS=1 set for TP/CP without FSDP"
+        return f"CUDA_DEVICE_MAX_CONNECTIONS={current} kept as set by the user"
+    return f"CUDA_DEVICE_MAX_CONNECTIONS={current or 'unset'} (strategy {dcfg.strategy})"
+
+
 def init_distributed(device: str = "auto", timeout_minutes: float = 10.0) -> DistInfo:
     _slurm_to_torch_env()
     world = env_world_size()

@@ -109,6 +109,12 @@ class _StopFlag:
 
 
 def train(cfg: Config) -> TrainResult:
+    from meshforge.distributed.env import choose_cuda_device_max_connections, env_world_size
+
+    cuda = cfg.training.device != "cpu" and torch.cuda.is_available()
+    note = choose_cuda_device_max_connections(cfg.distributed, env_world_size(), cuda)  # before CUDA starts
+    if note and int(os.environ.get("RANK", 0)) == 0:
+        print(f"meshforge: {note}", flush=True)
     info = init_distributed(cfg.training.device, cfg.distributed.timeout_minutes)
     try:
         return _train(cfg, info)
@@ -168,6 +174,10 @@ def _train(cfg: Config, info) -> TrainResult:
     try:
         while step < t.max_steps:
             loss = pm.forward_backward(loader.next_batch())
+            if "nan_at_step" in os.environ.get("MESHFORGE_FAULT", ""):  # test hook, see checkpoint/faults.py
+                from meshforge.checkpoint.faults import inject_nan
+
+                loss = inject_nan(loss, step + 1, pm)
             grad_norm = pm.clip_grad_norm_(t.grad_clip)
             loss_v, gn_v = float(loss), float(grad_norm)
             if not (math.isfinite(loss_v) and math.isfinite(gn_v)):
