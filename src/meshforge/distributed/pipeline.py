@@ -94,6 +94,11 @@ def build_stage_module(cfg, plan: PipelinePlan, stage: int, device: torch.device
     return model
 
 
+def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, module)
+
+
 def _stage_dcfg(dcfg):
     """FSDP2 under PP keeps parameters gathered across microbatches unless the user chose otherwise."""
     if dcfg.strategy == "fsdp2" and dcfg.reshard_after_forward is None:
@@ -105,7 +110,7 @@ class PipelineParallelModel(ParallelModel):
     """The stages this rank runs (`parts`, in stage order) and the schedule that drives them."""
 
     def __init__(self, parts: list[nn.Module], stage_ids: list[int], plan: PipelinePlan, strategy, mesh_ctx,
-                 device: torch.device, precision: str, scale_grads_in_schedule: bool):
+                 device: torch.device, precision: str, scale_grads_in_schedule: bool, shell_factory=None):
         super().__init__(parts[0], strategy, mesh_ctx, device, precision)
         from torch.distributed.pipelining import PipelineStage
 
@@ -120,6 +125,8 @@ class PipelineParallelModel(ParallelModel):
         last_part = parts[stage_ids.index(plan.num_stages - 1)] if self.has_last else None
         self._loss_ctx = getattr(last_part, "_meshforge_loss_context", None)
         self._ces: list[torch.Tensor] = []
+        self._merged: nn.Module | None = None
+        self._shell_factory = shell_factory
         cls = schedule_class(plan.schedule)
         kwargs = {"n_microbatches": plan.n_microbatches, "loss_fn": self._loss_fn,
                   "scale_grads": scale_grads_in_schedule}
@@ -154,6 +161,42 @@ class PipelineParallelModel(ParallelModel):
         dist.broadcast(loss, group=self.pp_group, group_src=self.plan.last_stage_rank)
         return self.reduce_loss(loss)
 
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """The strategy's groups of every local stage, merged by hyperparameters: the same groups (decay, no
+        decay) as a non-PP run, so optimizer checkpoints (`optim.param_groups.<i>.*`) interchange."""
+        merged: list[dict] = []
+        for g in super().param_groups(weight_decay):
+            key = {k: v for k, v in g.items() if k != "params"}
+            for m in merged:
+                if {k: v for k, v in m.items() if k != "params"} == key:
+                    m["params"] = list(m["params"]) + list(g["params"])
+                    break
+            else:
+                merged.append(dict(g, params=list(g["params"])))
+        return merged
+
+    def unwrapped_parts(self) -> list[nn.Module]:
+        """One module holding every local stage's modules under the whole model's names (checkpoint, export).
+
+        With one stage per rank that is the stage itself; with several, a parameter-less shell of the model
+        whose blocks/embedding/output are the stages' own modules (shared parameters, no copies), so
+        `get_model_state_dict`/`get_optimizer_state_dict`, which take one module, see all of this rank's
+        parameters by their whole-model names.
+        """
+        stages = [self.strategy.unwrap(p) for p in self.parts]
+        if len(stages) == 1:
+            return stages
+        if self._merged is None:
+            shell = self._shell_factory()  # the model with no blocks and no first/last modules, on meta
+            for stage in stages:
+                for n in stage.pp_split_points():
+                    _set_submodule(shell, n, stage.get_submodule(n))
+                for attr in FIRST_STAGE_MODULES + LAST_STAGE_MODULES:
+                    if getattr(stage, attr, None) is not None:
+                        setattr(shell, attr, getattr(stage, attr))
+            self._merged = shell
+        return [self._merged]
+
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
         # always the multi-part path: it adds the squares of every stage over the pp group
         from meshforge.distributed.grad_norm import clip_grad_norm_
@@ -180,5 +223,10 @@ def build_pipeline_model(cfg, mesh_ctx, device: torch.device, meta: bool = False
 
             load_hf_into(strategy.unwrap(part), cfg.model.init_from)
         parts.append(part)
+    def shell():
+        from meshforge.models import build_model
+
+        return prune_to_stage(build_model(cfg.model, device="meta"), (), first=False, last=False)
+
     return PipelineParallelModel(parts, stage_ids, plan, strategy, mesh_ctx, device, cfg.training.precision,
-                                 cfg.distributed.pipeline_or_default.scale_grads_in_schedule)
+                                 cfg.distributed.pipeline_or_default.scale_grads_in_schedule, shell_factory=shell)
