@@ -48,9 +48,9 @@ def pattern_matches(pattern: str, name: str) -> bool:
     return len(p) == len(n) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(n, p))
 
 
-def _expand(model: nn.Module, plan: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+def _expand(modules: dict[str, nn.Module], plan: dict[str, str]) -> tuple[dict[str, str], list[str]]:
     """pattern plan -> {module name: style}, in module order; and the patterns that matched nothing."""
-    names = [n for n, _ in model.named_modules() if n]
+    names = [n for n in modules if n]
     out: dict[str, str] = {}
     unmatched = []
     for pattern, style in plan.items():
@@ -62,19 +62,20 @@ def _expand(model: nn.Module, plan: dict[str, str]) -> tuple[dict[str, str], lis
     return out, unmatched
 
 
-def resolve_plan(model: nn.Module, sequence_parallel: bool, custom: dict[str, str] | None
-                 ) -> tuple[dict[str, str], dict[str, str], list[str]]:
-    """(resolved {module: style}, declared {module: style}, problems) for `model`."""
+def resolve_plan(model: nn.Module, sequence_parallel: bool, custom: dict[str, str] | None,
+                 modules: dict[str, nn.Module] | None = None) -> tuple[dict[str, str], dict[str, str], list[str]]:
+    """(resolved {module: style}, declared {module: style}, problems) for `model` (or its `modules` by name)."""
+    modules = modules if modules is not None else dict(model.named_modules())
     problems: list[str] = []
     declared: dict[str, str] = {}
     if hasattr(model, "tp_plan"):
-        declared, _ = _expand(model, model.tp_plan(sequence_parallel))
+        declared, _ = _expand(modules, model.tp_plan(sequence_parallel))
     elif not custom:
         problems.append(f"distributed.tp_size > 1 but the model ({type(model).__name__}) declares no tp_plan: "
                         "set distributed.tp_plan (module pattern -> colwise/rowwise/sequence_parallel/replicate)")
     resolved = dict(declared)
     if custom:
-        overrides, unmatched = _expand(model, custom)
+        overrides, unmatched = _expand(modules, custom)
         for pattern in unmatched:
             problems.append(f"distributed.tp_plan pattern {pattern!r} names no module of the model: patterns match "
                             f"dotted module names per component, e.g. 'layers.*.attention.wq'")
@@ -93,11 +94,11 @@ def _shape(module: nn.Module) -> tuple[int, ...] | None:
     return tuple(w.shape) if isinstance(w, torch.Tensor) else None
 
 
-def plan_problems(model: nn.Module, tp_size: int, sequence_parallel: bool, custom: dict[str, str] | None
-                  ) -> list[str]:
+def plan_problems(model: nn.Module, tp_size: int, sequence_parallel: bool, custom: dict[str, str] | None,
+                  modules: dict[str, nn.Module] | None = None) -> list[str]:
     """Every reason this plan cannot be applied at tp_size, naming the module and its shape."""
-    resolved, declared, problems = resolve_plan(model, sequence_parallel, custom)
-    modules = dict(model.named_modules())
+    modules = modules if modules is not None else dict(model.named_modules())
+    resolved, declared, problems = resolve_plan(model, sequence_parallel, custom, modules)
     for name, style in resolved.items():
         mod = modules[name]
         shape = _shape(mod)
@@ -123,7 +124,38 @@ def plan_problems(model: nn.Module, tp_size: int, sequence_parallel: bool, custo
             problems.append(f"tensor parallelism: module {name!r} with weight shape {list(shape)} cannot be "
                             f"split {style} over distributed.tp_size={tp_size} (dimension {dim} = {shape[dim]} "
                             f"is not divisible): choose a tp_size dividing {shape[dim]} or mark it 'replicate'")
-    return problems
+    return _fold_layers(problems)
+
+
+def _fold_layers(problems: list[str]) -> list[str]:
+    """The same problem in many layers is one line: 'layers.*.x' (in N layers)."""
+    import re
+
+    groups: dict[str, list[str]] = {}
+    for msg in problems:
+        groups.setdefault(re.sub(r"'layers\.\d+\.", "'layers.*.", msg), []).append(msg)
+    return [msgs[0] if len(msgs) == 1 else f"{key} (in {len(msgs)} layers)" for key, msgs in groups.items()]
+
+
+def config_plan_problems(model_cfg, tp_size: int, sequence_parallel: bool, custom: dict[str, str] | None
+                         ) -> list[str]:
+    """`plan_problems` for a built-in model described by a config, without processes or memory.
+
+    One block is built on the meta device and its modules stand in for every layer's (all blocks of a
+    built-in model have the same shapes), so a 70B model validates in milliseconds.
+    """
+    from meshforge.models import build_model, resolve_model_args
+
+    n_layers = resolve_model_args(model_cfg).n_layers
+    model = build_model(model_cfg.model_copy(update={"n_layers": 1}), device="meta")
+    modules = {}
+    for name, mod in model.named_modules():
+        if name == "layers.0" or name.startswith("layers.0."):
+            for i in range(n_layers):
+                modules["layers." + str(i) + name[len("layers.0"):]] = mod
+        else:
+            modules[name] = mod
+    return plan_problems(model, tp_size, sequence_parallel, custom, modules)
 
 
 # ------------------------------------------------------------------------------ styles
