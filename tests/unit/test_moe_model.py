@@ -247,5 +247,26 @@ def test_rules_reject_bad_expert_parallel_configs():
                                                       "distributed.ep_size=2"))
     assert any("ddp" in p for p in problems("model.preset=tiny_moe", "distributed.strategy=ddp",
                                             "distributed.ep_size=2"))
+    assert any("sequence_parallel" in p for p in problems("model.preset=tiny_moe", "distributed.tp_size=2",
+                                                          "distributed.sequence_parallel=true"))
     assert problems("model.preset=tiny_moe", "distributed.ep_size=2") == []
     assert resolve_model_args(load_config(None, ["model.preset=tiny_moe"]).model).is_moe
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_grouped_mm_matches_loop_on_cuda_bf16():
+    e = GroupedExperts(8, 128, 256).to("cuda", torch.bfloat16)
+    for p in e.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    counts = torch.tensor([5, 0, 17, 3, 0, 0, 9, 30], device="cuda")
+    x = torch.randn(int(counts.sum()), 128, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for grouped in (True, False):
+        e.use_grouped_mm = grouped
+        e.zero_grad()
+        y = e(x, counts)
+        y.float().pow(2).sum().backward()
+        outs.append((y.float(), e.w2.grad.float().clone()))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=3e-2, atol=3e-2)

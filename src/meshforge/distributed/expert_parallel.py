@@ -50,9 +50,9 @@ class AllToAllDispatcher:
             raise ValueError(f"model.n_experts={n_experts} is not divisible by distributed.ep_size={ep_size}")
         self.group, self.ep, self.n_experts = group, ep_size, n_experts
         self.local_experts = n_experts // ep_size
-        self.stats = {"calls": 0, "rows_sent": 0, "rows_sent_remote": 0, "bytes_sent": 0, "bytes_sent_remote": 0,
-                      "tokens_per_local_expert": torch.zeros(self.local_experts, dtype=torch.long)}
         self.my_ep_rank = dist.get_rank(group)
+        self.stats: dict = {}
+        self.reset_stats()
 
     def __call__(self, xs: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
         ep, el = self.ep, self.local_experts
@@ -67,29 +67,61 @@ class AllToAllDispatcher:
         local_id = torch.arange(el, device=xs.device).repeat(ep)
         perm = torch.argsort(torch.repeat_interleave(local_id, rc.flatten().to(xs.device)), stable=True)
         local_counts = rc.sum(0)
-        y_local = experts(xr[perm], local_counts)
+        y_local = _outside_selective_ac(experts, xr[perm], local_counts)
         y_arrival = y_local[torch.argsort(perm)]
         ys = all_to_all_single_autograd(y_arrival.contiguous(), in_splits, out_splits, self.group)
-        self._count(xs, ys, in_splits, local_counts)
+        self._count(xs, xr, ys, in_splits, out_splits, local_counts)
         return ys
 
-    def _count(self, xs, ys, in_splits, local_counts) -> None:
-        if torch._C._current_graph_task_id() != -1:
-            return  # an activation-checkpointing recompute inside backward: count each forward once
+    # ------------------------------------------------------------------ accounting (benchmarks/moe_dispatch.py)
+    def _add(self, phase: str, splits: list[int], width: int, elt: int) -> None:
+        """One all-to-all that sends splits[j] rows of `width` elements to ep rank j."""
+        rows = int(sum(splits))
+        self.stats[f"{phase}_bytes"] += rows * width * elt
+        self.stats[f"{phase}_bytes_remote"] += (rows - splits[self.my_ep_rank]) * width * elt
+
+    def _count(self, xs, xr, ys, in_splits, out_splits, local_counts) -> None:
+        d, elt = xs.shape[-1], xs.element_size()
+        if torch._C._current_graph_task_id() != -1:  # an activation-checkpointing recompute inside backward
+            self._add("recompute", in_splits, d, elt)
+            self._add("recompute", out_splits, ys.shape[-1], ys.element_size())
+            return
         s = self.stats
-        rows = int(sum(in_splits))
-        remote = rows - in_splits[self.my_ep_rank]
         s["calls"] += 1
-        s["rows_sent"] += rows
-        s["rows_sent_remote"] += remote
-        # dispatch (xs) + combine (ys) of the forward
-        s["bytes_sent"] += rows * (xs.shape[-1] * xs.element_size() + ys.shape[-1] * ys.element_size())
-        s["bytes_sent_remote"] += remote * (xs.shape[-1] * xs.element_size() + ys.shape[-1] * ys.element_size())
+        s["rows_sent"] += int(sum(in_splits))
         s["tokens_per_local_expert"] += local_counts.detach().cpu()
+        self._add("forward", in_splits, d, elt)  # dispatch: my token copies to their experts' ranks
+        self._add("forward", out_splits, ys.shape[-1], ys.element_size())  # combine: results back to senders
+        if torch.is_grad_enabled() and ys.requires_grad:
+            # backward: grad of ys goes back along the dispatch direction, grad of xr along the combine one
+            ys.register_hook(lambda g: self._add("backward", in_splits, g.shape[-1], g.element_size()))
+            xr.register_hook(lambda g: self._add("backward", out_splits, g.shape[-1], g.element_size()))
 
     def reset_stats(self) -> None:
-        for k, v in self.stats.items():
-            self.stats[k] = torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0
+        self.stats.clear()
+        self.stats.update({"calls": 0, "rows_sent": 0,
+                           "tokens_per_local_expert": torch.zeros(self.local_experts, dtype=torch.long)})
+        for phase in ("forward", "backward", "recompute"):
+            self.stats[f"{phase}_bytes"] = self.stats[f"{phase}_bytes_remote"] = 0
+
+
+def _outside_selective_ac(fn, *args):
+    """Run `fn` (the FSDP-managed experts) outside selective activation checkpointing's op cache.
+
+    Selective AC replays the region's ops by position and insists the recompute issue the same ops as the
+    forward. The experts' FSDP hooks do not: in the recompute their state is IDLE rather than FORWARD, so
+    they issue an extra `record_function` (FSDP::root_pre_forward) and the replay fails. Outside the cache
+    the experts are simply recomputed (their saved tensors still come back through the checkpoint), which
+    is correct for any policy; full AC has no cache and is unaffected.
+    """
+    from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
+    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+
+    if any(isinstance(m, (_CachingTorchDispatchMode, _CachedTorchDispatchMode))
+           for m in _get_current_dispatch_mode_stack()):
+        with _disable_current_modes():
+            return fn(*args)
+    return fn(*args)
 
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:

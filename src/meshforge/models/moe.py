@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshforge.models.llama import FeedForward, Llama, TransformerBlock
+from meshforge.models.llama import FeedForward, Llama, TransformerBlock, rope_cos_sin
 from meshforge.models.presets import ModelArgs
 
 
@@ -58,21 +58,14 @@ class _ScaleGrad(torch.autograd.Function):
         return g * ctx.scale, None
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity forward; makes the incoming gradient contiguous (`_grouped_mm` backward rejects expanded grads)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g.contiguous()
-
-
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether `torch._grouped_mm` can run these operands: it needs 16-byte aligned row strides."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16):
+    """Whether `torch._grouped_mm` runs these operands: CPU fp32/bf16, CUDA bf16 on sm90+, 16-byte aligned rows."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cuda":
+        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (9, 0):
+            return False
+    elif x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         return False
     es = x.element_size()
     return all((w.shape[-1] * es) % 16 == 0 and (w.shape[-2] * es) % 16 == 0 for w in weights)
@@ -138,7 +131,10 @@ class GroupedExperts(nn.Module):
             offs = torch.cumsum(counts, 0).to(torch.int32)
             x = x.contiguous()
             h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
-            return _ContiguousGrad.apply(torch._grouped_mm(h, w2, offs=offs))
+            out = torch._grouped_mm(h, w2, offs=offs)
+            if out.requires_grad:  # _grouped_mm's backward rejects expanded (stride 0) gradients, e.g. of .sum()
+                out.register_hook(lambda g: g.contiguous())
+            return out
         # every expert runs, also on zero rows: its weights then get a zero gradient, never None
         outs = []
         for e, xe in enumerate(torch.split(x, counts.tolist())):
@@ -198,11 +194,9 @@ class MoETransformer(Llama):
         return [m for m in self.modules() if isinstance(m, MoE)]
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None):
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
-            positions = torch.arange(h.shape[1], device=h.device)
-        from meshforge.models.llama import rope_cos_sin
-
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin = rope_cos_sin(positions, self.args.hd, self.args.rope_theta)
         aux = None
         for block in self.layers.values():

@@ -1,0 +1,222 @@
+"""Expert parallelism reproduces the single-process MoE run, and its gradients are right where tokens are not.
+
+Parity: fp32 `tiny_moe` (4 experts, top-2, 1 shared expert), same seed and global batch (8 x 32 tokens),
+10 steps, relative loss difference <= 1e-5 per step and final weights within 5e-5 against
+`run_single(["model.preset=tiny_moe"])` (with micro batches of 1 for the accumulation case: the aux loss is
+a statistic of each micro batch, so micro batching is part of the model's definition). Configurations: EP2; EP4; fsdp2 over 4 ranks with EP2
+(ep_shard 2); EP2 x TP2; activation checkpointing full/selective with `ignore_router_for_ac` both ways;
+`wrap_outer_model: false` with `reshard_after_forward: true`; gradient accumulation; meta-device init.
+
+Gradient checks inside the same launches (one launch per world size, this file is also the worker):
+- the router receives a non-zero gradient from the aux loss alone, under EP;
+- an expert forced to receive no token has a zero gradient (a tensor, not None) on every rank, while the
+  other experts' gradients are non-zero.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.dist
+
+LOSS_RTOL, WEIGHT_ATOL = 1e-5, 5e-5
+MOE = ["model.preset=tiny_moe"]
+
+N2 = {
+    "ep2": MOE + ["distributed.ep_size=2"],
+    "ep2_ac_full": MOE + ["distributed.ep_size=2", "distributed.activation_checkpointing=full",
+                          "distributed.moe.ignore_router_for_ac=false"],
+    "ep2_ac_selective_ignore_router": MOE + ["distributed.ep_size=2", "distributed.activation_checkpointing=selective",
+                                             "distributed.moe.ignore_router_for_ac=true"],
+    "ep2_outer_unwrapped_reshard_meta_init": MOE + ["distributed.ep_size=2", "distributed.moe.wrap_outer_model=false",
+                                                    "distributed.moe.reshard_after_forward=true",
+                                                    "model.init_device=meta"],
+    # accumulation over 4 micro batches of 1 sequence: the aux loss is per micro batch (a batch statistic),
+    # so the reference uses micro batches of 1 too (REF_MB1)
+    "ep2_accum4": MOE + ["distributed.ep_size=2", "training.micro_batch_size=1"],
+}
+REF_MB1 = {"ep2_accum4"}
+N4 = {
+    "ep4": MOE + ["distributed.ep_size=4"],
+    # fsdp2 over 4 ranks with EP2: experts sharded by FSDP over ep_shard=2; with AC and routing replay
+    "fsdp4_ep2_ac_full_ignore_router": MOE + ["distributed.strategy=fsdp2", "distributed.ep_size=2",
+                                              "distributed.activation_checkpointing=full",
+                                              "distributed.moe.ignore_router_for_ac=true"],
+    "ep2_tp2": MOE + ["distributed.ep_size=2", "distributed.tp_size=2"],
+}
+CHECK_EP = {2: 2, 4: 2}  # world size -> ep size of the gradient checks (N4: ep_shard 2, FSDP on experts)
+
+
+# --------------------------------------------------------------------------------------------- worker
+def _grad_checks(info, ep_size: int) -> dict:
+    """Router grad from aux alone, and a forced-empty expert's grad, on an EP-parallelised tiny_moe."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from meshforge.config import load_config
+    from meshforge.distributed.mesh import MeshContext
+    from meshforge.distributed.parallelize import parallelize_model
+    from meshforge.models import build_model, init_weights
+
+    cfg = load_config(None, MOE + [f"distributed.ep_size={ep_size}"], world_size=info.world_size)
+    mesh_ctx = MeshContext.build(cfg.distributed, info.world_size, info.rank, "cpu")
+    out: dict = {}
+
+    def build():
+        m = build_model(cfg.model)
+        init_weights(m, 11)
+        m, _ = parallelize_model(m, mesh_ctx, cfg.distributed, torch.device("cpu"))
+        return m
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(100 + info.rank))
+    # 1) aux loss alone -> every router gets a non-zero gradient
+    m = build()
+    _, aux = m(x)
+    aux.backward()
+    norms = [full(layer.router.gate.weight.grad).norm().item() for layer in m.moe_layers()]
+    out["router_grad_norms_from_aux"] = norms
+    # 2) expert 3 never chosen -> zero gradient (not None) on every rank; the others non-zero
+    m = build()
+    for layer in m.moe_layers():
+        layer.router.gate.register_forward_hook(lambda mod, inp, o: o.index_fill(-1, torch.tensor([3]), -1e4))
+    logits, aux = m(x)
+    (logits.float().pow(2).mean() + aux).backward()
+    none_local, idle, busy, counts = 0, 0.0, [], []
+    for layer in m.moe_layers():
+        counts.append(int(layer.last_counts[3]))
+        for w in (layer.experts.w1, layer.experts.w2, layer.experts.w3):
+            if w.grad is None or w.grad.to_local() is None:
+                none_local += 1
+                continue
+            g = full(w.grad)
+            idle = max(idle, g[3].abs().max().item())
+            busy.append(g[:3].abs().sum().item())
+    flags = torch.tensor([float(none_local), float(sum(counts))])
+    dist.all_reduce(flags)
+    out.update(none_grads_all_ranks=flags[0].item(), tokens_to_idle_expert_all_ranks=flags[1].item(),
+               idle_expert_max_abs_grad=idle, min_busy_expert_grad_sum=min(busy))
+    return out
+
+
+def _worker(spec_path: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from meshforge.distributed.env import init_distributed
+    from meshforge.testing.parity import _cfg, full_weights
+    from meshforge.training.trainer import _train
+
+    spec = json.loads(Path(spec_path).read_text())
+    info = init_distributed("cpu", timeout_minutes=5)
+    results: dict = {}
+    for name, overrides in spec["configs"].items():
+        try:
+            res = _train(_cfg(overrides, spec["steps"]), info)
+            w = full_weights(res.parallel_model)
+            results[name] = {"losses": res.losses, "grad_norms": res.grad_norms}
+            if info.rank == 0:
+                torch.save(w, Path(out_dir) / f"{name}.weights.pt")
+        except Exception as err:  # noqa: BLE001 - reported to the test
+            import traceback
+
+            results[name] = {"error": f"{type(err).__name__}: {err}\n{traceback.format_exc()}"}
+    try:
+        results["_checks"] = _grad_checks(info, spec["check_ep"])
+    except Exception as err:  # noqa: BLE001
+        import traceback
+
+        results["_checks"] = {"error": f"{type(err).__name__}: {err}\n{traceback.format_exc()}"}
+    if info.rank == 0:
+        (Path(out_dir) / "results.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def launch(configs: dict, nproc: int, steps: int = 10):
+    """One torchrun launch of this file: every config plus the gradient checks; rank 0's results."""
+    from meshforge.testing.parity import RunResult
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "spec.json"
+        spec.write_text(json.dumps({"configs": configs, "steps": steps, "check_ep": CHECK_EP[nproc]}))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               str(Path(__file__).resolve()), str(spec), tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        res_file = Path(tmp) / "results.json"
+        if not res_file.exists():
+            raise RuntimeError(f"launch failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+        raw = json.loads(res_file.read_text())
+        out = {"_checks": raw.pop("_checks")}
+        for name, r in raw.items():
+            if "error" in r:
+                out[name] = RunResult([], [], {}, r["error"])
+                continue
+            out[name] = RunResult(r["losses"], r["grad_norms"],
+                                  torch.load(Path(tmp) / f"{name}.weights.pt", weights_only=True))
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- tests
+@pytest.fixture(scope="module")
+def reference():
+    from meshforge.testing.parity import run_single
+
+    return run_single(MOE)
+
+
+@pytest.fixture(scope="module")
+def reference_mb1():
+    from meshforge.testing.parity import run_single
+
+    return run_single(MOE + ["training.micro_batch_size=1"])
+
+
+@pytest.fixture(scope="module")
+def results_n2():
+    return launch(N2, 2)
+
+
+@pytest.fixture(scope="module")
+def results_n4():
+    return launch(N4, 4)
+
+
+@pytest.mark.parametrize("name", list(N2))
+def test_parity_n2(request, results_n2, name):
+    from meshforge.testing.parity import compare
+
+    ref = request.getfixturevalue("reference_mb1" if name in REF_MB1 else "reference")
+    compare(ref, results_n2[name], name, LOSS_RTOL, WEIGHT_ATOL)
+
+
+@pytest.mark.parametrize("name", list(N4))
+def test_parity_n4(reference, results_n4, name):
+    from meshforge.testing.parity import compare
+
+    compare(reference, results_n4[name], name, LOSS_RTOL, WEIGHT_ATOL)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_router_grad_from_aux_alone_and_idle_expert_zero_grad(results_n2, results_n4, world):
+    checks = (results_n2 if world == 2 else results_n4)["_checks"]
+    assert "error" not in checks, checks.get("error")
+    print(f"N={world} EP={CHECK_EP[world]} checks: {checks}")
+    assert all(n > 0 for n in checks["router_grad_norms_from_aux"]), checks
+    assert checks["tokens_to_idle_expert_all_ranks"] == 0
+    assert checks["none_grads_all_ranks"] == 0, "some rank has a None gradient for an expert parameter"
+    assert checks["idle_expert_max_abs_grad"] == 0.0
+    assert checks["min_busy_expert_grad_sum"] > 0
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2])
