@@ -1,0 +1,220 @@
+"""megatron_fsdp: parity with the single process, resharding checkpoints, memory and communication accounting.
+
+Parity: fp32, same seed and global batch (8 x 32 tokens), 10 steps, compared with `run_single`. Tolerances as
+for ddp/fsdp2: relative loss difference <= 1e-5 per step, final weights within 5e-5 absolute. By default each
+sharding strategy runs at N=2 and N=4 twice: with gradient accumulation and average_in_collective=false, and
+without accumulation and average_in_collective=true (so every strategy x N meets both values of both axes);
+MESHFORGE_FULL_MATRIX=1 runs all 16 combinations per N. Extras at N=2: overlapped collectives, activation
+checkpointing, meta-device init, unit classes by name, the zero_dp_strategy and Megatron-Bridge spellings,
+context parallelism (cp2 shards over dp_cp). Accumulation: N=2 micro 2 -> 2 micro-batches, micro 4 -> 1;
+N=4 micro 1 -> 2, micro 2 -> 1.
+
+Resharding: a megatron_fsdp (optim_grads_params) checkpoint saved with DCP at N=4 loads at N=2 (into
+megatron_fsdp optim) with every weight and optimizer entry bit-equal.
+
+Accounting (benchmarks/memory_per_rank.py at N=4, measured from the buffers and the collective wrapper).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.dist
+LOSS_RTOL, WEIGHT_ATOL = 1e-5, 5e-5
+MODES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+FULL = os.environ.get("MESHFORGE_FULL_MATRIX") == "1"
+
+
+def _mf(mode: str) -> list[str]:
+    return ["distributed.strategy=megatron_fsdp", f"distributed.data_parallel_sharding_strategy={mode}"]
+
+
+def matrix(n: int) -> dict[str, list[str]]:
+    micro = {2: {True: 2, False: 4}, 4: {True: 1, False: 2}}[n]  # accumulate -> micro batch size
+    out = {}
+    for mode in MODES:
+        for accum in (True, False):
+            for avg in (False, True):
+                if not FULL and avg != (not accum):
+                    continue
+                out[f"{mode}_n{n}_{'accum' if accum else 'noaccum'}_avg{str(avg).lower()}"] = _mf(mode) + [
+                    f"training.micro_batch_size={micro[accum]}", f"distributed.average_in_collective={avg}"]
+    return out
+
+
+EXTRAS_N2 = {
+    "overlap": _mf("optim_grads_params") + ["distributed.overlap_grad_reduce=true",
+                                            "distributed.overlap_param_gather=true"],
+    "overlap_optim": _mf("optim") + ["distributed.overlap_grad_reduce=true", "distributed.overlap_param_gather=true"],
+    "ac_full": _mf("optim_grads_params") + ["distributed.activation_checkpointing=full"],
+    "meta_init": _mf("optim_grads_params") + ["model.init_device=meta"],
+    "unit_classes": _mf("optim_grads") + ["distributed.fsdp_unit_classes=[TransformerBlock]"],
+    "zero_dp_strategy_3": ["distributed.strategy=megatron_fsdp", "distributed.zero_dp_strategy=3"],
+    "bridge_spelling": ["dist.use_megatron_fsdp=true", "ddp.use_megatron_fsdp=true",
+                        "ddp.data_parallel_sharding_strategy=optim_grads_params", "ddp.average_in_collective=false"],
+    "cp2": _mf("optim_grads_params") + ["distributed.cp_size=2"],
+}
+N2 = {**matrix(2), **EXTRAS_N2}
+N4 = matrix(4)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from meshforge.testing.parity import run_single
+
+    return run_single()
+
+
+@pytest.fixture(scope="module")
+def results_n2():
+    from meshforge.testing.parity import run_configs
+
+    return run_configs(N2, nproc=2)
+
+
+@pytest.fixture(scope="module")
+def results_n4():
+    from meshforge.testing.parity import run_configs
+
+    return run_configs(N4, nproc=4)
+
+
+@pytest.mark.parametrize("name", list(N2))
+def test_parity_n2(reference, results_n2, name):
+    from meshforge.testing.parity import compare
+
+    compare(reference, results_n2[name], name, LOSS_RTOL, WEIGHT_ATOL)
+
+
+@pytest.mark.parametrize("name", list(N4))
+def test_parity_n4(reference, results_n4, name):
+    from meshforge.testing.parity import compare
+
+    compare(reference, results_n4[name], name, LOSS_RTOL, WEIGHT_ATOL)
+
+
+def test_bridge_spelling_maps_to_megatron_fsdp():
+    from meshforge.config import load_config
+
+    cfg = load_config(None, ["dist.use_megatron_fsdp=true", "ddp.use_megatron_fsdp=true",
+                             "ddp.data_parallel_sharding_strategy=optim", "ddp.average_in_collective=false"],
+                      world_size=2)
+    d = cfg.distributed
+    assert (d.strategy, d.sharding_strategy, d.average_in_collective) == ("megatron_fsdp", "optim", False)
+
+
+# ------------------------------------------------------------------------------ resharding N=4 -> N=2
+def _launch(nproc: int, *args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(Path(__file__).resolve()), *args]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600, cwd=str(ROOT),
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, f"{args[0]} at N={nproc} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def test_reshard_n4_to_n2(tmp_path):
+    _launch(4, "save", str(tmp_path))
+    proc = _launch(2, "load", str(tmp_path))
+    assert "RESHARD OK" in proc.stdout, proc.stdout[-3000:]
+
+
+def _worker(action: str, path: str) -> None:
+    """save: train 3 steps at N=4 (optim_grads_params), DCP-save, rank 0 writes the full state for comparison.
+    load: build a fresh N=2 megatron_fsdp (optim) model, DCP-load, compare every entry bit for bit."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+
+    from meshforge.config import load_config
+    from meshforge.distributed.env import init_distributed
+    from meshforge.distributed.mesh import MeshContext
+    from meshforge.testing.parity import base_overrides, full_weights
+    from meshforge.training.optim import build_optimizer
+    from meshforge.training.trainer import _train, build_parallel_model
+
+    info = init_distributed("cpu", timeout_minutes=5)
+    mode = "optim_grads_params" if action == "save" else "optim"
+    seed = 7 if action == "save" else 99
+    cfg = load_config(None, base_overrides(3) + _mf(mode) + [f"run.seed={seed}", f"run.output_dir={path}/run"],
+                      world_size=info.world_size)
+
+    def full_optim(osd):
+        return {f"{fqn}/{k}": (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                for fqn, st in osd["state"].items() for k, v in st.items()}
+
+    if action == "save":
+        res = _train(cfg, info)
+        pm, opt = res.parallel_model, res.optimizer
+        s = pm.strategy
+        dcp.save({"model": s.model_state_dict(pm.model), "optim": s.optimizer_state_dict(pm.model, opt)},
+                 checkpoint_id=f"{path}/ckpt")
+        w, o = full_weights(pm), full_optim(s.optimizer_state_dict(pm.model, opt))
+        if info.rank == 0:
+            torch.save({"weights": w, "optim": o, "lr": opt.param_groups[0]["lr"]}, f"{path}/expected.pt")
+    else:
+        mesh_ctx = MeshContext.build(cfg.distributed, info.world_size, info.rank, "cpu")
+        pm = build_parallel_model(cfg, mesh_ctx, info.device)
+        opt = build_optimizer(pm.param_groups(0.1), cfg.optimizer, info.device)
+        s = pm.strategy
+        state = {"model": s.model_state_dict(pm.model), "optim": s.optimizer_state_dict(pm.model, opt)}
+        dcp.load(state, checkpoint_id=f"{path}/ckpt")
+        s.load_model_state_dict(pm.model, state["model"])
+        s.load_optimizer_state_dict(pm.model, opt, state["optim"])
+        exp = torch.load(f"{path}/expected.pt", weights_only=True)
+        w, o = full_weights(pm), full_optim(s.optimizer_state_dict(pm.model, opt))
+        assert set(w) == set(exp["weights"]) and set(o) == set(exp["optim"])
+        bad = [k for k in w if not torch.equal(w[k], exp["weights"][k])] + \
+              [k for k in o if not torch.equal(o[k], exp["optim"][k])]
+        assert not bad, f"entries differ after N=4 -> N=2 load: {bad[:5]}"
+        assert opt.param_groups[0]["lr"] == exp["lr"]
+        if info.rank == 0:
+            print(f"RESHARD OK: {len(w)} weights and {len(o)} optimizer entries bit-equal")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------ memory / communication
+@pytest.fixture(scope="module")
+def accounting():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import memory_per_rank
+    finally:
+        sys.path.pop(0)
+    return memory_per_rank.run(4, "tiny", ["mfsdp_optim", "mfsdp_optim_grads_params"])
+
+
+def test_memory_optim_grads_params(accounting):
+    ranks = accounting["mfsdp_optim_grads_params"]
+    for r in ranks:
+        total = 4 * r["P"]  # fp32 bytes of the whole model
+        assert r["params"] <= total / 4 * 1.05 + r["largest_unit_bytes"], r
+        assert r["params"] <= total / 4 * 1.05, r  # at rest not even one unit is gathered
+        assert r["grads"] <= total / 4 * 1.05, r
+        assert r["optimizer"] <= 2 * total / 4 * 1.05, r
+        # all-gathered once for forward and again for the resharded blocks; grads reduce-scattered once
+        c = r["comm"]
+        assert total <= c["all_gather"] <= 2 * total * 1.05, c
+        assert total <= c["reduce_scatter"] <= total * 1.05, c
+        assert "all_reduce" not in c, c
+
+
+def test_memory_optim(accounting):
+    for r in accounting["mfsdp_optim"]:
+        total = 4 * r["P"]
+        assert 2 * total / 4 * 0.95 <= r["optimizer"] <= 2 * total / 4 * 1.05, r
+        assert r["grads"] >= total  # ZeRO-1 keeps full gradients
+        c = r["comm"]
+        assert total <= c["all_reduce"] <= total * 1.05 and total <= c["all_gather"] <= total * 1.05, c
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2])
