@@ -19,7 +19,8 @@ buffer or tied weights count once, and padding counts) behind this rank's
 parameters, gradients and optimizer state: DTensors by their local shard,
 optimizer-held parameters (e.g. fp32 main shards) included, DDP's reducer buckets
 added as gradient memory. A strategy with its own flat buffers may provide
-`memory_report()`, which is then used instead.
+`memory_report(optimizer)` with `params_at_rest`, `grads` and `optimizer_state`
+(megatron_fsdp does), which is then used, the storage count kept beside it.
 """
 
 from __future__ import annotations
@@ -136,13 +137,23 @@ def _ddp_bucket_bytes(model) -> int:
 
 def state_bytes(models: list, optimizer: torch.optim.Optimizer, strategy=None) -> dict:
     """Bytes this rank holds in params, grads and optimizer state (call after step, before zero_grad)."""
+    counted = _storage_count(models, optimizer)
     report = getattr(strategy, "memory_report", None)
     if callable(report):
-        rep = report()
-        if isinstance(rep, dict) and rep:
-            numeric = {k: int(v) for k, v in rep.items() if isinstance(v, (int, float))}
-            total = numeric.get("total", sum(v for k, v in numeric.items() if k != "total"))
-            return {"source": "strategy.memory_report", **numeric, "total": total}
+        try:
+            rep = report(optimizer)
+        except TypeError:
+            rep = report()
+        if isinstance(rep, dict) and {"params_at_rest", "grads", "optimizer_state"} <= set(rep):
+            out = {"params": int(rep["params_at_rest"]), "grads": int(rep["grads"]),
+                   "optimizer": int(rep["optimizer_state"])}
+            out["total"] = out["params"] + out["grads"] + out["optimizer"]
+            return {"source": "strategy.memory_report", **out, "storages_total": counted["total"],
+                    "report": {k: v for k, v in rep.items() if isinstance(v, (int, float))}}
+    return counted
+
+
+def _storage_count(models: list, optimizer: torch.optim.Optimizer) -> dict:
     seen = _StorageSet()
     params = [p for m in models for p in m.parameters()]
     params += [p for g in optimizer.param_groups for p in g["params"]]
