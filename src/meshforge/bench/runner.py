@@ -171,7 +171,8 @@ def run_all(config_path: str | None, configs: list[BenchConfig], steps: int, war
     with tempfile.TemporaryDirectory(prefix="meshforge-bench-") as tmp:
         workdir = Path(tmp)
         for i, c in enumerate(configs):
-            progress(f"bench [{i + 1}/{len(configs)}] {c.name} (N={c.nproc}) ...")
+            where = "" if "N=" in c.name else f" (N={c.nproc})"
+            progress(f"bench [{i + 1}/{len(configs)}] {c.name}{where} ...")
             res = run_config(config_path, c, steps, warmup, peak_tflops, workdir, i, timeout)
             rows.append({"name": c.name, "nproc": c.nproc, "overrides": c.overrides, "swept": c.swept, **res})
             if "error" in res:
