@@ -91,6 +91,31 @@ class ParamSlot:
     param: nn.Parameter | None = None  # the model's parameter, a view into `compute`
     piece: tuple[int, int] = (0, 0)  # global flat range of this rank's optimizer piece
     leaf: nn.Parameter | None = None  # optimizer leaf (view into `main`), None when the piece is empty
+    # tensor parallelism: the parameter is a DTensor on `tp_mesh`; the buffers pack its local tensor
+    tp_mesh: object = None
+    placements: tuple = ()
+    global_shape: torch.Size | None = None
+    global_stride: tuple | None = None
+
+    def local_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's tensor-parallel piece of a full (global) value; the value itself without TP."""
+        if self.tp_mesh is None:
+            return full
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(full, self.tp_mesh, self.placements, src_data_rank=None).to_local()
+
+    def global_of(self, local: torch.Tensor) -> torch.Tensor:
+        """The full (global) value from this rank's local value (an all-gather over tp under TP)."""
+        if self.tp_mesh is None:
+            return local
+        return self.as_dtensor(local).full_tensor()
+
+    def as_dtensor(self, local: torch.Tensor):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local, self.tp_mesh, self.placements, run_check=False,
+                                  shape=self.global_shape, stride=self.global_stride)
 
     @property
     def fqn(self) -> str:
@@ -190,6 +215,8 @@ class FlatUnit:
                              requires_grad=s.requires_grad)
             with torch.no_grad():
                 p.set_(self.compute.untyped_storage(), s.offset, s.shape)
+            if s.tp_mesh is not None:
+                p = nn.Parameter(s.as_dtensor(p.detach()), requires_grad=s.requires_grad)
             s.param = p
             for owner, attr in self._owners(s):
                 owner._parameters[attr] = p

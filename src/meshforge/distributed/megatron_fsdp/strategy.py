@@ -36,6 +36,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshforge.distributed.blocks import find_blocks
 from meshforge.distributed.megatron_fsdp.buffers import (
@@ -99,9 +100,6 @@ class MegatronFSDPStrategy(Strategy):
         for fqn, p in model.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), []).append(fqn)
             params[id(p)] = p
-        if any(type(p).__name__ == "DTensor" for p in params.values()):
-            raise NotImplementedError("strategy megatron_fsdp does not pack tensor-parallel (DTensor) parameters "
-                                      "yet: use distributed.strategy=fsdp2 with tp_size > 1")
         unit_classes = self.dcfg.fsdp_unit_classes or self.dcfg.block_classes or None
         blocks = find_blocks(model, unit_classes)
         owner: dict[int, int] = {}
@@ -120,14 +118,19 @@ class MegatronFSDPStrategy(Strategy):
             for pid in pids:
                 p, fqn = params[pid], names[pid][0]
                 mod_path, _, attr = fqn.rpartition(".")
-                slots.append(ParamSlot(names[pid], model.get_submodule(mod_path) if mod_path else model, attr,
-                                       p.shape, off, p.numel(), p.requires_grad))
-                off += p.numel()
+                local = p.to_local() if isinstance(p, DTensor) else p
+                slot = ParamSlot(names[pid], model.get_submodule(mod_path) if mod_path else model, attr,
+                                 local.shape, off, local.numel(), p.requires_grad)
+                if isinstance(p, DTensor):  # tensor parallel: pack the local tensor, keep the DTensor view
+                    slot.tp_mesh, slot.placements = p.device_mesh, tuple(p.placements)
+                    slot.global_shape, slot.global_stride = p.shape, p.stride()
+                slots.append(slot)
+                off += local.numel()
             name = "root" if i == len(blocks) else f"unit{i}"
             u = FlatUnit(name, modules[i], slots, self.world, self.rank, self.mode, self.compute_dtype,
                          self.reduce_dtype, self.device, root=model)
             flat = None if meta else u.full_flat_from_params(
-                {s.fqn: params[pid].detach().to(self.device, torch.float32) for s, pid in zip(slots, pids)})
+                {s.fqn: _local(params[pid]).detach().to(self.device, torch.float32) for s, pid in zip(slots, pids)})
             u.bind_params()
             u.make_leaves()
             if flat is not None:
@@ -232,7 +235,12 @@ class MegatronFSDPStrategy(Strategy):
             if p.grad is None:
                 return
             self._ensure_grad_buffer(u)
-            u.grad_full[s.offset:s.offset + s.numel].view(s.shape).add_(p.grad)
+            g = p.grad
+            if isinstance(g, DTensor):
+                if tuple(g.placements) != s.placements:
+                    g = g.redistribute(s.tp_mesh, s.placements)
+                g = g.to_local()
+            u.grad_full[s.offset:s.offset + s.numel].view(s.shape).add_(g)
             p.grad = None
             u.ready += 1
             if u.ready == u.n_grads:
@@ -334,10 +342,19 @@ class MegatronFSDPStrategy(Strategy):
         return groups
 
     def clip_grad_norm_(self, model: nn.Module, max_norm: float | None) -> torch.Tensor:
-        leaves = [leaf for _, leaf in self._leaves()]
+        pairs = self._leaves()
+        leaves = [leaf for _, leaf in pairs]
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for leaf in leaves:
-            sq += leaf.grad.float().pow(2).sum()
+        sq_tp = torch.zeros((), dtype=torch.float32, device=self.device)
+        for s, leaf in pairs:
+            if s.tp_mesh is not None:
+                sq_tp += leaf.grad.float().pow(2).sum()
+            else:
+                sq += leaf.grad.float().pow(2).sum()
+        if self.mesh_ctx.tp_size > 1:  # tp-sharded parameters: different pieces on each tp rank
+            dist.all_reduce(sq_tp, group=self.mesh_ctx.group("tp"))
+            self.comm.calls["grad_norm_tp"] += 1
+        sq = sq + sq_tp
         if self.mode in SHARDED_OPTIM:
             self.comm.all_reduce(sq, avg=False, kind="grad_norm")
         norm = sq.sqrt()
@@ -374,7 +391,8 @@ class MegatronFSDPStrategy(Strategy):
         for u in self.units:
             flat = torch.zeros(u.padded, dtype=torch.float32, device=self.device)
             for s in u.slots:
-                full = param_init_tensor(model, s.fqn, tuple(s.shape), seed)
+                shape = tuple(s.global_shape if s.global_shape is not None else s.shape)
+                full = s.local_of(param_init_tensor(model, s.fqn, shape, seed).to(self.device))
                 flat[s.offset:s.offset + s.numel].copy_(full.reshape(-1))
             u.set_full_flat(flat)
 
@@ -386,8 +404,12 @@ class MegatronFSDPStrategy(Strategy):
         self.comm.all_gather(out, local.contiguous(), kind="checkpoint")
         return out
 
-    def _sharded(self, full: torch.Tensor):
-        """Full tensor -> this rank's DTensor Shard(0) piece on the dp mesh (a plain clone at world size 1)."""
+    def _sharded(self, full: torch.Tensor, s: ParamSlot):
+        """This rank's value of `s` (its tp-local tensor, whole over dp) -> a DTensor for DCP: Shard(0) on the dp mesh
+        (FSDP2's layout), or, under tensor parallelism, the tp DTensor itself (replicated over dp); a plain clone
+        at world size 1."""
+        if s.tp_mesh is not None:
+            return s.as_dtensor(full.detach().clone())
         if self.dp_mesh is None:
             return full.detach().clone()
         from torch.distributed.tensor import DTensor, Shard
@@ -408,7 +430,7 @@ class MegatronFSDPStrategy(Strategy):
         for u in self.units:
             full = self._gather_flat(u, u.main)
             for s in u.slots:
-                t = self._sharded(full[s.offset:s.offset + s.numel].view(s.shape))
+                t = self._sharded(full[s.offset:s.offset + s.numel].view(s.shape), s)
                 for n in s.names:
                     out[n] = t
         return out
@@ -419,7 +441,8 @@ class MegatronFSDPStrategy(Strategy):
             for s in u.slots:
                 if s.fqn not in sd:
                     raise KeyError(f"model state dict has no entry {s.fqn!r}")
-                flat[s.offset:s.offset + s.numel].copy_(self._full(sd[s.fqn]).reshape(-1).to(self.device))
+                full = self._full(sd[s.fqn]).to(self.device, torch.float32)
+                flat[s.offset:s.offset + s.numel].copy_(s.local_of(full).reshape(-1))
             u.set_full_flat(flat)
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -429,7 +452,7 @@ class MegatronFSDPStrategy(Strategy):
             full = self._gather_flat(u, u.main)
             for s in u.slots:
                 for n in s.names:
-                    out[n] = full[s.offset:s.offset + s.numel].view(s.shape).clone()
+                    out[n] = s.global_of(full[s.offset:s.offset + s.numel].view(s.shape)).clone()
         return out
 
     def _group_fqns(self, optimizer) -> list[list[str]]:
@@ -466,7 +489,7 @@ class MegatronFSDPStrategy(Strategy):
             for s in u.slots:
                 if not s.requires_grad:
                     continue
-                entry = {k: self._sharded(fulls[k][s.offset:s.offset + s.numel].view(s.shape)) for k in keys}
+                entry = {k: self._sharded(fulls[k][s.offset:s.offset + s.numel].view(s.shape), s) for k in keys}
                 entry["step"] = torch.tensor(step, dtype=torch.float32)
                 state[s.fqn] = entry
         groups = []
@@ -488,10 +511,10 @@ class MegatronFSDPStrategy(Strategy):
                     if k == "step":
                         new[k] = torch.tensor(float(v), dtype=torch.float32)
                         continue
-                    full = self._full(v)  # collective for DTensors: every rank, every slot, same order
+                    full = s.local_of(self._full(v).to(self.device, torch.float32))  # collective: every rank
                     if s.leaf is not None:
                         a, b = s.piece
-                        new[k] = full.reshape(-1)[a - s.offset:b - s.offset].to(self.device, torch.float32).clone()
+                        new[k] = full.reshape(-1)[a - s.offset:b - s.offset].clone()
                 if s.leaf is not None:
                     optimizer.state[s.leaf] = new
         saved = sd.get("param_groups", [])
@@ -522,3 +545,6 @@ class MegatronFSDPStrategy(Strategy):
             "total_param_numel": sum(u.numel for u in self.units),
         }
 
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
