@@ -23,4 +23,13 @@ def parallelize(model, mesh_ctx, dcfg, device=None):
     return _parallelize(model, mesh_ctx, dcfg, device)
 
 
+def __getattr__(name: str):
+    """`meshforge.distributed` and other subpackages on first use, without importing torch.distributed eagerly."""
+    import importlib
+
+    if name in ("distributed", "models", "data", "training", "checkpoint", "planning", "testing"):
+        return importlib.import_module(f"meshforge.{name}")
+    raise AttributeError(f"module 'meshforge' has no attribute {name!r}")
+
+
 __all__ = ["Config", "ConfigError", "load_config", "parallelize", "recipes", "train"]

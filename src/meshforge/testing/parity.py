@@ -43,7 +43,8 @@ def full_weights(pm) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     out: dict[str, torch.Tensor] = {}
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    # cpu_offload=True would leave every rank but 0 empty, losing the other pipeline stages' weights
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=False)
     for part in pm.unwrapped_parts() if len(pm.parts) > 1 else pm.parts:
         sd = part.state_dict_for_checkpoint() if hasattr(part, "state_dict_for_checkpoint") else \
             get_model_state_dict(part, options=opts)
@@ -147,7 +148,11 @@ def compare(ref: RunResult, got: RunResult, name: str = "", loss_rtol: float = 1
             f"{name}: parameter names differ: {sorted(set(ref.weights) ^ set(got.weights))[:6]}"
         for k in ref.weights:
             wdiff = max(wdiff, (ref.weights[k] - got.weights[k]).abs().max().item())
-    print(f"parity {name}: max rel loss diff {rel:.3e}, max abs weight diff {wdiff:.3e}")
+    gn = max((abs(a - b) / max(abs(a), 1e-12) for a, b in zip(ref.grad_norms, got.grad_norms)), default=0.0)
+    print(f"parity {name}: max rel loss diff {rel:.3e}, max abs weight diff {wdiff:.3e}, "
+          f"max rel grad-norm diff {gn:.3e}")
+    # the logged (and clipping) grad norm must be the global one, however the grads are sharded
+    assert gn <= 1e-4, f"{name}: grad norm differs by {gn:.3e} relative (ref {ref.grad_norms}, got {got.grad_norms})"
     assert rel <= loss_rtol, f"{name}: relative loss difference {rel:.3e} > {loss_rtol} " \
                              f"(ref {ref.losses}, got {got.losses})"
     if weight_atol is not None:

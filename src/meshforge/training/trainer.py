@@ -115,11 +115,15 @@ def train(cfg: Config) -> TrainResult:
     note = choose_cuda_device_max_connections(cfg.distributed, env_world_size(), cuda)  # before CUDA starts
     if note and int(os.environ.get("RANK", 0)) == 0:
         print(f"meshforge: {note}", flush=True)
+    import torch.distributed as dist
+
+    owns_group = not dist.is_initialized()  # a process group the caller made is theirs to destroy
     info = init_distributed(cfg.training.device, cfg.distributed.timeout_minutes)
     try:
         return _train(cfg, info)
     finally:
-        destroy()
+        if owns_group:
+            destroy()
 
 
 def _train(cfg: Config, info) -> TrainResult:
