@@ -20,6 +20,8 @@ import torch
 
 from meshforge.testing.parity import compare, run_configs, run_single
 
+pytestmark = pytest.mark.dist
+
 LOSS_RTOL = 1e-5
 # AdamW at lr 1e-2 turns 1e-7 gradient differences of near-zero gradients into ~lr-sized steps, so the
 # final weights are compared loosely; the losses and the direct gradient check below are the tight tests.
@@ -108,7 +110,7 @@ def _grad_worker(out_dir: str) -> None:
 def test_block_gradients_match_single_process(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", __file__,
            str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-6000:]
     results = json.loads((tmp_path / "grads.json").read_text())

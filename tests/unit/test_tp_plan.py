@@ -10,7 +10,12 @@ from torch import nn
 
 from meshforge.config import ConfigError, load_config
 from meshforge.config.schema import ModelConfig
-from meshforge.distributed.tensor_parallel import config_plan_problems, pattern_matches, plan_problems, resolve_plan
+from meshforge.distributed.tensor_parallel import (
+    config_plan_problems,
+    pattern_matches,
+    plan_problems,
+    resolve_plan,
+)
 from meshforge.models import build_model
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -40,7 +45,7 @@ def test_declared_plan_resolves_every_projection():
 
 def test_config_plan_overrides_module_by_module():
     custom = {"output": "colwise", "layers.0.feed_forward.*": "replicate", "tok_embeddings": "replicate"}
-    resolved, declared, problems = resolve_plan(tiny(), False, custom)
+    resolved, _, problems = resolve_plan(tiny(), False, custom)
     assert not problems
     assert resolved["output"] == "vocab_output"  # colwise on the logits keeps the vocabulary-parallel loss
     assert resolved["tok_embeddings"] == "replicate"
@@ -53,8 +58,8 @@ def test_bad_plans_name_module_and_shape():
     assert any("'tok_embeddings' with weight shape [256, 64]" in m and "tp_size=3" in m for m in msgs)
     assert any("'layers.*.feed_forward.w1' with weight shape [176, 64]" in m and "(in 2 layers)" in m for m in msgs)
     msgs = plan_problems(model, 2, False, {"layers.*.attention.q_proj": "colwise"})
-    assert msgs == ["distributed.tp_plan pattern 'layers.*.attention.q_proj' names no module of the model: "
-                    "patterns match dotted module names per component, e.g. 'layers.*.attention.wq'"]
+    assert msgs == [("distributed.tp_plan pattern 'layers.*.attention.q_proj' names no module of the model: "
+                     "patterns match dotted module names per component, e.g. 'layers.*.attention.wq'")]
     msgs = plan_problems(model, 2, False, {"layers.0.attention_norm": "colwise"})
     assert len(msgs) == 1 and "'layers.0.attention_norm' (RMSNorm)" in msgs[0]
     msgs = plan_problems(model, 2, True, {"norm": "replicate"})

@@ -81,9 +81,7 @@ def resolve_plan(model: nn.Module, sequence_parallel: bool, custom: dict[str, st
                             f"dotted module names per component, e.g. 'layers.*.attention.wq'")
         for name, style in overrides.items():
             base = declared.get(name)
-            if style == "colwise" and base == "vocab_output":
-                style = base
-            elif style == "rowwise" and base == "vocab_embedding":
+            if (style, base) in (("colwise", "vocab_output"), ("rowwise", "vocab_embedding")):
                 style = base
             resolved[name] = style
     return resolved, declared, problems
