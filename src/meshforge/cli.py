@@ -86,6 +86,12 @@ def run_training(cfg) -> int:
         return _fail(getattr(err, "problems", None) or str(err).splitlines() or [type(err).__name__])
     except TrainingStopped as err:
         return _fail(str(err), code=3)
+    except RuntimeError as err:  # a collective timed out or lost its peer: one clear line instead of a traceback
+        first = (str(err).strip().splitlines() or [""])[0]
+        if not any(s in first for s in ("Timed out", "timed out", "Connection reset", "Connection closed")):
+            raise
+        return _fail(f"rank {os.environ.get('RANK', '0')}: a collective failed ({first[:160]}): another rank died "
+                     f"or hangs (distributed.timeout_minutes={cfg.distributed.timeout_minutes})", code=1)
     if int(os.environ.get("RANK", 0)) == 0 and result.losses:
         print(f"done: steps {result.start_step}->{result.final_step}, first loss {result.losses[0]:.4f}, "
               f"last loss {result.losses[-1]:.4f}", flush=True)

@@ -31,7 +31,7 @@ def run_phases(phases: list[dict], nproc: int, out: Path, timeout: float = 300) 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(HERE / "_phases.py"), str(spec), str(out)]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env())
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env())
     wall = time.perf_counter() - t0
     rf = out / "results.json"
     if not rf.exists():
@@ -81,7 +81,7 @@ def _rank_of(pid: int) -> int | None:
     return None
 
 
-def worker_pids(launcher_pid: int, n: int, timeout: float = 60) -> dict[int, int]:
+def worker_pids(launcher_pid: int, n: int, timeout: float = 240) -> dict[int, int]:
     """{rank: pid} of the `n` training processes under a `meshforge train --nproc-per-node` launcher."""
     deadline = time.time() + timeout
     while time.time() < deadline:

@@ -210,40 +210,45 @@ def load_hf_into(model, hf_dir: str | Path) -> None:
             p.copy_(t.to(device=p.device, dtype=p.dtype))
 
 
-def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
-    """HF dir -> a weights-only meshforge checkpoint `<out>/step_0` (+ LATEST) and the model.* values it needs."""
+def save_weights_only(model, out_dir: str | Path, source: str = "") -> Path:
+    """A weights-only meshforge checkpoint `<out>/step_0` (+ LATEST) of a plain model, with its manifest."""
     import dataclasses
     import datetime
 
     import torch.distributed.checkpoint as dcp
 
     from meshforge.checkpoint.manager import FORMAT_VERSION, MANIFEST, _write_atomic, file_entry
-    from meshforge.models.llama import Llama
-    from meshforge.models.presets import ModelArgs
 
-    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
-    cfg_file = hf_dir / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{cfg_file}: missing")
-    overrides = model_overrides_from_hf_config(json.loads(cfg_file.read_text()))
-    args = ModelArgs(**overrides).validate()
-    model = Llama(args)
-    load_hf_into(model, hf_dir)
-    final = out_dir / "step_0"
-    partial = out_dir / "step_0.partial"
+    out_dir = Path(out_dir)
+    final, partial = out_dir / "step_0", out_dir / "step_0.partial"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(partial), no_dist=True)
     files = {p.name: file_entry(p) for p in sorted(partial.iterdir()) if p.is_file()}
     manifest = {"format_version": FORMAT_VERSION, "step": 0, "contents": ["model"], "ckpt_format": "torch_dist",
                 "strategy": "import", "world_size": 1, "layout": {}, "config_digest": "",
-                "model_args": dataclasses.asdict(args), "imported_from": str(hf_dir),
+                "model_args": dataclasses.asdict(model.args), "imported_from": source,
                 "torch_version": torch.__version__,
-                "created_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-                "files": files}
+                "created_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "files": files}
     _write_atomic(partial / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
     if final.exists():
         shutil.rmtree(final)
     partial.rename(final)
     _write_atomic(out_dir / "LATEST", "step_0\n")
+    return final
+
+
+def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
+    """HF dir -> a weights-only meshforge checkpoint `<out>/step_0` (+ LATEST) and the model.* values it needs."""
+    from meshforge.models.llama import Llama
+    from meshforge.models.presets import ModelArgs
+
+    hf_dir = Path(hf_dir)
+    cfg_file = hf_dir / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{cfg_file}: missing")
+    overrides = model_overrides_from_hf_config(json.loads(cfg_file.read_text()))
+    model = Llama(ModelArgs(**overrides).validate())
+    load_hf_into(model, hf_dir)
+    final = save_weights_only(model, out_dir, str(hf_dir))
     return {"dir": str(final), "model_overrides": overrides}

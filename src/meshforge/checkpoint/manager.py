@@ -491,11 +491,12 @@ class CheckpointManager:
     def _load(self, path: Path, pm, optimizer, scheduler, loader) -> int:
         t0 = time.perf_counter()
         manifest = verify_files(path)
-        state = self._app_state(pm, optimizer, for_save=False)
-        check_model_shapes(path, state["model"])
         weights_only = "optim" not in manifest.get("contents", ["optim"])
-        if weights_only:
-            state.pop("optim")
+        if weights_only:  # (asking DCP for an optimizer state dict would initialise it with a zero step)
+            state = {"model": self._model_sd(pm)}
+        else:
+            state = self._app_state(pm, optimizer, for_save=False)
+        check_model_shapes(path, state["model"])
         try:
             dcp.load(state, checkpoint_id=str(path), no_dist=not _dist_on())
         except Exception as err:  # noqa: BLE001 - DCP wraps per-rank errors; report one line
@@ -509,7 +510,11 @@ class CheckpointManager:
         ts_path = path / f"trainer_state_rank{self.rank}.pt"
         if not ts_path.exists():
             ts_path = path / "trainer_state_rank0.pt"
-        ts = torch.load(ts_path, weights_only=True)
+        try:
+            ts = torch.load(ts_path, weights_only=True)  # no pickle code execution, ever
+        except Exception as err:  # noqa: BLE001 - one line naming the file
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise CheckpointError(f"{ts_path}: refused by torch.load(weights_only=True): {first}") from None
         scheduler.load_state_dict(ts["scheduler"])
         try:
             loader.load_state_dict(ts["loader"])
