@@ -4,10 +4,10 @@ Parity: fp32, same seed and global batch (8 x 32 tokens), 10 steps, compared wit
 for ddp/fsdp2: relative loss difference <= 1e-5 per step, final weights within 5e-5 absolute. By default each
 sharding strategy runs at N=2 and N=4 twice: with gradient accumulation and average_in_collective=false, and
 without accumulation and average_in_collective=true (so every strategy x N meets both values of both axes);
-MESHFORGE_FULL_MATRIX=1 runs all 16 combinations per N. Extras at N=2: overlapped collectives, activation
-checkpointing, meta-device init, unit classes by name, the zero_dp_strategy and Megatron-Bridge spellings,
-context parallelism (cp2 shards over dp_cp). Accumulation: N=2 micro 2 -> 2 micro-batches, micro 4 -> 1;
-N=4 micro 1 -> 2, micro 2 -> 1.
+MESHFORGE_FULL_MATRIX=1 runs all 16 combinations per N. Accumulation: N=2 micro 2 -> 2 micro-batches, micro 4
+-> 1; N=4 micro 1 -> 2, micro 2 -> 1. Folded into the default N=2 configs (see FOLDED): the zero_dp_strategy
+and Megatron-Bridge spellings, overlapped collectives, meta-device init, unit classes by name. Extras:
+activation checkpointing and context parallelism (cp2 shards over dp_cp) at N=2, TP2 x DP2 at N=4.
 
 Resharding: a megatron_fsdp (optim_grads_params) checkpoint saved with DCP at N=4 loads at N=2 (into
 megatron_fsdp optim) with every weight and optimizer entry bit-equal.
@@ -36,33 +36,53 @@ def _mf(mode: str) -> list[str]:
     return ["distributed.strategy=megatron_fsdp", f"distributed.data_parallel_sharding_strategy={mode}"]
 
 
-def matrix(n: int) -> dict[str, list[str]]:
+# Options folded into the default matrix configs (each also runs alone in the full matrix): every one still
+# has to reproduce the single-process run.
+_BRIDGE = ["dist.use_megatron_fsdp=true", "ddp.use_megatron_fsdp=true",
+           "ddp.data_parallel_sharding_strategy=optim_grads_params", "ddp.average_in_collective=false"]
+_OVERLAP = ["distributed.overlap_grad_reduce=true", "distributed.overlap_param_gather=true"]
+FOLDED = {
+    "no_shard_n2_accum_avgfalse": ["distributed.strategy=megatron_fsdp", "distributed.zero_dp_strategy=0"],
+    "optim_n2_noaccum_avgtrue": _OVERLAP,
+    "optim_grads_n2_accum_avgfalse": ["distributed.fsdp_unit_classes=[TransformerBlock]"],
+    "optim_grads_params_n2_accum_avgfalse": _BRIDGE,  # the spec's recommended combination, Bridge spelling
+    "optim_grads_params_n2_noaccum_avgtrue": _OVERLAP + ["model.init_device=meta"],
+}
+
+
+def _replaces_strategy(opts: list[str]) -> bool:
+    return opts[0].startswith(("dist.", "distributed.strategy"))
+
+
+def matrix(n: int, full: bool = FULL) -> dict[str, list[str]]:
     micro = {2: {True: 2, False: 4}, 4: {True: 1, False: 2}}[n]  # accumulate -> micro batch size
     out = {}
     for mode in MODES:
         for accum in (True, False):
             for avg in (False, True):
-                if not FULL and avg != (not accum):
+                if not full and avg != (not accum):
                     continue
-                out[f"{mode}_n{n}_{'accum' if accum else 'noaccum'}_avg{str(avg).lower()}"] = _mf(mode) + [
-                    f"training.micro_batch_size={micro[accum]}", f"distributed.average_in_collective={avg}"]
+                name = f"{mode}_n{n}_{'accum' if accum else 'noaccum'}_avg{str(avg).lower()}"
+                folded = [] if full else FOLDED.get(name, [])
+                base = [] if folded and _replaces_strategy(folded) else _mf(mode)
+                out[name] = base + folded + [f"training.micro_batch_size={micro[accum]}",
+                                             f"distributed.average_in_collective={avg}"]
     return out
 
 
 EXTRAS_N2 = {
-    "overlap": _mf("optim_grads_params") + ["distributed.overlap_grad_reduce=true",
-                                            "distributed.overlap_param_gather=true"],
-    "overlap_optim": _mf("optim") + ["distributed.overlap_grad_reduce=true", "distributed.overlap_param_gather=true"],
     "ac_full": _mf("optim_grads_params") + ["distributed.activation_checkpointing=full"],
-    "meta_init": _mf("optim_grads_params") + ["model.init_device=meta"],
-    "unit_classes": _mf("optim_grads") + ["distributed.fsdp_unit_classes=[TransformerBlock]"],
-    "zero_dp_strategy_3": ["distributed.strategy=megatron_fsdp", "distributed.zero_dp_strategy=3"],
-    "bridge_spelling": ["dist.use_megatron_fsdp=true", "ddp.use_megatron_fsdp=true",
-                        "ddp.data_parallel_sharding_strategy=optim_grads_params", "ddp.average_in_collective=false"],
     "cp2": _mf("optim_grads_params") + ["distributed.cp_size=2"],
 }
+EXTRAS_N4 = {
+    "tp2_dp2": _mf("optim_grads_params") + ["distributed.tp_size=2"],  # accumulation 2 (dp 2, micro 2)
+}
+if FULL:
+    EXTRAS_N2.update({f"alone_{k}": ([] if _replaces_strategy(v) else _mf(k.split("_n2")[0])) + v
+                      for k, v in FOLDED.items()})
+    EXTRAS_N4["tp2_dp2_optim_noaccum"] = _mf("optim") + ["distributed.tp_size=2", "training.micro_batch_size=4"]
 N2 = {**matrix(2), **EXTRAS_N2}
-N4 = matrix(4)
+N4 = {**matrix(4), **EXTRAS_N4}
 
 
 @pytest.fixture(scope="module")
