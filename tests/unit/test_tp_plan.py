@@ -66,6 +66,13 @@ def test_bad_plans_name_module_and_shape():
     assert len(msgs) == 1 and "'norm' must stay sequence_parallel" in msgs[0]
 
 
+def test_tied_weights_need_matching_styles():
+    tied = build_model(ModelConfig(preset="tiny", tie_embeddings=True), device="meta")
+    assert plan_problems(tied, 2, False, None) == []  # vocab embedding and vocab output both split the vocab
+    msgs = plan_problems(tied, 2, False, {"output": "replicate"})
+    assert len(msgs) == 1 and "tied weight 'tok_embeddings.weight'" in msgs[0] and "'output' whole" in msgs[0]
+
+
 def test_own_model_needs_a_plan():
     class Net(nn.Module):
         def __init__(self):

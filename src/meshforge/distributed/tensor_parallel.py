@@ -112,17 +112,32 @@ def plan_problems(model: nn.Module, tp_size: int, sequence_parallel: bool, custo
             problems.append(f"tensor-parallel style {style!r} on module {name!r} ({type(mod).__name__}): only "
                             "nn.Linear and nn.Embedding can be sharded; point the pattern at the projections")
             continue
-        emb = isinstance(mod, nn.Embedding)
-        # which weight dimension the style shards: Linear (out, in), Embedding (num, dim)
-        if style in ("colwise", "vocab_output"):
-            dim = 1 if emb else 0
-        else:
-            dim = 0 if emb else 1
+        dim = _sharded_dim(mod, style)  # Linear weights are (out, in), Embedding weights (num, dim)
         if shape[dim] % tp_size:
             problems.append(f"tensor parallelism: module {name!r} with weight shape {list(shape)} cannot be "
                             f"split {style} over distributed.tp_size={tp_size} (dimension {dim} = {shape[dim]} "
                             f"is not divisible): choose a tp_size dividing {shape[dim]} or mark it 'replicate'")
+    for names in _tied_parameters(model):
+        dims = {}
+        for pname in names:
+            mod_name = pname.rpartition(".")[0]
+            dims[mod_name] = _sharded_dim(modules[mod_name], resolved.get(mod_name, "replicate"))
+        if len(set(dims.values())) > 1:
+            desc = ", ".join(f"{m!r} {'whole' if d is None else f'split on dim {d}'}" for m, d in dims.items())
+            problems.append(f"tensor parallelism: tied weight {names[0]!r} is used by modules sharded differently "
+                            f"({desc}): give them matching styles in distributed.tp_plan or set "
+                            "model.tie_embeddings false")
     return _fold_layers(problems)
+
+
+def _sharded_dim(mod: nn.Module, style: str) -> int | None:
+    """Which weight dimension a style splits (None: kept whole)."""
+    if style not in SHARDED_STYLES:
+        return None
+    emb = isinstance(mod, nn.Embedding)
+    if style in ("colwise", "vocab_output"):
+        return 1 if emb else 0
+    return 0 if emb else 1
 
 
 def _fold_layers(problems: list[str]) -> list[str]:
@@ -240,8 +255,36 @@ def apply_tp(model: nn.Module, mesh_ctx, dcfg) -> nn.Module:
                 plan[name] = ReplicateSP(gather_input=base == "vocab_output", shard_output=base == "vocab_embedding")
             continue
         plan[name] = styles[style]
+    ties = _tied_parameters(model)
     if plan:
         parallelize_module(model, mesh, plan)
+    _retie(model, ties)
     if "vocab_output" in resolved.values():
         model._meshforge_loss_context = loss_parallel
     return model
+
+
+def _tied_parameters(model: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that share one tensor (e.g. tied embedding and output)."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def _retie(model: nn.Module, ties: list[list[str]]) -> None:
+    """parallelize_module distributes each module's weight separately, which would silently untie shared
+    weights: point every name of a group back at the first one's (now distributed) parameter."""
+    for names in ties:
+        first = model.get_parameter(names[0])
+        for name in names[1:]:
+            other = model.get_parameter(name)
+            if getattr(other, "placements", None) != getattr(first, "placements", None):
+                from meshforge.config import ConfigError
+
+                msg = (f"tied parameters {names[0]!r} and {name!r} get different tensor-parallel placements "
+                       f"({getattr(first, 'placements', 'whole')} vs {getattr(other, 'placements', 'whole')}): "
+                       "give both modules matching styles in distributed.tp_plan or untie them")
+                raise ConfigError([msg])
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, first)
