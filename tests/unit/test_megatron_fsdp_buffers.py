@@ -150,3 +150,20 @@ def test_bridge_and_zero_dp_spellings():
     assert cfg.distributed.sharding_strategy == "optim"
     assert load_config(None, ["distributed.strategy=megatron_fsdp"], world_size=2).distributed.sharding_strategy \
         == "optim_grads_params"
+
+
+@pytest.mark.gpu
+def test_world_size_one_bf16_on_gpu_trains_close_to_fp32():
+    """On a GPU: bf16 compute parameters, fp32 main parameters and reduction; 10 steps stay near the fp32 run."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from meshforge.distributed.env import DistInfo
+    from meshforge.testing.parity import _cfg, run_single
+    from meshforge.training.trainer import _train
+
+    ref = run_single(weights=False)
+    cfg = _cfg(["distributed.strategy=megatron_fsdp", "training.device=cuda", "training.precision=bf16"], 10)
+    res = _train(cfg, DistInfo(0, 1, 0, torch.device("cuda", 0), None))
+    strategy = res.parallel_model.strategy
+    assert strategy.compute_dtype == torch.bfloat16 and strategy.units[0].main.dtype == torch.float32
+    assert all(abs(a - b) <= 2e-2 * abs(a) for a, b in zip(ref.losses, res.losses)), (ref.losses, res.losses)
