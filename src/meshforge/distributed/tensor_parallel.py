@@ -177,17 +177,19 @@ def _styles(sequence_parallel: bool) -> dict[str, Any]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     seq = Shard(1) if sequence_parallel else Replicate()
+    SequenceGather, _ = _style_classes()
     return {
         "colwise": ColwiseParallel(),
         "rowwise": RowwiseParallel(output_layouts=seq),
         "sequence_parallel": SequenceParallel(),
-        "sequence_gather": _SequenceGather(),
+        "sequence_gather": SequenceGather(),
         "vocab_embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
         "vocab_output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
     }
 
 
 def _style_classes():
+    """meshforge's two small styles (built lazily: this module's plan checks run without torch.distributed)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel.style import ParallelStyle
 
@@ -226,10 +228,6 @@ def _style_classes():
             return module
 
     return SequenceGather, ReplicateSP
-
-
-def _SequenceGather():
-    return _style_classes()[0]()
 
 
 # ------------------------------------------------------------------------------ apply
