@@ -29,6 +29,8 @@ pp_size > 1) returns a `PipelineParallelModel`:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -133,10 +135,7 @@ class PipelineParallelModel(ParallelModel):
         self.schedule = cls(self.stages[0], **kwargs) if plan.single_stage else cls(self.stages, **kwargs)
 
     def _loss_fn(self, output, target: torch.Tensor) -> torch.Tensor:
-        import contextlib
-
-        with (self._loss_ctx or contextlib.nullcontext)():
-            ce, aux = lm_loss(output, target)
+        ce, aux = lm_loss(output, target)  # inside the loss context `forward_backward` opens
         self._ces.append(ce.detach().float())
         loss = ce if aux is None else ce + aux
         return loss if self.scale_in_schedule else loss / self.plan.n_microbatches
@@ -147,7 +146,9 @@ class PipelineParallelModel(ParallelModel):
         y = torch.cat([mb[1] for mb in micro_batches]).to(self.device, non_blocking=True)
         self._ces = []
         args = (x,) if self.has_first else ()
-        with self.autocast():
+        # the loss context (vocabulary-parallel loss under TP) must also cover the loss's backward, which the
+        # schedule runs later, outside `_loss_fn`: it wraps the whole step (it only touches the loss ops)
+        with self.autocast(), (self._loss_ctx or contextlib.nullcontext)():
             self.schedule.step(*args, target=y if self.has_last else None, return_outputs=False)
         for part in self.parts:
             self.strategy.finish_grad_sync(part)
