@@ -9,8 +9,8 @@ MESHFORGE_FULL_MATRIX=1 runs all 16 combinations per N. Accumulation: N=2 micro 
 and Megatron-Bridge spellings, overlapped collectives, meta-device init, unit classes by name. Extras:
 activation checkpointing and context parallelism (cp2 shards over dp_cp) at N=2, TP2 x DP2 at N=4.
 
-Resharding: a megatron_fsdp (optim_grads_params) checkpoint saved with DCP at N=4 loads at N=2 (into
-megatron_fsdp optim) with every weight and optimizer entry bit-equal.
+Resharding: megatron_fsdp (optim_grads_params) checkpoints saved with DCP at N=4 (dp 4, and tp2 x dp2) load at
+N=2 (into megatron_fsdp optim, dp 2) with every weight and optimizer entry bit-equal.
 
 Accounting (benchmarks/memory_per_rank.py at N=4, measured from the buffers and the collective wrapper).
 """
@@ -143,27 +143,38 @@ def _launch(nproc: int, *args: str) -> subprocess.CompletedProcess:
 def test_reshard_n4_to_n2(tmp_path):
     _launch(4, "save", str(tmp_path))
     proc = _launch(2, "load", str(tmp_path))
-    assert "RESHARD OK" in proc.stdout, proc.stdout[-3000:]
+    assert proc.stdout.count("RESHARD OK") == 2, proc.stdout[-3000:]
 
 
 def _worker(action: str, path: str) -> None:
-    """save: train 3 steps at N=4 (optim_grads_params), DCP-save, rank 0 writes the full state for comparison.
-    load: build a fresh N=2 megatron_fsdp (optim) model, DCP-load, compare every entry bit for bit."""
+    """save: train 3 steps at N=4 (optim_grads_params; dp4, and tp2 x dp2), DCP-save, rank 0 writes the full
+    state for comparison. load: build fresh N=2 megatron_fsdp (optim, dp 2) models, DCP-load, compare every
+    entry bit for bit."""
     import torch.distributed as dist
+
+    from meshforge.distributed.env import init_distributed
+
+    info = init_distributed("cpu", timeout_minutes=5)
+    for tag, tp in (("dp4", 1), ("tp2dp2", 2)):  # saved at N=4 without and with TP; loaded at N=2 (dp 2)
+        _reshard_one(action, f"{path}/{tag}", tp if action == "save" else 1, info)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _reshard_one(action: str, path: str, tp: int, info) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor
 
     from meshforge.config import load_config
-    from meshforge.distributed.env import init_distributed
     from meshforge.distributed.mesh import MeshContext
     from meshforge.testing.parity import base_overrides, full_weights
     from meshforge.training.optim import build_optimizer
     from meshforge.training.trainer import _train, build_parallel_model
 
-    info = init_distributed("cpu", timeout_minutes=5)
     mode = "optim_grads_params" if action == "save" else "optim"
     seed = 7 if action == "save" else 99
-    cfg = load_config(None, base_overrides(3) + _mf(mode) + [f"run.seed={seed}", f"run.output_dir={path}/run"],
+    cfg = load_config(None, base_overrides(3) + _mf(mode) + [f"run.seed={seed}", f"run.output_dir={path}/run",
+                                                              f"distributed.tp_size={tp}"],
                       world_size=info.world_size)
 
     def full_optim(osd):
@@ -196,9 +207,7 @@ def _worker(action: str, path: str) -> None:
         assert not bad, f"entries differ after N=4 -> N=2 load: {bad[:5]}"
         assert opt.param_groups[0]["lr"] == exp["lr"]
         if info.rank == 0:
-            print(f"RESHARD OK: {len(w)} weights and {len(o)} optimizer entries bit-equal")
-    dist.barrier()
-    dist.destroy_process_group()
+            print(f"RESHARD OK {path}: {len(w)} weights and {len(o)} optimizer entries bit-equal")
 
 
 # ------------------------------------------------------------------------------ memory / communication
