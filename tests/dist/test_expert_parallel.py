@@ -2,10 +2,11 @@
 
 Parity: fp32 `tiny_moe` (4 experts, top-2, 1 shared expert), same seed and global batch (8 x 32 tokens),
 10 steps, relative loss difference <= 1e-5 per step and final weights within 5e-5 against
-`run_single(["model.preset=tiny_moe"])` (with micro batches of 1 for the accumulation case: the aux loss is
-a statistic of each micro batch, so micro batching is part of the model's definition). Configurations: EP2; EP4; fsdp2 over 4 ranks with EP2
-(ep_shard 2); EP2 x TP2; activation checkpointing full/selective with `ignore_router_for_ac` both ways;
-`wrap_outer_model: false` with `reshard_after_forward: true`; gradient accumulation; meta-device init.
+`run_single(["model.preset=tiny_moe"])` (with micro batches of 1 for the accumulation case: the aux loss
+is a statistic of each micro batch, so micro batching is part of the model's definition).
+Configurations: EP2; EP4; fsdp2 over 4 ranks with EP2 (ep_shard 2); EP2 x TP2; EP2 x CP2 (aux-loss
+statistics summed over cp); activation checkpointing full/selective with `ignore_router_for_ac` both
+ways; `wrap_outer_model: false` with `reshard_after_forward: true`; gradient accumulation; meta init.
 
 Gradient checks inside the same launches (one launch per world size, this file is also the worker):
 - the router receives a non-zero gradient from the aux loss alone, under EP;
@@ -51,6 +52,8 @@ N4 = {
                                               "distributed.activation_checkpointing=full",
                                               "distributed.moe.ignore_router_for_ac=true"],
     "ep2_tp2": MOE + ["distributed.ep_size=2", "distributed.tp_size=2"],
+    # context parallelism splits each micro batch over 2 ranks: the aux loss's statistics are summed over cp
+    "ep2_cp2": MOE + ["distributed.ep_size=2", "distributed.cp_size=2"],
 }
 CHECK_EP = {2: 2, 4: 2}  # world size -> ep size of the gradient checks (N4: ep_shard 2, FSDP on experts)
 
@@ -150,7 +153,7 @@ def launch(configs: dict, nproc: int, steps: int = 10):
         spec.write_text(json.dumps({"configs": configs, "steps": steps, "check_ep": CHECK_EP[nproc]}))
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                str(Path(__file__).resolve()), str(spec), tmp]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900,
                               env={**os.environ, "OMP_NUM_THREADS": "1"})
         res_file = Path(tmp) / "results.json"
         if not res_file.exists():

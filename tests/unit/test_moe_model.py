@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from meshforge.config import load_config
 from meshforge.models import build_model, init_weights, resolve_model_args
-from meshforge.models.moe import MoE, GroupedExperts, MoETransformer
+from meshforge.models.moe import GroupedExperts, MoE, MoETransformer
 
 
 def tiny(*overrides, seed=3):
@@ -107,7 +107,7 @@ def test_grouped_mm_matches_loop_with_empty_experts_and_bf16():
 
 def test_aux_loss_alone_reaches_every_router_and_is_in_the_training_loss():
     m = tiny()
-    out, aux = m(tokens())
+    _, aux = m(tokens())
     assert aux.requires_grad and aux.item() > 0
     aux.backward()
     for i in m.layers:
@@ -186,7 +186,7 @@ def test_replayed_routing_is_identical_in_the_recompute_even_if_scores_change():
             moe.router.gate.register_forward_hook(lambda mod, inp, out: -out if in_backward() else out)
             orig = moe.router.forward
 
-            def spy(x, _orig=orig):
+            def spy(x, _orig=orig, seen=seen):
                 s, idx, w = _orig(x)
                 seen["recompute" if in_backward() else "fwd"].append(idx.clone())
                 return s, idx, w
@@ -270,3 +270,30 @@ def test_grouped_mm_matches_loop_on_cuda_bf16():
         outs.append((y.float(), e.w2.grad.float().clone()))
     torch.testing.assert_close(outs[0][0], outs[1][0], rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(outs[0][1], outs[1][1], rtol=3e-2, atol=3e-2)
+
+
+def test_aux_loss_over_split_tokens_equals_the_whole_batch_with_a_stats_reducer():
+    """Context parallelism's view: each rank holds half the micro batch's tokens; with the per-expert sums
+    added over the halves, each half's aux value is the whole batch's, and the halves' gradients add up to
+    the whole batch's gradient (the dp_cp averaging is then undone by aux_grad_scale = cp)."""
+    moe = tiny().layers["0"].feed_forward
+    x = torch.randn(24, 64, generator=torch.Generator().manual_seed(5))
+    halves = (x[:12], x[12:])
+
+    def stats(h):
+        with torch.no_grad():
+            scores, idx, _ = moe.router(h)
+        counts = torch.bincount(idx.reshape(-1), minlength=moe.n_experts).float()
+        return torch.cat([scores.sum(0), counts, torch.tensor([float(h.shape[0])])])
+
+    moe(x)
+    full = moe.aux_loss
+    g_full = torch.autograd.grad(full, moe.router.gate.weight)[0]
+    g_sum = torch.zeros_like(g_full)
+    for i, h in enumerate(halves):
+        other = stats(halves[1 - i])
+        moe.stats_reducer = lambda t, other=other: t + other
+        moe(h)
+        torch.testing.assert_close(moe.aux_loss, full, rtol=1e-6, atol=1e-8)
+        g_sum += torch.autograd.grad(moe.aux_loss, moe.router.gate.weight)[0]
+    torch.testing.assert_close(g_sum, g_full, rtol=1e-5, atol=1e-9)

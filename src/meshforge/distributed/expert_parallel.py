@@ -30,6 +30,10 @@ For every MoE layer (`model.moe_layers()`):
 Experts that receive no token still get a (zero) gradient on every rank: every local expert runs, also on
 zero rows, so optimizers and clipping stay consistent across ranks.
 
+Context parallelism (`share_moe_batch_stats`, called by parallelize after apply_cp): each micro batch's
+tokens are split over the cp ranks, so the load-balancing loss's per-expert sums are added over the cp
+group (exact single-process value) and its gradient scaled by cp (the dp_cp averaging divides it).
+
 `AllToAllDispatcher.stats` counts what moved (rows and bytes per direction, tokens per local expert) for
 `benchmarks/moe_dispatch.py`.
 """
@@ -153,7 +157,7 @@ def apply_ep(model: nn.Module, mesh_ctx, dcfg) -> nn.Module:
         experts = layer.experts
         for name, p in list(experts.named_parameters(recurse=False)):
             if isinstance(p, DTensor):
-                raise ValueError(f"expert parameter {name} is already a DTensor: apply_ep runs once, before "
+                raise TypeError(f"expert parameter {name} is already a DTensor: apply_ep runs once, before "
                                  "any data-parallel wrapping")
             dt = distribute_tensor(p.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
             experts.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
@@ -172,6 +176,30 @@ def apply_ep(model: nn.Module, mesh_ctx, dcfg) -> nn.Module:
                 fully_shard(mod, mesh=dense, reshard_after_forward=bool(moe_cfg.reshard_after_forward),
                             mp_policy=fsdp.mp_policy(False), offload_policy=offload)
     return model
+
+
+class _SumOverGroup:
+    """Sums a small statistics tensor over a process group (no autograd; callers detach)."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().clone()
+        dist.all_reduce(t, group=self.group)
+        return t
+
+
+def share_moe_batch_stats(model: nn.Module, mesh_ctx) -> None:
+    """Context parallelism splits each micro batch's tokens over the cp ranks; the MoE load-balancing loss is
+    a statistic of the whole micro batch, so its per-expert sums are added over the cp group (the value is
+    then the single-process one) and its gradient scaled by cp (see `MoE.load_balance_loss`). No-op for
+    models without MoE layers or at cp_size 1."""
+    if mesh_ctx.cp_size == 1:
+        return
+    for layer in moe_layers(model):
+        layer.stats_reducer = _SumOverGroup(mesh_ctx.group("cp"))
+        layer.aux_grad_scale = float(mesh_ctx.cp_size)
 
 
 def dispatch_stats(model: nn.Module) -> list[dict]:

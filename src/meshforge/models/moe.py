@@ -154,12 +154,31 @@ class MoE(nn.Module):
             if args.n_shared_experts > 0 else None
         self.dispatcher = None  # None: all experts on this rank; expert parallelism sets an all-to-all one
         self.aux_loss: torch.Tensor | None = None
+        # context parallelism: sums (E + E + 1,) over the ranks sharing this micro batch (see load_balance_loss)
+        self.stats_reducer = None
+        self.aux_grad_scale = 1.0
         self.last_counts: torch.Tensor | None = None  # token copies per expert of the last forward (stats)
 
     def load_balance_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """coeff * E * sum_e f_e * P_e over the micro batch's tokens.
+
+        With `stats_reducer` set (context parallelism: the micro batch's tokens are split over the cp ranks),
+        the per-expert sums are added over those ranks first, so the value is the single-process one; the
+        gradient still flows through this rank's tokens only, and is multiplied by `aux_grad_scale` (= cp)
+        because the data-parallel reduction averages it over the cp ranks that each hold one share of it.
+        """
         probs = scores if self.router.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
-        frac = counts.to(probs.dtype) / counts.sum().clamp_min(1)
-        return self.aux_coeff * self.n_experts * (frac * probs.mean(0)).sum()
+        prob_sum = probs.sum(0)
+        n_tok = torch.tensor([float(probs.shape[0])], device=probs.device)
+        counts = counts.to(probs.dtype)
+        if self.stats_reducer is not None:
+            total = self.stats_reducer(torch.cat([prob_sum.detach(), counts, n_tok]))
+            e = self.n_experts
+            prob_sum = prob_sum + (total[:e] - prob_sum.detach())  # global value, local gradient
+            counts, n_tok = total[e:2 * e], total[2 * e:]
+        frac = counts / counts.sum().clamp_min(1)
+        aux = self.aux_coeff * self.n_experts * (frac * prob_sum / n_tok).sum()
+        return _ScaleGrad.apply(aux, self.aux_grad_scale) if self.aux_grad_scale != 1.0 else aux
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
