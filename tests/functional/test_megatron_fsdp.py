@@ -2,8 +2,8 @@
 
 Run it the spec's way:
     python -m torch.distributed.run --nproc_per_node=2 -m pytest tests/functional/test_megatron_fsdp.py -v
-Collected by plain `pytest` (one process), each test launches this file once on 2 gloo processes with
-torchrun and asserts that its own test passed on every rank.
+Collected by plain `pytest` (one process), the module launches this file once on 2 gloo processes with
+torchrun, and each test asserts that torchrun succeeded and that its own body passed on both ranks.
 
 Checks (under torchrun):
 - `test_fsdp_pretrain_basic`: optim_grads_params + average_in_collective=false + ckpt_format=fsdp_dtensor,
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -33,20 +33,29 @@ UNDER_TORCHRUN = int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.env
 @pytest.fixture(scope="module")
 def launched():
     if UNDER_TORCHRUN:
-        return None
+        yield None
+        return
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "pytest",
            str(Path(__file__).resolve()), "-v", "-p", "no:cacheprovider", "-o", "addopts="]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600, env=env,
-                          cwd=str(Path(__file__).resolve().parents[2]))
-    return proc
+    with tempfile.TemporaryDirectory() as marks:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MESHFORGE_TEST_MARKS": marks}
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600, env=env,
+                              cwd=str(Path(__file__).resolve().parents[2]))
+        yield proc, sorted(p.name for p in Path(marks).iterdir())
 
 
-def _check_launch(proc, name: str) -> None:
+def _check_launch(launched, name: str) -> None:
+    proc, marks = launched
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"torchrun exited {proc.returncode}:\n{out[-6000:]}"
-    passed = re.findall(rf"::{name} PASSED", out)
-    assert len(passed) == 2, f"{name} did not pass on both ranks:\n{out[-6000:]}"
+    assert [m for m in marks if m.startswith(name + ".")] == [f"{name}.rank0", f"{name}.rank1"], \
+        f"{name} did not pass on both ranks ({marks}):\n{out[-6000:]}"
+
+
+def _mark_passed(name: str) -> None:
+    """Under a self-launch, each rank leaves a mark once its test body has passed."""
+    if os.environ.get("MESHFORGE_TEST_MARKS"):
+        Path(os.environ["MESHFORGE_TEST_MARKS"], f"{name}.rank{os.environ['RANK']}").touch()
 
 
 # ------------------------------------------------------------------------------ helpers (under torchrun)
@@ -166,6 +175,7 @@ def test_fsdp_pretrain_basic(launched, tmp_path):
     w1, w2 = _full_weights(pm), _full_weights(pm2)
     assert all(torch.equal(w1[k], w2[k]) for k in w1)
     assert _eval_loss(pm, x, y) == _eval_loss(pm2, x, y)
+    _mark_passed("test_fsdp_pretrain_basic")
 
 
 def test_fsdp2_interchange(launched, tmp_path):
@@ -220,3 +230,4 @@ def test_fsdp2_interchange(launched, tmp_path):
     om = _full_optim(mpm.strategy.optimizer_state_dict(mpm.model, mopt))
     of2 = _full_optim(get_optimizer_state_dict(fpm2.model, fopt2))
     assert all(torch.equal(om[k].reshape(of2[k].shape), of2[k]) for k in om), "optimizer state differs"
+    _mark_passed("test_fsdp2_interchange")
