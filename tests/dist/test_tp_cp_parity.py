@@ -3,8 +3,8 @@
 Two launches of `run_configs` (N=2 and N=4) run every configuration of the issue for 10 steps; each is
 compared with `run_single` at a relative loss difference <= 1e-5. One more N=4 launch compares the
 gradients of a whole block (every parameter of layers.0, plus the embedding and output) directly after one
-forward/backward, for TP2+SP (x fsdp2 2) and CP2 x TP2+SP. (megatron_fsdp 2 x TP2 is tested with that
-strategy.)
+forward/backward, for TP2+SP (x fsdp2 2), CP2 x TP2+SP and TP2 with tied embeddings. (megatron_fsdp 2 x TP2 is
+tested with that strategy.)
 """
 
 from __future__ import annotations
@@ -63,7 +63,9 @@ def test_parity(reference, nproc, configs):
 
 
 # --------------------------------------------------------------------------- direct gradient check
-GRAD_CASES = {"fsdp2 2 x tp2+sp": TP + SP, "cp2 x tp2+sp": ["distributed.cp_size=2"] + TP + SP}
+GRAD_CASES = {"fsdp2 2 x tp2+sp": TP + SP, "cp2 x tp2+sp": ["distributed.cp_size=2"] + TP + SP,
+              # tied embedding/output stay one (vocabulary-sharded) parameter under TP
+              "fsdp2 2 x tp2 tied": TP + ["model.tie_embeddings=true"]}
 
 
 def _grad_worker(out_dir: str) -> None:
@@ -92,6 +94,9 @@ def _grad_worker(out_dir: str) -> None:
 
         mesh_ctx = MeshContext.build(cfg.distributed, info.world_size, info.rank, "cpu")
         pm = build_parallel_model(cfg, mesh_ctx, torch.device("cpu"))
+        if "tied" in name:
+            inner = pm.model
+            assert inner.output.weight is inner.tok_embeddings.weight, "TP untied the embedding and output"
         loss = pm.forward_backward([(x, y)])
         errs = {"loss": abs(loss.item() - ref_loss.item())}
         for n, p in pm.model.named_parameters():
@@ -120,7 +125,7 @@ def test_block_gradients_match_single_process(tmp_path):
         worst = max(errs, key=errs.get)
         print(f"gradients {name}: {len(errs)} parameters, max abs diff {errs[worst]:.2e} ({worst}), "
               f"loss diff {loss_diff:.2e}")
-        assert len(errs) == 9 + 2  # 9 block parameters + embedding + output
+        assert len(errs) == 9 + (1 if "tied" in name else 2)  # 9 block parameters + embedding (+ output)
         assert loss_diff <= 1e-6 and errs[worst] <= GRAD_ATOL, errs
 
 
