@@ -51,7 +51,7 @@ class ShardedBatchLoader:
         self.step += 1
         out = []
         for i in range(0, local, self.m):
-            seqs = torch.from_numpy(np.stack([self.source.sample(j) for j in mine[i:i + self.m]]))
+            seqs = torch.from_numpy(self.source.samples(mine[i:i + self.m]))
             out.append((seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()))
         return out
 
