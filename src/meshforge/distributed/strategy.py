@@ -65,7 +65,15 @@ class Strategy:
         groups = [{"params": decay, "weight_decay": weight_decay}]
         if no_decay:
             groups.append({"params": no_decay, "weight_decay": 0.0})
-        return groups
+        # foreach optimizers cannot mix DTensor and plain parameters in one group (a partial TP plan has both)
+        from torch.distributed.tensor import DTensor
+
+        split = []
+        for g in groups:
+            dt = [p for p in g["params"] if isinstance(p, DTensor)]
+            plain = [p for p in g["params"] if not isinstance(p, DTensor)]
+            split += [{**g, "params": dt}, {**g, "params": plain}] if dt and plain else [g]
+        return split
 
     @contextlib.contextmanager
     def micro_step(self, model: nn.Module, is_last: bool) -> Iterator[None]:

@@ -123,9 +123,9 @@ class Llama(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: (B, S) ids on the first stage, (B, S, dim) hidden states on later pipeline stages."""
+        if positions is None:  # from the input: a sequence-parallel embedding returns a sequence shard
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        if positions is None:
-            positions = torch.arange(h.shape[1], device=h.device)
         cos, sin = rope_cos_sin(positions, self.args.hd, self.args.rope_theta)
         for block in self.layers.values():
             h = block(h, cos, sin)
@@ -154,7 +154,9 @@ class Llama(nn.Module):
         }
         if sequence_parallel:
             plan.update({"layers.*.attention_norm": "sequence_parallel", "layers.*.ffn_norm": "sequence_parallel",
-                         "norm": "sequence_parallel"})
+                         "norm": "sequence_parallel",
+                         # gather the sequence once per sub-layer for its column-wise projections
+                         "layers.*.attention": "sequence_gather", "layers.*.feed_forward": "sequence_gather"})
         return plan
 
     def pp_split_points(self) -> list[str]:

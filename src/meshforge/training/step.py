@@ -30,6 +30,8 @@ def lm_loss(output, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | 
     if isinstance(output, tuple):
         output, aux = output
     ce = F.cross_entropy(output.flatten(0, 1).float(), labels.flatten())
+    if hasattr(ce, "full_tensor"):  # vocabulary-parallel loss (TP): a replicated DTensor -> plain tensor
+        ce = ce.full_tensor()
     return ce, aux
 
 
