@@ -51,6 +51,7 @@ import re
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +68,9 @@ from torch.distributed.checkpoint.state_dict import (
 
 from meshforge.checkpoint import faults
 from meshforge.checkpoint.errors import CheckpointError
+
+# DCP warns on every single-process save/load; meshforge passes no_dist deliberately there
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -287,9 +291,9 @@ class CheckpointManager:
     # ------------------------------------------------------------------ housekeeping
     def _clean_partials(self) -> None:
         if self.rank == 0 and self.root.is_dir():
-            for p in sorted(self.root.glob("*.partial")):
+            for p in sorted([*self.root.glob("*.partial"), *self.root.glob("hf/*.partial")]):
                 shutil.rmtree(p, ignore_errors=True)
-                _log(f"removed leftover {p.name} (an interrupted save; LATEST was never moved to it)")
+                _log(f"removed leftover {p.relative_to(self.root)} (an interrupted save; LATEST was never moved to it)")
             (self.root / "LATEST.tmp").unlink(missing_ok=True)
         _barrier()
 
