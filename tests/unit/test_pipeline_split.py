@@ -132,3 +132,9 @@ def test_stage_modules_keep_whole_model_names_and_init():
     for m in stages:
         h = m(h)
     torch.testing.assert_close(h, full(tokens), rtol=0, atol=0)
+
+
+def test_defer_fsdp_grad_sync_false_warns_under_pp(capsys):
+    assert main(["validate", "examples/tiny_cpu.yaml", "distributed.pp_size=2", "model.n_layers=4",
+                 "distributed.defer_fsdp_grad_sync=false", "--world-size", "2"]) == 0
+    assert "defer_fsdp_grad_sync=false has no effect with pp_size>1" in capsys.readouterr().err

@@ -101,6 +101,18 @@ def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, child, module)
 
 
+def _full_positions_from_sequence_shard(module: nn.Module, tp: int) -> None:
+    """Under sequence parallelism a later stage receives a sequence shard (B, S/tp, dim) of the hidden states;
+    the model derives RoPE positions from its input's length, so pass the whole sequence's positions."""
+
+    def hook(mod, args, kwargs):
+        if kwargs.get("positions") is None and len(args) < 2:
+            kwargs = dict(kwargs, positions=torch.arange(args[0].shape[1] * tp, device=args[0].device))
+        return args, kwargs
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
 def _stage_dcfg(dcfg):
     """FSDP2 under PP keeps parameters gathered across microbatches unless the user chose otherwise."""
     if dcfg.strategy == "fsdp2" and dcfg.reshard_after_forward is None:
@@ -216,6 +228,8 @@ def build_pipeline_model(cfg, mesh_ctx, device: torch.device, meta: bool = False
     parts, strategy = [], None
     for s in stage_ids:
         module = build_stage_module(cfg, plan, s, device, meta)
+        if s > 0 and dcfg.sequence_parallel and mesh_ctx.tp_size > 1:
+            _full_positions_from_sequence_shard(module, mesh_ctx.tp_size)
         part, strategy = parallelize_model(module, mesh_ctx, dcfg, device, compile=cfg.training.compile)
         if meta:
             strategy.materialize(part, cfg.run.seed)
