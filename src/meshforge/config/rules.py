@@ -103,6 +103,17 @@ def expert_parallel(cfg: Config, world_size: int) -> list[str]:
     return out
 
 
+@rule
+def moe_sequence_parallel(cfg: Config, world_size: int) -> list[str]:
+    from meshforge.models import preset_is_moe
+
+    if cfg.distributed.sequence_parallel and preset_is_moe(cfg.model):
+        return [f"distributed.sequence_parallel=true is not supported with a mixture-of-experts model "
+                f"(model.preset={cfg.model.preset!r}): routed experts run on whole sequences; "
+                "set sequence_parallel false"]
+    return []
+
+
 # 4 ----------------------------------------------------------------------------
 @rule
 def megatron_fsdp_limits(cfg: Config, world_size: int) -> list[str]:
@@ -298,6 +309,9 @@ def warnings(cfg: Config, world_size: int | None = None) -> list[str]:
     out = []
     if d.pipeline is not None and d.pp_size == 1:
         out.append("distributed.pipeline is ignored because pp_size=1")
+    if d.pp_size > 1 and d.defer_fsdp_grad_sync is False:
+        out.append("distributed.defer_fsdp_grad_sync=false has no effect with pp_size>1: the pipeline schedule "
+                   "reduces gradients once, after its last microbatch")
     if d.moe is not None and d.ep_size == 1:
         out.append("distributed.moe is ignored because ep_size=1")
     if d.keep_fp8_transpose_cache:

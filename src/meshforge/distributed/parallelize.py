@@ -28,6 +28,9 @@ def parallelize_model(model: nn.Module, mesh_ctx: MeshContext, dcfg, device: tor
         from meshforge.distributed.context_parallel import apply_cp
 
         apply_cp(model, mesh_ctx, dcfg)
+        from meshforge.distributed.expert_parallel import share_moe_batch_stats
+
+        share_moe_batch_stats(model, mesh_ctx)  # MoE aux loss over the whole micro batch (no-op for dense)
     if mesh_ctx.ep_size > 1:
         from meshforge.distributed.expert_parallel import apply_ep
 
