@@ -159,3 +159,20 @@ def test_cli_export_import_and_train_from_them(exported, tmp_path, capsys):
     assert b.start_step == 0 and a.losses == b.losses and a.losses[0] != c.losses[0]
     rc = cli_main(["checkpoint", "import", str(tmp_path / "nothing"), "--to", str(tmp_path / "x")])
     assert rc == 2 and capsys.readouterr().err.count("\n") == 1
+
+
+def test_save_consolidated_every(tmp_path):
+    """save_consolidated=every: an HF export next to every checkpoint save, equal to the saved weights."""
+    from meshforge.distributed.env import DistInfo
+    from meshforge.testing.parity import _cfg, full_weights
+    from meshforge.training.trainer import _train
+
+    os.environ.pop("MESHFORGE_FAULT", None)
+    res = _train(_cfg([f"run.output_dir={tmp_path}", "checkpoint.interval=2", "checkpoint.save_consolidated=every"],
+                      4), DistInfo(0, 1, 0, torch.device("cpu"), None))
+    hf = tmp_path / "checkpoints" / "hf"
+    assert sorted(p.name for p in hf.iterdir()) == ["step_2", "step_4"]
+    sd = load_file(str(hf / "step_4" / "model.safetensors"))
+    w = full_weights(res.parallel_model)
+    assert torch.equal(sd["model.layers.1.mlp.down_proj.weight"], w["layers.1.feed_forward.w2.weight"])
+    assert torch.equal(sd["model.layers.0.self_attn.q_proj.weight"], permute_to_hf(w["layers.0.attention.wq.weight"], 4))
