@@ -15,6 +15,8 @@ import pytest
 import torch
 from ckpt_helpers import cli_cmd, env, run_phases, write_cfg
 
+pytestmark = pytest.mark.dist
+
 STRATS = ["ddp", "fsdp2", "megatron_fsdp"]
 
 

@@ -8,8 +8,10 @@ import signal
 import subprocess
 import time
 
+import pytest
 from ckpt_helpers import cli_cmd, env, worker_pids, write_cfg
 
+pytestmark = pytest.mark.dist
 
 def _last_logged_step(metrics) -> int:
     try:
