@@ -175,13 +175,18 @@ class PipelineParallelModel(ParallelModel):
         return self.reduce_loss(loss)
 
     def param_groups(self, weight_decay: float) -> list[dict]:
-        """The strategy's groups of every local stage, merged by hyperparameters: the same groups (decay, no
-        decay) as a non-PP run, so optimizer checkpoints (`optim.param_groups.<i>.*`) interchange."""
+        """The strategy's groups of every local stage, merged by hyperparameters (and DTensor or not, which
+        foreach optimizers cannot mix): the same groups as a non-PP run, so optimizer checkpoints
+        (`optim.param_groups.<i>.*`) interchange."""
+        from torch.distributed.tensor import DTensor
+
+        def key(g):
+            return ({k: v for k, v in g.items() if k != "params"}, isinstance(g["params"][0], DTensor))
+
         merged: list[dict] = []
         for g in super().param_groups(weight_decay):
-            key = {k: v for k, v in g.items() if k != "params"}
             for m in merged:
-                if {k: v for k, v in m.items() if k != "params"} == key:
+                if key(m) == key(g):
                     m["params"] = list(m["params"]) + list(g["params"])
                     break
             else:
