@@ -53,8 +53,8 @@ def test_layers_per_stage_sets_the_number_of_stages():
     (8, 2, {"virtual_stages_per_rank": 2}, 8, "pp_schedule=1f1b runs one stage per rank, but the split asks for 2"),
     (8, 2, {"pp_schedule": "v_schedule", "virtual_stages_per_rank": 3}, 8, "needs exactly 2 stages per rank"),
     (2, 2, {"pp_schedule": "interleaved_1f1b"}, 8, "model.n_layers=2 is fewer than the 4 pipeline stages"),
-    (4, 4, {"pp_microbatch_size": 3}, 8, "global_batch_size/dp_size = 8 must be divisible by "
-                                         "distributed.pipeline.pp_microbatch_size=3"),
+    (4, 4, {"pp_microbatch_size": 3}, 8,
+     "global_batch_size/dp_size = 8 must be divisible by distributed.pipeline.pp_microbatch_size=3"),
     (4, 4, {"pp_microbatch_size": 4}, 8, "pp_schedule=1f1b needs at least pp_size=4 microbatches per step"),
     (8, 2, {"pp_schedule": "zero_bubble"}, 5, "to be a multiple of its rounds max(1, 5//pp_size 2) = 2"),
 ])

@@ -36,7 +36,12 @@ import torch.distributed as dist
 from torch import nn
 
 from meshforge.config import ConfigError
-from meshforge.planning.pipeline_plan import TORCH_SCHEDULE_CLASS, PipelinePlan, PipelinePlanError, plan_pipeline
+from meshforge.planning.pipeline_plan import (
+    TORCH_SCHEDULE_CLASS,
+    PipelinePlan,
+    PipelinePlanError,
+    plan_pipeline,
+)
 from meshforge.training.step import ParallelModel, lm_loss
 
 FIRST_STAGE_MODULES = ("tok_embeddings",)
@@ -45,15 +50,15 @@ LAST_STAGE_MODULES = ("norm", "output")
 
 def schedule_class(name: str):
     """The torch schedule class for a `pp_schedule` name; a ConfigError naming the torch version if absent."""
-    import torch.distributed.pipelining.schedules as schedules
+    from torch.distributed.pipelining import schedules
 
     cls_name = TORCH_SCHEDULE_CLASS[name]
     cls = getattr(schedules, cls_name, None)
     if cls is None:
         have = [n for n, c in TORCH_SCHEDULE_CLASS.items() if hasattr(schedules, c)]
-        raise ConfigError([f"distributed.pipeline.pp_schedule={name} needs torch.distributed.pipelining."
-                           f"{cls_name}, which torch {torch.__version__} does not have: choose one of "
-                           f"{', '.join(have)} or upgrade torch"])
+        msg = (f"distributed.pipeline.pp_schedule={name} needs torch.distributed.pipelining.{cls_name}, which "
+               f"torch {torch.__version__} does not have: choose one of {', '.join(have)} or upgrade torch")
+        raise ConfigError([msg])
     return cls
 
 
