@@ -12,10 +12,12 @@ bookkeeping, which on CPU with gloo are not small next to a tiny model's compute
 Theory for 1F1B and GPipe with p stages and m microbatches of equal cost: (p-1)/(m+p-1). The interleaved
 estimate (Megatron-LM) with v stages per rank is (p-1)/(v*m+p-1); zero-bubble schedules aim below it.
 On a machine with fewer cores than processes, ranks also wait for a CPU, which shows up as compute time
-of the running rank and idle time of the others: run it on an otherwise idle machine with >= pp cores.
+of the running rank and idle time of the others: run it on an otherwise idle machine with >= pp cores, or
+add `--emulate-ms T`: every forward then also sleeps T ms (a backward 2T, each half of a split backward T),
+emulating device time that does not compete for CPUs, so the idle fraction is the schedule's own.
 
     python benchmarks/pipeline_bubble.py [--pp 4] [--microbatches 8] [--layers 8] [--dim 256] [--seq 128]
-           [--steps 3] [--schedules 1f1b,gpipe,...]
+           [--steps 3] [--schedules 1f1b,gpipe,...] [--emulate-ms 20]
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ def parse(argv=None):
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--steps", type=int, default=3, help="timed steps per schedule (after one warm-up step)")
     p.add_argument("--schedules", default=",".join(ALL))
+    p.add_argument("--emulate-ms", type=float, default=0.0,
+                   help="add this many ms of emulated device time (a sleep, no CPU) per forward per stage "
+                        "(2x per full backward): isolates the schedule's bubble from CPU contention")
     return p.parse_args(argv)
 
 
@@ -47,10 +52,16 @@ def theory(schedule: str, p: int, m: int, v: int) -> float:
     return (p - 1) / (v * m + p - 1)
 
 
-def _timed(fn, acc: list):
+def _timed(fn, acc: list, emulate_s: float = 0.0, kind: str = "F"):
+    """Time `fn` into acc[0]; with `emulate_s`, first sleep the emulated device time of the action (F: 1x,
+    full backward: 2x, input or weight half of a split backward: 1x)."""
+
     def wrapper(*a, **kw):
         t0 = time.perf_counter()
         try:
+            if emulate_s:
+                full = kw.get("full_backward", a[2] if len(a) > 2 else True)
+                time.sleep(emulate_s * (2 if kind == "B" and full else 1))
             return fn(*a, **kw)
         finally:
             acc[0] += time.perf_counter() - t0
@@ -82,8 +93,9 @@ def worker(args) -> None:
         pm = build_pipeline_model(cfg, mesh_ctx, info.device)
         busy = [0.0]
         for st in pm.stages:
-            for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                setattr(st, name, _timed(getattr(st, name), busy))
+            for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"),
+                               ("backward_weight_one_chunk", "W")):
+                setattr(st, name, _timed(getattr(st, name), busy, args.emulate_ms / 1000, kind))
         g = torch.Generator().manual_seed(1)
         x = torch.randint(0, 256, (args.microbatches, args.seq + 1), generator=g)
         batch = [(x[:, :-1], x[:, 1:])]
@@ -113,8 +125,9 @@ def worker(args) -> None:
 
 def report(args, rows) -> None:
     p, m = args.pp, args.microbatches
+    emu = f", emulated device time {args.emulate_ms:g} ms/forward/stage" if args.emulate_ms else ""
     print(f"pipeline bubble: pp={p} microbatches={m} layers={args.layers} dim={args.dim} seq={args.seq} "
-          f"(gloo, CPU, {args.steps} timed steps, mean)")
+          f"(gloo, CPU, {args.steps} timed steps, mean{emu})")
     head = f"{'schedule':<17}{'v':>2} " + " ".join(f"{'rank' + str(r):>7}" for r in range(p)) + \
         f" {'mean':>7} {'theory':>7} {'step s':>7}"
     print(head)
