@@ -10,7 +10,7 @@ default false scales in the loss: both must match), activation checkpointing on 
 the meta device and materialised after parallelisation, and checkpoint
 interchange both ways: a PP2 run resumes a non-PP checkpoint, and (after the launch) a non-PP run resumes the
 PP2 run's checkpoint; both continue exactly on the reference's losses.
-N=4: PP4 with 1f1b, PP2 x fsdp2 2 (parameters kept gathered by default, and resharded), PP2 x TP2,
+N=4: PP4 with 1f1b, PP2 x fsdp2 2 (1f1b and interleaved; parameters kept gathered across microbatches), PP2 x TP2,
 PP2 (interleaved) x TP2 with sequence parallelism.
 """
 
@@ -88,7 +88,6 @@ def test_pp4_and_pp_with_fsdp2_and_tp(reference):
         "pp4 1f1b": pp(4, "1f1b"),
         "pp2 x fsdp2 2 (1f1b)": pp(2, "1f1b"),
         "pp2 x fsdp2 2 (interleaved)": pp(2, "interleaved_1f1b"),
-        "pp2 x fsdp2 2 reshard_after_forward": pp(2, "1f1b", "distributed.reshard_after_forward=true"),
         "pp2 x tp2": pp(2, "1f1b", "distributed.tp_size=2"),
         "pp2 x tp2+sp (interleaved)": pp(2, "interleaved_1f1b", "distributed.tp_size=2",
                                          "distributed.sequence_parallel=true"),
