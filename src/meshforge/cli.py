@@ -54,7 +54,6 @@ def launch(nproc: int, argv: list[str]) -> int:
 # ------------------------------------------------------------------------------ train
 def cmd_train(args) -> int:
     from meshforge.config import ConfigError, load_config
-    from meshforge.data import DataError
 
     world = args.nproc_per_node if args.nproc_per_node and not _under_launcher() else None
     try:

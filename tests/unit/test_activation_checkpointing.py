@@ -1,4 +1,4 @@
-"""Activation checkpointing really drops activations (parity with it on is in tests/dist/test_dp_parity.py)."""
+"""Activation checkpointing really drops activations (parity with it on is in tests/parallel/test_dp_parity.py)."""
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks

@@ -93,7 +93,9 @@ def test_bridge_spelling_maps_onto_distributed():
 
 def test_python_api_edits_validate_on_assignment_and_at_validate():
     cfg = meshforge.recipes.llama3_8b_pretrain_config()
-    with pytest.raises(Exception):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="strategy"):
         cfg.distributed.strategy = "zero3"
     cfg.dist.use_megatron_fsdp = True
     cfg.ddp.use_megatron_fsdp = True

@@ -160,7 +160,7 @@ def test_activation_checkpointing_counts_the_aux_loss_once_and_replays_routing()
         apply_activation_checkpointing(m.blocks(), mode)
         for moe in m.moe_layers():
             moe.router.replay_routing = replay
-        for step in range(2):  # the second step would see a stale or doubled aux loss if any leaked
+        for _ in range(2):  # the second step would see a stale or doubled aux loss if any leaked
             m.zero_grad()
             o, a = m(x)
             assert torch.equal(a.detach(), aux.detach())

@@ -69,7 +69,8 @@ def overhead_line(base: dict | None) -> str | None:
     if "error" in base:
         return f"baseline failed: {base['error']}"
     return (f"meshforge / bare PyTorch step time at world size 1: {base['ratio']:.3f} "
-            f"(median of {base['pairs']} interleaved pairs, quartiles {base['ratio_p25']:.3f}..{base['ratio_p75']:.3f}; "
+            f"(median of {base['pairs']} interleaved pairs, "
+            f"quartiles {base['ratio_p25']:.3f}..{base['ratio_p75']:.3f}; "
             f"ratio of medians {base['ratio_of_medians']:.3f}; without the trainer's data loading "
             f"{base['ratio_without_data']:.3f})")
 

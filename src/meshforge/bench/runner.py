@@ -143,7 +143,9 @@ def _launch(module: str, nproc: int, spec: dict, workdir: Path, tag: str, timeou
         first = json.loads(errs[0].read_text())
         return {"error": first["error"], "traceback": first.get("traceback", "")}
     tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-5:]
-    return {"error": f"exit code {proc.returncode}: " + " | ".join(tail)}
+    # a launch killed by a signal leaves no .err file: keep its output in bench.json for a post-mortem
+    return {"error": f"exit code {proc.returncode}: " + " | ".join(tail),
+            "output": ((proc.stdout or "") + "\n--- stderr\n" + (proc.stderr or ""))[-20000:]}
 
 
 def run_config(config_path: str | None, c: BenchConfig, steps: int, warmup: int, peak_tflops: float | None,

@@ -51,7 +51,8 @@ def _inspect(args) -> int:
     if a:
         print("  model           " + " ".join(f"{k}={a[k]}" for k in ("vocab_size", "dim", "n_layers", "n_heads",
                                                                        "n_kv_heads", "ffn_dim") if k in a))
-    print(f"  files           {len(files)} ({total / 2**20:.2f} MiB){'' if args.no_verify else ', sizes and sha256 OK'}")
+    verified = "" if args.no_verify else ", sizes and sha256 OK"
+    print(f"  files           {len(files)} ({total / 2**20:.2f} MiB){verified}")
     shapes = dcp_tensor_shapes(path)
     model = {k[len("model."):]: v for k, v in shapes.items() if k.startswith("model.")}
     n_params = sum(_numel(s) for s, _ in model.values())

@@ -280,7 +280,7 @@ def tensor_parallel_plan(cfg: Config, world_size: int) -> list[str]:
     (checked on a one-block meta model; see distributed/tensor_parallel.py)."""
     d = cfg.distributed
     if d.tp_plan and d.tp_size == 1:
-        return [f"distributed.tp_plan is set but distributed.tp_size=1, so it would do nothing: set tp_size > 1 "
+        return ["distributed.tp_plan is set but distributed.tp_size=1, so it would do nothing: set tp_size > 1 "
                 "or remove tp_plan"]
     if d.tp_size == 1:
         return []

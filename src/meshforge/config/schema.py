@@ -97,7 +97,8 @@ class PipelineConfig(Section):
     @classmethod
     def _known_schedule(cls, v: str) -> str:
         key = v.lower().replace("-", "_")
-        key = {"interleaved1f1b": "interleaved_1f1b", "zerobubble": "zero_bubble", "vschedule": "v_schedule"}.get(key, key)
+        aliases = {"interleaved1f1b": "interleaved_1f1b", "zerobubble": "zero_bubble", "vschedule": "v_schedule"}
+        key = aliases.get(key, key)
         allowed = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "dfs", "v_schedule", "zero_bubble")
         if key not in allowed:
             raise ValueError(f"unknown pp_schedule {v!r}; choose one of {', '.join(allowed)}")

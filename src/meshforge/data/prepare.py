@@ -1,4 +1,5 @@
-"""`meshforge data prepare`: text files -> a byte-level token file (.npy, uint16 or uint32) for data.source=tokenized."""
+"""`meshforge data prepare`: text files -> a byte-level token file (.npy, uint16 or uint32) for
+data.source=tokenized."""
 
 from __future__ import annotations
 

@@ -176,7 +176,7 @@ def apply_cp(model: nn.Module, mesh_ctx, dcfg) -> nn.Module:
 
     cp_size, cp_rank, group = mesh_ctx.cp_size, mesh_ctx.cp_rank, mesh_ctx.group("cp")
     swapped = 0
-    for name, module in list(model.named_modules()):
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, CoreAttention):
                 setattr(module, child_name, ContextParallelAttention(group, cp_size, cp_rank))

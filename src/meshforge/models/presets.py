@@ -79,7 +79,8 @@ def resolve_model_args(model_cfg: Any) -> ModelArgs:
         raise KeyError(f"model.preset={model_cfg.preset!r} is not a known preset; choose one of "
                        f"{', '.join(PRESETS)}")
     known = {f.name for f in fields(ModelArgs)}
-    return replace(PRESETS[model_cfg.preset], **{k: v for k, v in model_cfg.overrides().items() if k in known}).validate()
+    overrides = {k: v for k, v in model_cfg.overrides().items() if k in known}
+    return replace(PRESETS[model_cfg.preset], **overrides).validate()
 
 
 def preset_is_moe(model_cfg: Any) -> bool:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 
-class MeshAxis(str, Enum):
+class MeshAxis(StrEnum):
     PP = "pp"
     DP = "dp"
     DP_REPLICATE = "dp_replicate"
