@@ -152,7 +152,8 @@ def compare(ref: RunResult, got: RunResult, name: str = "", loss_rtol: float = 1
     print(f"parity {name}: max rel loss diff {rel:.3e}, max abs weight diff {wdiff:.3e}, "
           f"max rel grad-norm diff {gn:.3e}")
     # the logged (and clipping) grad norm must be the global one, however the grads are sharded
-    assert gn <= grad_norm_rtol, f"{name}: grad norm differs by {gn:.3e} relative (ref {ref.grad_norms}, got {got.grad_norms})"
+    assert gn <= grad_norm_rtol, \
+        f"{name}: grad norm differs by {gn:.3e} relative (ref {ref.grad_norms}, got {got.grad_norms})"
     assert rel <= loss_rtol, f"{name}: relative loss difference {rel:.3e} > {loss_rtol} " \
                              f"(ref {ref.losses}, got {got.losses})"
     if weight_atol is not None:
