@@ -23,17 +23,15 @@ before the optimizer step. Bytes passed to collectives: the full-buffer side (al
 input, all-reduce tensor); a ring moves (N-1)/N of that per rank.
 
 Usage: python benchmarks/memory_per_rank.py [--nproc 4] [--preset tiny] [--json out.json]
-(it launches itself on N gloo processes with torchrun).
+(it runs `measure_job` on N gloo processes through `meshforge.launch`; the tests run the same job inside their
+shared launch).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -113,16 +111,12 @@ def _measure(name: str, overrides: list[str], preset: str, info) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     from meshforge.config import load_config
-    from meshforge.distributed.mesh import MeshContext
     from meshforge.testing.parity import base_overrides
-    from meshforge.training.optim import build_optimizer
-    from meshforge.training.trainer import build_parallel_model, seed_everything
+    from meshforge.training.trainer import Trainer
 
     cfg = load_config(None, base_overrides(3) + [f"model.preset={preset}"] + overrides, world_size=info.world_size)
-    seed_everything(cfg.run.seed)
-    mesh_ctx = MeshContext.build(cfg.distributed, info.world_size, info.rank, "cpu")
-    pm = build_parallel_model(cfg, mesh_ctx, info.device)
-    opt = build_optimizer(pm.param_groups(cfg.optimizer.weight_decay), cfg.optimizer, info.device)
+    trainer = Trainer.build(cfg, info)
+    pm, opt, mesh_ctx = trainer.pm, trainer.optimizer, trainer.mesh_ctx
     strat = pm.strategy
     mf = strat.name == "megatron_fsdp"
     comm: Counter = Counter()
@@ -136,32 +130,23 @@ def _measure(name: str, overrides: list[str], preset: str, info) -> dict:
             return fut.then(lambda f: f.value()[0])
 
         pm.model.register_comm_hook(mesh_ctx.group("dp"), hook)
-    g = torch.Generator().manual_seed(1 + mesh_ctx.dp_rank)
-    seq = cfg.training.seq_len
-    n_micro = cfg.training.global_batch_size // (cfg.training.micro_batch_size * mesh_ctx.dp_size)
-    out = {}
-    for step in range(3):
-        mbs = []
-        for _ in range(n_micro):
-            x = torch.randint(0, 256, (cfg.training.micro_batch_size, seq), generator=g)
-            mbs.append((x, torch.roll(x, -1, 1)))
-        measured = step == 2
-        if measured:
-            comm.clear()
-            if mf:
-                strat.reset_comm()
-        ctx = _PatchedCollectives(comm) if (measured and strat.name == "fsdp2") else None
-        if ctx:
-            ctx.__enter__()
-        pm.forward_backward(mbs)
-        if measured:
-            grads = strat.grad_bytes() if mf else sum(_local_bytes(p.grad) for p in pm.model.parameters())
-        pm.clip_grad_norm_(1.0)
-        opt.step()
-        pm.after_optimizer_step()
-        pm.zero_grad(opt)
-        if ctx:
-            ctx.__exit__(None, None, None)
+    out: dict = {}
+    for _ in range(2):  # warm-up steps: optimizer state exists from the first one
+        trainer.train_step()
+    comm.clear()
+    if mf:
+        strat.reset_comm()
+    grads = {}
+
+    def clock(part: str) -> None:  # grads after the last backward's sync, before the optimizer step
+        if part == "forward_backward":
+            grads["bytes"] = strat.grad_bytes() if mf else sum(_local_bytes(p.grad) for p in pm.model.parameters())
+
+    if strat.name == "fsdp2":
+        with _PatchedCollectives(comm):
+            trainer.train_step(clock)
+    else:
+        trainer.train_step(clock)
     if mf:
         rep = strat.memory_report(opt)
         params, optim = rep["params_at_rest"], rep["optimizer_state"]
@@ -169,49 +154,37 @@ def _measure(name: str, overrides: list[str], preset: str, info) -> dict:
         out["gathered_peak"] = rep["gathered_peak"]
         out["largest_unit_bytes"] = rep["largest_unit_bytes"]
         out["grads_peak"] = rep["grads_peak"]
+        n_params = rep["total_param_numel"]
     else:
         params = sum(_local_bytes(p) for p in pm.model.parameters())
         optim = sum(_local_bytes(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
-    n_params = sum(p.numel() for p in pm.unwrapped_parts()[0].parameters()) if not mf else \
-        strat.memory_report()["total_param_numel"]
-    if strat.name == "fsdp2":  # DTensor shards: the global count
-        n_params = sum(p.numel() for p in pm.model.parameters())
-    out.update(params=params, grads=grads, optimizer=optim, comm=dict(comm), P=n_params)
+        n_params = sum(p.numel() for p in pm.model.parameters())  # DTensors count their global size
+    out.update(params=params, grads=grads["bytes"], optimizer=optim, comm=dict(comm), P=n_params)
     return out
 
 
-def worker(args) -> None:
+def measure_job(spec: dict, info) -> dict:
+    """Job target (`meshforge.testing.group`): {strategy: [per-rank dicts]} for spec's strategies."""
     import torch.distributed as dist
 
-    from meshforge.distributed.env import init_distributed
-
-    info = init_distributed("cpu", timeout_minutes=10)
     results = {}
-    for name in args.strategies.split(","):
-        r = _measure(name, STRATEGIES[name], args.preset, info)
+    for name in spec["strategies"]:
+        r = _measure(name, STRATEGIES[name], spec["preset"], info)
         per_rank = [None] * info.world_size
         dist.all_gather_object(per_rank, r)
         results[name] = per_rank
-    if info.rank == 0:
-        Path(args.json).write_text(json.dumps(results))
-    dist.destroy_process_group()
+    return results
 
 
-# ------------------------------------------------------------------------------------- launcher
 def run(nproc: int = 4, preset: str = "tiny", strategies: list[str] | None = None, timeout: float = 900) -> dict:
-    """Launch the worker on `nproc` gloo processes; {strategy: [per-rank dicts]}."""
-    strategies = strategies or list(STRATEGIES)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "mem.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               str(Path(__file__).resolve()), "--worker", "--json", str(out), "--preset", preset,
-               "--strategies", ",".join(strategies)]
-        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if not out.exists():
-            raise RuntimeError(f"memory benchmark failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                               f"{proc.stderr[-6000:]}")
-        return json.loads(out.read_text())
+    """Run `measure_job` on `nproc` gloo processes; {strategy: [per-rank dicts]}."""
+    from meshforge.testing.group import Job, launch_jobs
+
+    spec = {"preset": preset, "strategies": strategies or list(STRATEGIES)}
+    out = launch_jobs([Job("memory", f"{Path(__file__).resolve()}:measure_job", spec, nproc)], nproc, timeout)
+    if "error" in out["memory"]:
+        raise RuntimeError(out["memory"]["error"])
+    return out["memory"]["value"]
 
 
 def table(results: dict, nproc: int) -> str:
@@ -245,11 +218,7 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--json", default=None)
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.worker:
-        worker(args)
-        return 0
     results = run(args.nproc, args.preset, args.strategies.split(","))
     print(table(results, args.nproc))
     if args.json:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from meshforge import recipes
-from meshforge.config import Config, ConfigError, load_config
+from meshforge.config import Config, load_config
+from meshforge.errors import ConfigError
 
 __version__ = "0.1.0"
 
@@ -24,7 +25,8 @@ def parallelize(model, mesh_ctx, dcfg, device=None):
 
 
 def __getattr__(name: str):
-    """`meshforge.distributed` and other subpackages on first use, without importing torch.distributed eagerly."""
+    """Subpackages on first use (`meshforge.distributed.setup(...)`): importing meshforge to read a config
+    must not load torch.distributed."""
     import importlib
 
     if name in ("distributed", "models", "data", "training", "checkpoint", "planning", "testing"):

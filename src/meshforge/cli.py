@@ -1,23 +1,23 @@
 """`meshforge` command line: thin commands, the logic lives in the packages.
 
 Exit codes: 0 success; 2 bad input (config, data, checkpoint) with one line per
-problem and no traceback; 3 a run that stopped itself (non-finite loss).
-Commands owned by other packages register through `EXTRA_COMMANDS`: each is a
-module with `add_arguments(parser)` and `run(args) -> int`.
+problem and no traceback; 3 a run that stopped itself (non-finite loss). Both come
+from the `meshforge.errors` class raised. Commands owned by other packages are a
+module with `add_arguments(parser)` and `run(args) -> int` (`SUBCOMMANDS`).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import os
 import sys
 
-EXTRA_COMMANDS = {
+from meshforge.errors import MeshforgeError
+
+SUBCOMMANDS = {
     "checkpoint": ("meshforge.checkpoint.cli", "inspect, export and import checkpoints"),
     "bench": ("meshforge.bench.cli", "measure throughput, memory and communication; compare configurations"),
-    "plan": ("meshforge.planning.cli", "estimate memory and communication per rank without running"),
 }
 
 
@@ -29,26 +29,6 @@ def _fail(lines: list[str] | str, code: int = 2) -> int:
 
 def _under_launcher() -> bool:
     return "RANK" in os.environ or "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", 1)) > 1
-
-
-def launch(nproc: int, argv: list[str]) -> int:
-    """Start `nproc` local processes running `python -m meshforge ARGV` through torch's elastic launcher."""
-    from torch.distributed.run import get_args_parser, run
-
-    largs = get_args_parser().parse_args(
-        ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", "-m", "meshforge", *argv])
-    try:
-        run(largs)
-    except Exception as err:  # noqa: BLE001 - ChildFailedError carries the failing rank's message
-        name = type(err).__name__
-        if name == "ChildFailedError":
-            failures = getattr(err, "failures", {})
-            codes = sorted({f.exitcode for f in failures.values()}) or [1]
-            print(f"error: {len(failures)} of {nproc} processes failed (exit codes {codes}); "
-                  "their messages are above", file=sys.stderr)
-            return codes[0] if codes[0] > 0 else 1
-        raise
-    return 0
 
 
 # ------------------------------------------------------------------------------ train
@@ -63,35 +43,30 @@ def cmd_train(args) -> int:
     except ConfigError as err:
         return _fail(err.problems)
     if world and world > 1:
-        return launch(world, ["train", args.config, *args.overrides])
+        from meshforge.launch import run_cli
+
+        return run_cli(world, ["train", args.config, *args.overrides])
     return run_training(cfg)
 
 
 def run_training(cfg) -> int:
-    from meshforge.config import ConfigError
-    from meshforge.data import DataError
-    from meshforge.training.trainer import TrainingStopped, train, write_resolved_config
+    from meshforge.config.loader import write_yaml
+    from meshforge.training.trainer import train
 
+    rank = int(os.environ.get("RANK", 0))
     try:
-        from meshforge.checkpoint.errors import CheckpointError
-    except ImportError:  # checkpoint package not installed in this build
-        CheckpointError = DataError  # noqa: N806
-
-    try:
-        if int(os.environ.get("RANK", 0)) == 0:
-            write_resolved_config(cfg, os.path.join(cfg.run.output_dir, "config.yaml"))
+        if rank == 0:
+            write_yaml(cfg, os.path.join(cfg.run.output_dir, "config.yaml"))
         result = train(cfg)
-    except (ConfigError, DataError, CheckpointError) as err:
-        return _fail(getattr(err, "problems", None) or str(err).splitlines() or [type(err).__name__])
-    except TrainingStopped as err:
-        return _fail(str(err), code=3)
+    except MeshforgeError as err:
+        return _fail(err.problems, code=err.exit_code)
     except RuntimeError as err:  # a collective timed out or lost its peer: one clear line instead of a traceback
         first = (str(err).strip().splitlines() or [""])[0]
         if not any(s in first for s in ("Timed out", "timed out", "Connection reset", "Connection closed")):
             raise
-        return _fail(f"rank {os.environ.get('RANK', '0')}: a collective failed ({first[:160]}): another rank died "
-                     f"or hangs (distributed.timeout_minutes={cfg.distributed.timeout_minutes})", code=1)
-    if int(os.environ.get("RANK", 0)) == 0 and result.losses:
+        return _fail(f"rank {rank}: a collective failed ({first[:160]}): another rank died or hangs "
+                     f"(distributed.timeout_minutes={cfg.distributed.timeout_minutes})", code=1)
+    if rank == 0 and result.losses:
         print(f"done: steps {result.start_step}->{result.final_step}, first loss {result.losses[0]:.4f}, "
               f"last loss {result.losses[-1]:.4f}", flush=True)
     return 0
@@ -99,9 +74,8 @@ def run_training(cfg) -> int:
 
 # --------------------------------------------------------------------------- validate
 def cmd_validate(args) -> int:
-    import yaml
-
     from meshforge.config import ConfigError, load_config
+    from meshforge.config.loader import dump_yaml
     from meshforge.config.rules import default_world_size, layout_of, warnings
 
     try:
@@ -113,8 +87,7 @@ def cmd_validate(args) -> int:
     from rich.table import Table
 
     console = Console()
-    console.print(yaml.safe_dump(cfg.model_dump(mode="json", exclude={"dist", "ddp"}), sort_keys=False), end="",
-                  markup=False, highlight=False)
+    console.print(dump_yaml(cfg), end="", markup=False, highlight=False)
     layout = layout_of(cfg, world)
     table = Table(title=f"rank layout, world size {world} (strategy {cfg.distributed.strategy})")
     for col in ("axis", "size", "groups (global ranks)"):
@@ -140,13 +113,12 @@ def cmd_verify(args) -> int:
 
 # ------------------------------------------------------------------------------- data
 def cmd_data(args) -> int:
-    from meshforge.data import DataError
     from meshforge.data.prepare import prepare
 
     try:
         n, out = prepare(args.inputs, args.output, args.dtype)
-    except DataError as err:
-        return _fail(str(err))
+    except MeshforgeError as err:
+        return _fail(err.problems, err.exit_code)
     print(f"wrote {n} tokens to {out}")
     return 0
 
@@ -181,9 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--dtype", choices=["uint16", "uint32"], default="uint16")
     prep.set_defaults(fn=cmd_data)
 
-    for name, (module, help_text) in EXTRA_COMMANDS.items():
-        if importlib.util.find_spec(module.rsplit(".", 1)[0]) is None or importlib.util.find_spec(module) is None:
-            continue  # that package has not landed in this build
+    for name, (module, help_text) in SUBCOMMANDS.items():
         mod = importlib.import_module(module)
         sp = sub.add_parser(name, help=help_text)
         mod.add_arguments(sp)

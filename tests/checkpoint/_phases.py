@@ -1,26 +1,24 @@
-"""Run a list of training phases inside ONE launch of N gloo processes (checkpoint tests).
+"""Training phases run one after another in one process group (a job of the suite's shared launches).
 
-Usage: python -m torch.distributed.run --nproc-per-node N tests/checkpoint/_phases.py SPEC.json OUT_DIR
-Each phase: {"name", "overrides", "steps", "env": {...}, "weights": bool, "corrupt": [relative file paths]}.
-`env` replaces MESHFORGE_FAULT for that phase; `corrupt` files get their last byte flipped by rank 0 first.
-Rank 0 writes OUT_DIR/results.json and OUT_DIR/<name>.weights.pt.
+Each phase: {"name", "overrides", "steps", "env": {...}, "weights": bool, "corrupt": [file paths]}. `env` sets
+MESHFORGE_FAULT for that phase's trainer; `corrupt` files get their last byte flipped by rank 0 first. Rank 0
+returns {name: result} with the phase's losses, steps, weights (if asked) and what it printed.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import io
 import os
-import sys
 import time
 import traceback
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
-from meshforge.distributed.env import init_distributed
-from meshforge.testing.parity import _cfg, full_weights
-from meshforge.training.trainer import _train
+from meshforge.testing.parity import config
+from meshforge.training.trainer import train
 
 
 def flip_last_byte(path: Path) -> None:
@@ -29,9 +27,7 @@ def flip_last_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def main(spec_path: str, out_dir: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
-    info = init_distributed("cpu", timeout_minutes=spec.get("timeout_minutes", 3))
+def phases_job(spec: dict, info) -> dict:
     results = {}
     for ph in spec["phases"]:
         os.environ.pop("MESHFORGE_FAULT", None)
@@ -40,25 +36,22 @@ def main(spec_path: str, out_dir: str) -> None:
             for f in ph.get("corrupt", []):
                 flip_last_byte(Path(f))
         dist.barrier()
+        out, err = io.StringIO(), io.StringIO()
         t0 = time.perf_counter()
         try:
-            res = _train(_cfg(ph["overrides"], ph["steps"]), info)
-            w = full_weights(res.parallel_model) if ph.get("weights") else {}
-            results[ph["name"]] = {"losses": res.losses, "start_step": res.start_step, "final_step": res.final_step,
-                                   "stopped_by_signal": res.stopped_by_signal, "wall_s": time.perf_counter() - t0}
-            if info.rank == 0 and w:
-                torch.save(w, Path(out_dir) / f"{ph['name']}.weights.pt")
-        except Exception as err:  # noqa: BLE001 - reported to the test
-            results[ph["name"]] = {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc(),
-                                   "wall_s": time.perf_counter() - t0}
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                res = train(config(ph["overrides"], ph["steps"], info.world_size), info)
+                w = res.parallel_model.full_state_dict() if ph.get("weights") else {}
+            r = {"losses": res.losses, "start_step": res.start_step, "final_step": res.final_step,
+                 "stopped_by_signal": res.stopped_by_signal, "weights": w}
+        except (Exception, CheckpointException) as e:  # reported to the test (DCP's is a BaseException)
+            r = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+        finally:
+            os.environ.pop("MESHFORGE_FAULT", None)
+        r.update(wall_s=time.perf_counter() - t0, stdout=out.getvalue(), stderr=err.getvalue())
         # every rank must agree on success/failure, or the next phase would deadlock
         flags = [None] * info.world_size
-        dist.all_gather_object(flags, "error" in results[ph["name"]])
-        results[ph["name"]]["ranks_failed"] = sum(bool(f) for f in flags)
-    if info.rank == 0:
-        (Path(out_dir) / "results.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+        dist.all_gather_object(flags, "error" in r)
+        r["ranks_failed"] = sum(bool(f) for f in flags)
+        results[ph["name"]] = r
+    return results

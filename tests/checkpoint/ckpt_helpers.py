@@ -1,19 +1,13 @@
-"""Launch helpers shared by the checkpoint tests."""
+"""Helpers shared by the checkpoint tests: the `meshforge train` command line and finding its worker processes."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 from meshforge.testing.parity import base_overrides
-
-HERE = Path(__file__).parent
 
 
 def env(**extra) -> dict:
@@ -23,33 +17,13 @@ def env(**extra) -> dict:
     return e
 
 
-def run_phases(phases: list[dict], nproc: int, out: Path, timeout: float = 300) -> dict:
-    """One launch of `nproc` processes running every phase; returns results by name (+ weights)."""
-    out.mkdir(parents=True, exist_ok=True)
-    spec = out / "spec.json"
-    spec.write_text(json.dumps({"phases": phases}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(HERE / "_phases.py"), str(spec), str(out)]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env())
-    wall = time.perf_counter() - t0
-    rf = out / "results.json"
-    if not rf.exists():
-        raise RuntimeError(f"phase launch failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    res = json.loads(rf.read_text())
-    for name, r in res.items():
-        wf = out / f"{name}.weights.pt"
-        r["weights"] = torch.load(wf, weights_only=True) if wf.exists() else {}
-    res["_launch"] = {"wall_s": wall, "stdout": proc.stdout, "stderr": proc.stderr}
-    return res
-
-
 def cli_cmd(overrides: list[str], nproc: int, cfg_file: Path, steps: int = 20) -> list[str]:
     return [sys.executable, "-m", "meshforge", "train", str(cfg_file), *base_overrides(steps), *overrides,
             f"--nproc-per-node={nproc}"]
 
 
 def write_cfg(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("run:\n  name: ckpt-test\n")
     return path
 

@@ -10,24 +10,22 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from meshforge.checkpoint.errors import CheckpointError
-from meshforge.checkpoint.manager import CheckpointManager, complete_checkpoints, file_entry, read_latest
+from meshforge.checkpoint.files import complete_checkpoints, file_entry, read_latest
+from meshforge.checkpoint.manager import CheckpointManager
 from meshforge.cli import main as cli_main
-from meshforge.testing.parity import base_overrides
+from meshforge.errors import CheckpointError, TrainingStopped
+from meshforge.testing.parity import base_overrides, config, single_info
+from meshforge.training.trainer import train
 
 STEPS = 8
 
 
 def _train(overrides, steps=STEPS, fault=None):
-    from meshforge.distributed.env import DistInfo
-    from meshforge.testing.parity import _cfg
-    from meshforge.training.trainer import _train as train
-
     old = os.environ.pop("MESHFORGE_FAULT", None)
     if fault:
         os.environ["MESHFORGE_FAULT"] = fault
     try:
-        return train(_cfg(overrides, steps), DistInfo(0, 1, 0, torch.device("cpu"), None))
+        return train(config(overrides, steps), single_info())
     finally:
         os.environ.pop("MESHFORGE_FAULT", None)
         if old is not None:
@@ -168,15 +166,11 @@ def test_nonfinite_skip(tmp_path):
     res = _train([f"run.output_dir={tmp_path}/s", "training.nonfinite=skip"], steps=6, fault="nan_at_step:3")
     assert res.skipped_steps == 1 and res.final_step == 6
     assert res.losses[2] != res.losses[2]  # NaN logged for step 3
-    from meshforge.testing.parity import full_weights
-
-    w = full_weights(res.parallel_model)
+    w = res.parallel_model.full_state_dict()
     assert all(torch.isfinite(t).all() for t in w.values())  # NaN gradients were never applied
 
 
 def test_nonfinite_skip_limit_and_stop(run, capsys, tmp_path):
-    from meshforge.training.trainer import TrainingStopped
-
     with pytest.raises(TrainingStopped, match="1 non-finite steps in a row up to step 3"):
         _train([f"run.output_dir={tmp_path}/l", "training.nonfinite=skip", "training.max_skipped=1"], steps=6,
                fault="nan_at_step:3")

@@ -11,18 +11,15 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from meshforge.checkpoint.errors import CheckpointError
-from meshforge.checkpoint.hf import (
-    export_checkpoint,
-    load_hf_into,
-    permute_from_hf,
-    permute_to_hf,
-    save_weights_only,
-)
+from meshforge.checkpoint.hf import export_checkpoint, load_hf_into, save_weights_only
 from meshforge.cli import main as cli_main
+from meshforge.errors import CheckpointError
 from meshforge.models import init_weights
+from meshforge.models.hf_llama import permute_from_hf, permute_to_hf
 from meshforge.models.llama import Llama
 from meshforge.models.presets import ModelArgs
+from meshforge.testing.parity import config, single_info
+from meshforge.training.trainer import train
 
 # ~4.4 MiB of fp32 weights: consolidated_shard_mb=1 gives several shards and an index
 ARGS = ModelArgs(vocab_size=256, dim=128, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=64)
@@ -139,10 +136,6 @@ def test_import_shape_mismatch_one_line(exported):
 def test_cli_export_import_and_train_from_them(exported, tmp_path, capsys):
     """CLI export of a checkpoint, CLI import back, then `model.init_from` and `checkpoint.resume` of the import
     start training from identical weights (same first loss), different from a fresh init."""
-    from meshforge.distributed.env import DistInfo
-    from meshforge.testing.parity import _cfg
-    from meshforge.training.trainer import _train
-
     _, tmp, _ = exported
     assert cli_main(["checkpoint", "export", str(tmp / "ck"), "--to", str(tmp_path / "hf2"), "--shard-mb", "1"]) == 0
     assert _load_hf_dir(tmp_path / "hf2").keys() == _load_hf_dir(tmp / "hf").keys()
@@ -150,11 +143,11 @@ def test_cli_export_import_and_train_from_them(exported, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "checkpoint.resume=" in out and "model.dim=128" in out
     shape = ["model.dim=128", "model.n_layers=3", "model.ffn_dim=384", "model.max_seq_len=64"]
-    info = DistInfo(0, 1, 0, torch.device("cpu"), None)
+    info = single_info()
     os.environ.pop("MESHFORGE_FAULT", None)
-    a = _train(_cfg(shape + [f"model.init_from={tmp_path}/hf2", f"run.output_dir={tmp_path}/a"], 2), info)
-    b = _train(_cfg(shape + [f"checkpoint.resume={tmp_path}/imp", f"run.output_dir={tmp_path}/b"], 2), info)
-    c = _train(_cfg(shape + [f"run.output_dir={tmp_path}/c"], 2), info)
+    a = train(config(shape + [f"model.init_from={tmp_path}/hf2", f"run.output_dir={tmp_path}/a"], 2), info)
+    b = train(config(shape + [f"checkpoint.resume={tmp_path}/imp", f"run.output_dir={tmp_path}/b"], 2), info)
+    c = train(config(shape + [f"run.output_dir={tmp_path}/c"], 2), info)
     print("first losses: init_from", a.losses[0], "resume(import)", b.losses[0], "fresh", c.losses[0])
     assert b.start_step == 0 and a.losses == b.losses and a.losses[0] != c.losses[0]
     rc = cli_main(["checkpoint", "import", str(tmp_path / "nothing"), "--to", str(tmp_path / "x")])
@@ -163,16 +156,12 @@ def test_cli_export_import_and_train_from_them(exported, tmp_path, capsys):
 
 def test_save_consolidated_every(tmp_path):
     """save_consolidated=every: an HF export next to every checkpoint save, equal to the saved weights."""
-    from meshforge.distributed.env import DistInfo
-    from meshforge.testing.parity import _cfg, full_weights
-    from meshforge.training.trainer import _train
-
     os.environ.pop("MESHFORGE_FAULT", None)
-    res = _train(_cfg([f"run.output_dir={tmp_path}", "checkpoint.interval=2", "checkpoint.save_consolidated=every"],
-                      4), DistInfo(0, 1, 0, torch.device("cpu"), None))
+    res = train(config([f"run.output_dir={tmp_path}", "checkpoint.interval=2", "checkpoint.save_consolidated=every"],
+                       4), single_info())
     hf = tmp_path / "checkpoints" / "hf"
     assert sorted(p.name for p in hf.iterdir()) == ["step_2", "step_4"]
     sd = load_file(str(hf / "step_4" / "model.safetensors"))
-    w = full_weights(res.parallel_model)
+    w = res.parallel_model.full_state_dict()
     assert torch.equal(sd["model.layers.1.mlp.down_proj.weight"], w["layers.1.feed_forward.w2.weight"])
     assert torch.equal(sd["model.layers.0.self_attn.q_proj.weight"], permute_to_hf(w["layers.0.attention.wq.weight"], 4))

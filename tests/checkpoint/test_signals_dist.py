@@ -11,7 +11,7 @@ import time
 import pytest
 from ckpt_helpers import cli_cmd, env, worker_pids, write_cfg
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 def _last_logged_step(metrics) -> int:
     try:

@@ -1,33 +1,20 @@
 """The spec's smoke test, ours: runs INSIDE the processes of
 
-    python -m torch.distributed.run --nproc_per_node=2 -m pytest tests/functional/test_fsdp2.py -v
+    torchrun --nproc_per_node=2 -m pytest tests/functional/test_fsdp2.py -v
 
-and passes with a finite loss at the last iteration. Collected by a plain single-process pytest, the
-module launches itself that way once (test_launch_under_torchrun) and asserts the two processes passed.
+and passes with a finite loss at the last iteration. Collected by a plain single-process pytest, these tests
+are skipped; `test_under_torchrun.py` runs this file that way and asserts every test passed on both ranks.
 """
 
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from torch import nn
 
 UNDER_TORCHRUN = "LOCAL_RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
-inside = pytest.mark.skipif(not UNDER_TORCHRUN, reason="runs inside torchrun processes; see test_launch_under_torchrun")
-
-
-@pytest.mark.dist
-@pytest.mark.skipif(UNDER_TORCHRUN, reason="this is the launcher")
-def test_launch_under_torchrun():
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__], capture_output=True, text=True,
-                          env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert proc.stdout.count("2 passed") == 2, proc.stdout[-2000:]  # both ranks ran both inside tests
+inside = pytest.mark.skipif(not UNDER_TORCHRUN, reason="runs inside torchrun processes (test_under_torchrun.py)")
 
 
 class ForeignNet(nn.Module):

@@ -1,9 +1,9 @@
 """The spec's Megatron-FSDP smoke test, ours: 2 processes, 10 iterations, finite loss, save -> fresh -> load.
 
 Run it the spec's way:
-    python -m torch.distributed.run --nproc_per_node=2 -m pytest tests/functional/test_megatron_fsdp.py -v
-Collected by plain `pytest` (one process), the module launches this file once on 2 gloo processes with
-torchrun, and each test asserts that torchrun succeeded and that its own body passed on both ranks.
+    torchrun --nproc_per_node=2 -m pytest tests/functional/test_megatron_fsdp.py -v
+Collected by plain `pytest` (one process), these tests are skipped; `test_under_torchrun.py` runs this file that
+way (2 gloo processes) and asserts that every test passed on both ranks.
 
 Checks (under torchrun):
 - `test_fsdp_pretrain_basic`: optim_grads_params + average_in_collective=false + ckpt_format=fsdp_dtensor,
@@ -18,44 +18,12 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
 
 UNDER_TORCHRUN = int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
-
-
-# ------------------------------------------------------------------------------ plain pytest: launch self
-@pytest.fixture(scope="module")
-def launched():
-    if UNDER_TORCHRUN:
-        yield None
-        return
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "pytest",
-           str(Path(__file__).resolve()), "-v", "-p", "no:cacheprovider", "-o", "addopts="]
-    with tempfile.TemporaryDirectory() as marks:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MESHFORGE_TEST_MARKS": marks}
-        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600, env=env,
-                              cwd=str(Path(__file__).resolve().parents[2]))
-        yield proc, sorted(p.name for p in Path(marks).iterdir())
-
-
-def _check_launch(launched, name: str) -> None:
-    proc, marks = launched
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"torchrun exited {proc.returncode}:\n{out[-6000:]}"
-    assert [m for m in marks if m.startswith(name + ".")] == [f"{name}.rank0", f"{name}.rank1"], \
-        f"{name} did not pass on both ranks ({marks}):\n{out[-6000:]}"
-
-
-def _mark_passed(name: str) -> None:
-    """Under a self-launch, each rank leaves a mark once its test body has passed."""
-    if os.environ.get("MESHFORGE_TEST_MARKS"):
-        Path(os.environ["MESHFORGE_TEST_MARKS"], f"{name}.rank{os.environ['RANK']}").touch()
+pytestmark = pytest.mark.skipif(not UNDER_TORCHRUN, reason="runs inside torchrun processes (test_under_torchrun.py)")
 
 
 # ------------------------------------------------------------------------------ helpers (under torchrun)
@@ -98,24 +66,13 @@ def _eval_loss(pm, x, y) -> float:
     return float(pm.reduce_loss(loss))
 
 
-def _train_step(pm, opt, x, y) -> float:
-    loss = pm.forward_backward([(x, y)])
-    pm.clip_grad_norm_(1.0)
-    opt.step()
-    pm.after_optimizer_step()
-    pm.zero_grad(opt)
-    return float(loss)
-
-
-def _full_weights(pm):
-    from meshforge.testing.parity import full_weights
-
-    return full_weights(pm)
+def _step(trainer, x, y) -> float:
+    return float(trainer.train_step(batch=[(x, y)])[0])
 
 
 def _mf_state(pm, opt):
     s = pm.strategy
-    return {"model": s.model_state_dict(pm.model), "optim": s.optimizer_state_dict(pm.model, opt)}
+    return {"model": s.model_state_dict(pm.model), "optim": s.optimizer_state_dict(pm.parts, opt)}
 
 
 def _mf_load(pm, opt, path):
@@ -124,7 +81,7 @@ def _mf_load(pm, opt, path):
     state = _mf_state(pm, opt)
     dcp.load(state, checkpoint_id=path)
     pm.strategy.load_model_state_dict(pm.model, state["model"])
-    pm.strategy.load_optimizer_state_dict(pm.model, opt, state["optim"])
+    pm.strategy.load_optimizer_state_dict(pm.parts, opt, state["optim"])
 
 
 def _full_optim(osd) -> dict:
@@ -135,20 +92,17 @@ def _full_optim(osd) -> dict:
 
 
 # ------------------------------------------------------------------------------ tests
-def test_fsdp_pretrain_basic(launched, tmp_path):
-    if not UNDER_TORCHRUN:
-        _check_launch(launched, "test_fsdp_pretrain_basic")
-        return
+def test_fsdp_pretrain_basic(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from meshforge.training.optim import build_optimizer
-    from meshforge.training.trainer import _train, build_parallel_model
+    from meshforge.training.trainer import Trainer
 
     info = _setup()
     cfg = _cfg("megatron_fsdp", ["distributed.data_parallel_sharding_strategy=optim_grads_params",
                                  "distributed.average_in_collective=false", "checkpoint.ckpt_format=fsdp_dtensor"],
                str(tmp_path))
-    res = _train(cfg, info)
+    trainer = Trainer.build(cfg, info)
+    res = trainer.fit()
     assert len(res.losses) == 10
     assert math.isfinite(res.losses[-1]), res.losses
     print(f"rank {info.rank}: iteration 10 loss {res.losses[-1]:.6f}")
@@ -161,8 +115,8 @@ def test_fsdp_pretrain_basic(launched, tmp_path):
 
     cfg2 = _cfg("megatron_fsdp", ["distributed.data_parallel_sharding_strategy=optim_grads_params",
                                   "distributed.average_in_collective=false", "run.seed=1234"], str(tmp_path))
-    pm2 = build_parallel_model(cfg2, pm.mesh_ctx, info.device)
-    opt2 = build_optimizer(pm2.param_groups(cfg2.optimizer.weight_decay), cfg2.optimizer, info.device)
+    trainer2 = Trainer.build(cfg2, info)
+    pm2, opt2 = trainer2.pm, trainer2.optimizer
     assert _eval_loss(pm2, x, y) != loss_saved  # a different model before the load
     _mf_load(pm2, opt2, path)
     loss_loaded = _eval_loss(pm2, x, y)
@@ -170,18 +124,14 @@ def test_fsdp_pretrain_basic(launched, tmp_path):
     assert loss_loaded == loss_saved
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
     # one more step on both: same loss now, same weights after (moments and step count were restored)
-    a, b = _train_step(pm, opt, x, y), _train_step(pm2, opt2, x, y)
+    a, b = _step(trainer, x, y), _step(trainer2, x, y)
     assert a == b, (a, b)
-    w1, w2 = _full_weights(pm), _full_weights(pm2)
+    w1, w2 = pm.full_state_dict(), pm2.full_state_dict()
     assert all(torch.equal(w1[k], w2[k]) for k in w1)
     assert _eval_loss(pm, x, y) == _eval_loss(pm2, x, y)
-    _mark_passed("test_fsdp_pretrain_basic")
 
 
-def test_fsdp2_interchange(launched, tmp_path):
-    if not UNDER_TORCHRUN:
-        _check_launch(launched, "test_fsdp2_interchange")
-        return
+def test_fsdp2_interchange(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -190,44 +140,42 @@ def test_fsdp2_interchange(launched, tmp_path):
         set_optimizer_state_dict,
     )
 
-    from meshforge.training.optim import build_optimizer
-    from meshforge.training.trainer import _train, build_parallel_model
+    from meshforge.training.trainer import Trainer
 
     info = _setup()
     # fsdp2 -> megatron_fsdp (model and optimizer)
-    fres = _train(_cfg("fsdp2", [], str(tmp_path), steps=3), info)
+    fres = Trainer.build(_cfg("fsdp2", [], str(tmp_path), steps=3), info).fit()
     fpm, fopt = fres.parallel_model, fres.optimizer
     path = _shared_dir()
     fstate = {"model": get_model_state_dict(fpm.model), "optim": get_optimizer_state_dict(fpm.model, fopt)}
     dcp.save(fstate, checkpoint_id=path)
     mcfg = _cfg("megatron_fsdp", ["distributed.data_parallel_sharding_strategy=optim_grads", "run.seed=5"],
                 str(tmp_path))
-    mpm = build_parallel_model(mcfg, fpm.mesh_ctx, info.device)
-    mopt = build_optimizer(mpm.param_groups(0.1), mcfg.optimizer, info.device)
+    mtrainer = Trainer.build(mcfg, info)
+    mpm, mopt = mtrainer.pm, mtrainer.optimizer
     _mf_load(mpm, mopt, path)
-    wf, wm = _full_weights(fpm), _full_weights(mpm)
+    wf, wm = fpm.full_state_dict(), mpm.full_state_dict()
     assert set(wf) == set(wm)
     assert all(torch.equal(wf[k], wm[k]) for k in wf), "fsdp2 -> megatron_fsdp weights differ"
     of, om = _full_optim(get_optimizer_state_dict(fpm.model, fopt)), _full_optim(
-        mpm.strategy.optimizer_state_dict(mpm.model, mopt))
+        mpm.strategy.optimizer_state_dict(mpm.parts, mopt))
     assert set(of) == set(om), sorted(set(of) ^ set(om))[:5]
     assert all(torch.equal(of[k].reshape(om[k].shape), om[k]) for k in of), "optimizer state differs"
 
     # megatron_fsdp -> fsdp2 (after a step of its own, so the values are new)
     x, y = _batch(mpm)
-    _train_step(mpm, mopt, x, y)
+    _step(mtrainer, x, y)
     path2 = _shared_dir()
     dcp.save(_mf_state(mpm, mopt), checkpoint_id=path2)
     fcfg2 = _cfg("fsdp2", ["run.seed=11"], str(tmp_path))
-    fpm2 = build_parallel_model(fcfg2, fpm.mesh_ctx, info.device)
-    fopt2 = build_optimizer(fpm2.param_groups(0.1), fcfg2.optimizer, info.device)
+    ftrainer2 = Trainer.build(fcfg2, info)
+    fpm2, fopt2 = ftrainer2.pm, ftrainer2.optimizer
     state = {"model": get_model_state_dict(fpm2.model), "optim": get_optimizer_state_dict(fpm2.model, fopt2)}
     dcp.load(state, checkpoint_id=path2)
     set_model_state_dict(fpm2.model, state["model"])
     set_optimizer_state_dict(fpm2.model, fopt2, state["optim"])
-    wm, wf2 = _full_weights(mpm), _full_weights(fpm2)
+    wm, wf2 = mpm.full_state_dict(), fpm2.full_state_dict()
     assert all(torch.equal(wm[k], wf2[k]) for k in wm), "megatron_fsdp -> fsdp2 weights differ"
-    om = _full_optim(mpm.strategy.optimizer_state_dict(mpm.model, mopt))
+    om = _full_optim(mpm.strategy.optimizer_state_dict(mpm.parts, mopt))
     of2 = _full_optim(get_optimizer_state_dict(fpm2.model, fopt2))
     assert all(torch.equal(om[k].reshape(of2[k].shape), of2[k]) for k in om), "optimizer state differs"
-    _mark_passed("test_fsdp2_interchange")

@@ -1,23 +1,27 @@
 """`meshforge bench` end to end on CPU/gloo: sweeps at N=1, 2 and 4, each configuration in fresh processes.
 
-Three commands, run once per module (7 launches in all): a strategy sweep at N=2
-(ddp, fsdp2 and megatron_fsdp when it is in the build), a precision sweep at N=1
-with the bare-PyTorch baseline, and fsdp2 at N=4. Checks: files written and sane,
-positive throughput, memory per rank falling with sharding as theory says, and
-FSDP2's bytes per step equal to ZeRO-3 theory for the tiny fp32 model.
+Three commands, run once per module (8 launches in all): a strategy sweep at N=2
+(every built-in strategy, and `allreduce_dp`, a strategy registered from outside
+meshforge by `tests/plugin`), a precision sweep at N=1 with the bare-PyTorch
+baseline, and fsdp2 at N=4. Checks: files written and sane, positive throughput,
+memory per rank falling with sharding as theory says, FSDP2's bytes per step equal
+to ZeRO-3 theory for the tiny fp32 model, and the plugin strategy training exactly
+like ddp.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
+from test_verify import plugin_env
 
-from meshforge.bench import runner
 from meshforge.cli import main
 
-pytestmark = pytest.mark.dist
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 TINY = """model: {preset: tiny}
 data: {source: synthetic}
@@ -27,11 +31,15 @@ checkpoint: {resume: none}
 FP32 = 4
 
 
-def _bench(tmp_path_factory, name: str, args: list[str]) -> dict:
+def _bench(tmp_path_factory, name: str, args: list[str], env: dict | None = None) -> dict:
     d = tmp_path_factory.mktemp(name)
     cfg = d / "tiny.yaml"
     cfg.write_text(TINY)
-    rc = main(["bench", str(cfg), *args, "--steps", "2", "--warmup", "1", "--output-dir", str(d / "out")])
+    argv = ["bench", str(cfg), *args, "--steps", "2", "--warmup", "1", "--output-dir", str(d / "out")]
+    if env is None:
+        rc = main(argv)
+    else:  # a separate process, where the plugin's entry point is found
+        rc = subprocess.run([sys.executable, "-m", "meshforge", *argv], env=env, timeout=900).returncode
     out = d / "out"
     assert rc == 0, (out / "bench.json").read_text()[-20000:] if (out / "bench.json").exists() else rc
     res = json.loads((out / "bench.json").read_text())
@@ -45,8 +53,8 @@ def _rows(res) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def n2(tmp_path_factory):
-    strategies = "ddp,fsdp2" + (",megatron_fsdp" if runner.megatron_fsdp_available() else "")
-    return _bench(tmp_path_factory, "n2", ["--nproc-per-node", "2", "--sweep", f"distributed.strategy={strategies}"])
+    return _bench(tmp_path_factory, "n2", ["--nproc-per-node", "2", "--sweep",
+                                           "distributed.strategy=ddp,fsdp2,megatron_fsdp,allreduce_dp"], plugin_env())
 
 
 @pytest.fixture(scope="module")
@@ -126,10 +134,14 @@ def test_n2_strategy_sweep_memory_and_bytes(n2):
     assert ddp["comm"]["by_op"]["c10d::allreduce_"] - p_bytes < 1024
     print(f"\nfsdp2 N=2 bytes/step {fsdp2['comm_bytes_per_step']} (theory {theory_ag + all_params} + scalars); "
           f"state/rank ddp {ddp['state_bytes_max']} fsdp2 {fsdp2['state_bytes_max']}")
-    if "megatron_fsdp" in rows:  # optim_grads_params by default: ZeRO-3 like fsdp2
-        m = rows["megatron_fsdp"]
-        assert m["state_bytes_max"] < ddp["state_bytes_max"]
-        assert m["comm_bytes_per_step"] == pytest.approx(fsdp2["comm_bytes_per_step"], abs=1024)
+    m = rows["megatron_fsdp"]  # optim_grads_params by default: ZeRO-3 like fsdp2
+    assert m["state_bytes_max"] < ddp["state_bytes_max"]
+    assert m["comm_bytes_per_step"] == pytest.approx(fsdp2["comm_bytes_per_step"], abs=1024)
+    # the plugin strategy: full replicas like ddp (no reducer buckets), the same training, its own all-reduces
+    a = rows["allreduce_dp"]
+    assert a["per_rank"][0]["state_bytes"]["params"] == p_bytes
+    assert a["losses"] == pytest.approx(ddp["losses"], rel=1e-6)
+    assert a["comm"]["by_op"]["c10d::allreduce_"] - p_bytes < 1024
 
 
 def test_n1_precision_sweep_with_baseline(n1):

@@ -3,12 +3,13 @@
 fp32, same seed and global batch (8 sequences of 32 tokens), 10 steps. Tolerances:
 relative loss difference <= 1e-5 per step; final weights within 5e-5 absolute
 (reduction order differs from the single process, Adam amplifies roundoff a little).
-One launch per world size runs every configuration of that size.
+The configurations run inside the suite's shared launches (one per world size, `conftest.group`).
 """
 
 import pytest
 
-from meshforge.testing.parity import compare, run_configs, run_single
+from meshforge.testing.group import Job
+from meshforge.testing.parity import compare, results_of
 
 pytestmark = pytest.mark.dist
 
@@ -35,29 +36,18 @@ N4 = {
 }
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return run_single()
-
-
-@pytest.fixture(scope="module")
-def results_n2():
-    return run_configs(N2, nproc=2)
-
-
-@pytest.fixture(scope="module")
-def results_n4():
-    return run_configs(N4, nproc=4)
+GROUP_JOBS = [Job("dp parity n2", "meshforge.testing.parity:configs_job", {"configs": N2}, 2),
+              Job("dp parity n4", "meshforge.testing.parity:configs_job", {"configs": N4}, 4)]
 
 
 @pytest.mark.parametrize("name", list(N2))
-def test_parity_n2(reference, results_n2, name):
-    compare(reference, results_n2[name], name, LOSS_RTOL, WEIGHT_ATOL)
+def test_parity_n2(reference, group, name):
+    compare(reference(), results_of(group("dp parity n2"))[name], name, LOSS_RTOL, WEIGHT_ATOL)
 
 
 @pytest.mark.parametrize("name", list(N4))
-def test_parity_n4(reference, results_n4, name):
-    compare(reference, results_n4[name], name, LOSS_RTOL, WEIGHT_ATOL)
+def test_parity_n4(reference, group, name):
+    compare(reference(), results_of(group("dp parity n4"))[name], name, LOSS_RTOL, WEIGHT_ATOL)
 
 
 def test_single_process_world_size_one_is_unwrapped():
@@ -68,6 +58,7 @@ def test_single_process_world_size_one_is_unwrapped():
 
     cfg = load_config(None, [])
     model = build_model(cfg.model)
-    wrapped, strategy = parallelize_model(model, MeshContext.build(cfg.distributed, 1), cfg.distributed)
-    assert wrapped is model and not strategy.active
+    out = parallelize_model(model, MeshContext.build(cfg.distributed, 1), cfg.distributed)
+    wrapped = out.model
+    assert wrapped is model and not out.strategy.active
     assert not any(type(p).__name__ == "DTensor" for p in wrapped.parameters())

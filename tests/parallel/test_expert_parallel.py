@@ -8,7 +8,7 @@ Configurations: EP2; EP4; fsdp2 over 4 ranks with EP2 (ep_shard 2); EP2 x TP2; E
 statistics summed over cp); activation checkpointing full/selective with `ignore_router_for_ac` both
 ways; `wrap_outer_model: false` with `reshard_after_forward: true`; gradient accumulation; meta init.
 
-Gradient checks inside the same launches (one launch per world size, this file is also the worker):
+Gradient checks inside the suite's shared launches (one per world size; this file's `checks_job`):
 - the router receives a non-zero gradient from the aux loss alone, under EP;
 - an expert forced to receive no token has a zero gradient (a tensor, not None) on every rank, while the
   other experts' gradients are non-zero.
@@ -16,15 +16,13 @@ Gradient checks inside the same launches (one launch per world size, this file i
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+
+from meshforge.testing.group import Job
+from meshforge.testing.parity import compare, results_of
 
 pytestmark = pytest.mark.dist
 
@@ -71,7 +69,7 @@ def _grad_checks(info, ep_size: int) -> dict:
     from meshforge.config import load_config
     from meshforge.distributed.mesh import MeshContext
     from meshforge.distributed.parallelize import parallelize_model
-    from meshforge.models import build_model, init_weights
+    from meshforge.models import build_model, contract_of, init_weights
 
     cfg = load_config(None, MOE + [f"distributed.ep_size={ep_size}"], world_size=info.world_size)
     mesh_ctx = MeshContext.build(cfg.distributed, info.world_size, info.rank, "cpu")
@@ -80,8 +78,7 @@ def _grad_checks(info, ep_size: int) -> dict:
     def build():
         m = build_model(cfg.model)
         init_weights(m, 11)
-        m, _ = parallelize_model(m, mesh_ctx, cfg.distributed, torch.device("cpu"))
-        return m
+        return parallelize_model(m, mesh_ctx, cfg.distributed, torch.device("cpu")).model
 
     def full(t):
         return t.full_tensor() if isinstance(t, DTensor) else t
@@ -91,16 +88,16 @@ def _grad_checks(info, ep_size: int) -> dict:
     m = build()
     _, aux = m(x)
     aux.backward()
-    norms = [full(layer.router.gate.weight.grad).norm().item() for layer in m.moe_layers()]
+    norms = [full(layer.router.gate.weight.grad).norm().item() for layer in contract_of(m).moe_layers()]
     out["router_grad_norms_from_aux"] = norms
     # 2) expert 3 never chosen -> zero gradient (not None) on every rank; the others non-zero
     m = build()
-    for layer in m.moe_layers():
+    for layer in contract_of(m).moe_layers():
         layer.router.gate.register_forward_hook(lambda mod, inp, o: o.index_fill(-1, torch.tensor([3]), -1e4))
     logits, aux = m(x)
     (logits.float().pow(2).mean() + aux).backward()
     none_local, idle, busy, counts = 0, 0.0, [], []
-    for layer in m.moe_layers():
+    for layer in contract_of(m).moe_layers():
         counts.append(int(layer.last_counts[3]))
         for w in (layer.experts.w1, layer.experts.w2, layer.experts.w3):
             if w.grad is None or w.grad.to_local() is None:
@@ -116,114 +113,34 @@ def _grad_checks(info, ep_size: int) -> dict:
     return out
 
 
-def _worker(spec_path: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    from meshforge.distributed.env import init_distributed
-    from meshforge.testing.parity import _cfg, full_weights
-    from meshforge.training.trainer import _train
-
-    spec = json.loads(Path(spec_path).read_text())
-    info = init_distributed("cpu", timeout_minutes=5)
-    results: dict = {}
-    for name, overrides in spec["configs"].items():
-        try:
-            res = _train(_cfg(overrides, spec["steps"]), info)
-            w = full_weights(res.parallel_model)
-            results[name] = {"losses": res.losses, "grad_norms": res.grad_norms}
-            if info.rank == 0:
-                torch.save(w, Path(out_dir) / f"{name}.weights.pt")
-        except Exception as err:  # noqa: BLE001 - reported to the test
-            import traceback
-
-            results[name] = {"error": f"{type(err).__name__}: {err}\n{traceback.format_exc()}"}
-    try:
-        results["_checks"] = _grad_checks(info, spec["check_ep"])
-    except Exception as err:  # noqa: BLE001
-        import traceback
-
-        results["_checks"] = {"error": f"{type(err).__name__}: {err}\n{traceback.format_exc()}"}
-    if info.rank == 0:
-        (Path(out_dir) / "results.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+def checks_job(ep_size: int, info) -> dict:
+    return _grad_checks(info, ep_size)
 
 
-def launch(configs: dict, nproc: int, steps: int = 10):
-    """One torchrun launch of this file: every config plus the gradient checks; rank 0's results."""
-    from meshforge.testing.parity import RunResult
-
-    with tempfile.TemporaryDirectory() as tmp:
-        spec = Path(tmp) / "spec.json"
-        spec.write_text(json.dumps({"configs": configs, "steps": steps, "check_ep": CHECK_EP[nproc]}))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               str(Path(__file__).resolve()), str(spec), tmp]
-        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
-        res_file = Path(tmp) / "results.json"
-        if not res_file.exists():
-            raise RuntimeError(f"launch failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
-        raw = json.loads(res_file.read_text())
-        out = {"_checks": raw.pop("_checks")}
-        for name, r in raw.items():
-            if "error" in r:
-                out[name] = RunResult([], [], {}, r["error"])
-                continue
-            out[name] = RunResult(r["losses"], r["grad_norms"],
-                                  torch.load(Path(tmp) / f"{name}.weights.pt", weights_only=True))
-        return out
+GROUP_JOBS = [Job("ep parity n2", "meshforge.testing.parity:configs_job", {"configs": N2}, 2),
+              Job("ep parity n4", "meshforge.testing.parity:configs_job", {"configs": N4}, 4),
+              Job("ep checks n2", f"{Path(__file__).resolve()}:checks_job", CHECK_EP[2], 2),
+              Job("ep checks n4", f"{Path(__file__).resolve()}:checks_job", CHECK_EP[4], 4)]
 
 
 # ---------------------------------------------------------------------------------------------- tests
-@pytest.fixture(scope="module")
-def reference():
-    from meshforge.testing.parity import run_single
-
-    return run_single(MOE)
-
-
-@pytest.fixture(scope="module")
-def reference_mb1():
-    from meshforge.testing.parity import run_single
-
-    return run_single(MOE + ["training.micro_batch_size=1"])
-
-
-@pytest.fixture(scope="module")
-def results_n2():
-    return launch(N2, 2)
-
-
-@pytest.fixture(scope="module")
-def results_n4():
-    return launch(N4, 4)
-
-
 @pytest.mark.parametrize("name", list(N2))
-def test_parity_n2(request, results_n2, name):
-    from meshforge.testing.parity import compare
-
-    ref = request.getfixturevalue("reference_mb1" if name in REF_MB1 else "reference")
-    compare(ref, results_n2[name], name, LOSS_RTOL, WEIGHT_ATOL, GRAD_NORM_RTOL)
+def test_parity_n2(reference, group, name):
+    ref = reference(MOE + ["training.micro_batch_size=1"]) if name in REF_MB1 else reference(MOE)
+    compare(ref, results_of(group("ep parity n2"))[name], name, LOSS_RTOL, WEIGHT_ATOL, GRAD_NORM_RTOL)
 
 
 @pytest.mark.parametrize("name", list(N4))
-def test_parity_n4(reference, results_n4, name):
-    from meshforge.testing.parity import compare
-
-    compare(reference, results_n4[name], name, LOSS_RTOL, WEIGHT_ATOL, GRAD_NORM_RTOL)
+def test_parity_n4(reference, group, name):
+    compare(reference(MOE), results_of(group("ep parity n4"))[name], name, LOSS_RTOL, WEIGHT_ATOL, GRAD_NORM_RTOL)
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_router_grad_from_aux_alone_and_idle_expert_zero_grad(results_n2, results_n4, world):
-    checks = (results_n2 if world == 2 else results_n4)["_checks"]
-    assert "error" not in checks, checks.get("error")
+def test_router_grad_from_aux_alone_and_idle_expert_zero_grad(group, world):
+    checks = group(f"ep checks n{world}")
     print(f"N={world} EP={CHECK_EP[world]} checks: {checks}")
     assert all(n > 0 for n in checks["router_grad_norms_from_aux"]), checks
     assert checks["tokens_to_idle_expert_all_ranks"] == 0
     assert checks["none_grads_all_ranks"] == 0, "some rank has a None gradient for an expert parameter"
     assert checks["idle_expert_max_abs_grad"] == 0.0
     assert checks["min_busy_expert_grad_sum"] > 0
-
-
-if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2])

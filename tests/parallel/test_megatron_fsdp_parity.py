@@ -10,7 +10,8 @@ and Megatron-Bridge spellings, overlapped collectives, meta-device init, unit cl
 activation checkpointing and context parallelism (cp2 shards over dp_cp) at N=2, TP2 x DP2 at N=4.
 
 Resharding: megatron_fsdp (optim_grads_params) checkpoints saved with DCP at N=4 (dp 4, and tp2 x dp2) load at
-N=2 (into megatron_fsdp optim, dp 2) with every weight and optimizer entry bit-equal.
+N=2 (into megatron_fsdp optim, dp 2) with every weight and optimizer entry bit-equal. Parity and resharding run
+inside the suite's shared launches (`conftest.group`; the N=4 launch, which saves, comes before the N=2 one).
 
 Accounting (benchmarks/memory_per_rank.py at N=4, measured from the buffers and the collective wrapper).
 """
@@ -18,14 +19,16 @@ Accounting (benchmarks/memory_per_rank.py at N=4, measured from the buffers and 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from meshforge.testing.group import Job
+from meshforge.testing.parity import compare, results_of
+
 ROOT = Path(__file__).resolve().parents[2]
+RESHARD_DIR = Path(os.environ["MESHFORGE_TEST_SHARED"]) / "megatron_reshard"
 pytestmark = pytest.mark.dist
 LOSS_RTOL, WEIGHT_ATOL = 1e-5, 5e-5
 MODES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -85,39 +88,14 @@ N2 = {**matrix(2), **EXTRAS_N2}
 N4 = {**matrix(4), **EXTRAS_N4}
 
 
-@pytest.fixture(scope="module")
-def reference():
-    from meshforge.testing.parity import run_single
-
-    return run_single()
-
-
-@pytest.fixture(scope="module")
-def results_n2():
-    from meshforge.testing.parity import run_configs
-
-    return run_configs(N2, nproc=2)
-
-
-@pytest.fixture(scope="module")
-def results_n4():
-    from meshforge.testing.parity import run_configs
-
-    return run_configs(N4, nproc=4)
-
-
 @pytest.mark.parametrize("name", list(N2))
-def test_parity_n2(reference, results_n2, name):
-    from meshforge.testing.parity import compare
-
-    compare(reference, results_n2[name], name, LOSS_RTOL, WEIGHT_ATOL)
+def test_parity_n2(reference, group, name):
+    compare(reference(), results_of(group("megatron_fsdp parity n2"))[name], name, LOSS_RTOL, WEIGHT_ATOL)
 
 
 @pytest.mark.parametrize("name", list(N4))
-def test_parity_n4(reference, results_n4, name):
-    from meshforge.testing.parity import compare
-
-    compare(reference, results_n4[name], name, LOSS_RTOL, WEIGHT_ATOL)
+def test_parity_n4(reference, group, name):
+    compare(reference(), results_of(group("megatron_fsdp parity n4"))[name], name, LOSS_RTOL, WEIGHT_ATOL)
 
 
 def test_bridge_spelling_maps_to_megatron_fsdp():
@@ -131,45 +109,33 @@ def test_bridge_spelling_maps_to_megatron_fsdp():
 
 
 # ------------------------------------------------------------------------------ resharding N=4 -> N=2
-def _launch(nproc: int, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(Path(__file__).resolve()), *args]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600, cwd=str(ROOT),
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, f"{args[0]} at N={nproc} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return proc
+def test_reshard_n4_to_n2(group):
+    group("megatron_fsdp reshard save n4")
+    lines = group("megatron_fsdp reshard load n2")
+    assert len(lines) == 2 and all("bit-equal" in ln for ln in lines), lines
+    print("\n".join(lines))
 
 
-def test_reshard_n4_to_n2(tmp_path):
-    _launch(4, "save", str(tmp_path))
-    proc = _launch(2, "load", str(tmp_path))
-    assert proc.stdout.count("RESHARD OK") == 2, proc.stdout[-3000:]
-
-
-def _worker(action: str, path: str) -> None:
+def reshard_job(action: str, info) -> list[str]:
     """save: train 3 steps at N=4 (optim_grads_params; dp4, and tp2 x dp2), DCP-save, rank 0 writes the full
     state for comparison. load: build fresh N=2 megatron_fsdp (optim, dp 2) models, DCP-load, compare every
     entry bit for bit."""
     import torch.distributed as dist
 
-    from meshforge.distributed.env import init_distributed
-
-    info = init_distributed("cpu", timeout_minutes=5)
-    for tag, tp in (("dp4", 1), ("tp2dp2", 2)):  # saved at N=4 without and with TP; loaded at N=2 (dp 2)
-        _reshard_one(action, f"{path}/{tag}", tp if action == "save" else 1, info)
+    # saved at N=4 without and with TP; loaded at N=2 (dp 2)
+    out = [_reshard_one(action, f"{RESHARD_DIR}/{tag}", tp if action == "save" else 1, info)
+           for tag, tp in (("dp4", 1), ("tp2dp2", 2))]
     dist.barrier()
-    dist.destroy_process_group()
+    return out
 
 
-def _reshard_one(action: str, path: str, tp: int, info) -> None:
+def _reshard_one(action: str, path: str, tp: int, info) -> str:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor
 
     from meshforge.config import load_config
-    from meshforge.distributed.mesh import MeshContext
-    from meshforge.testing.parity import base_overrides, full_weights
-    from meshforge.training.optim import build_optimizer
-    from meshforge.training.trainer import _train, build_parallel_model
+    from meshforge.testing.parity import base_overrides
+    from meshforge.training.trainer import Trainer
 
     mode = "optim_grads_params" if action == "save" else "optim"
     seed = 7 if action == "save" else 99
@@ -182,43 +148,35 @@ def _reshard_one(action: str, path: str, tp: int, info) -> None:
                 for fqn, st in osd["state"].items() for k, v in st.items()}
 
     if action == "save":
-        res = _train(cfg, info)
+        res = Trainer.build(cfg, info).fit()
         pm, opt = res.parallel_model, res.optimizer
         s = pm.strategy
-        dcp.save({"model": s.model_state_dict(pm.model), "optim": s.optimizer_state_dict(pm.model, opt)},
+        dcp.save({"model": s.model_state_dict(pm.model), "optim": s.optimizer_state_dict(pm.parts, opt)},
                  checkpoint_id=f"{path}/ckpt")
-        w, o = full_weights(pm), full_optim(s.optimizer_state_dict(pm.model, opt))
+        w, o = pm.full_state_dict(), full_optim(s.optimizer_state_dict(pm.parts, opt))
         if info.rank == 0:
             torch.save({"weights": w, "optim": o, "lr": opt.param_groups[0]["lr"]}, f"{path}/expected.pt")
-    else:
-        mesh_ctx = MeshContext.build(cfg.distributed, info.world_size, info.rank, "cpu")
-        pm = build_parallel_model(cfg, mesh_ctx, info.device)
-        opt = build_optimizer(pm.param_groups(0.1), cfg.optimizer, info.device)
-        s = pm.strategy
-        state = {"model": s.model_state_dict(pm.model), "optim": s.optimizer_state_dict(pm.model, opt)}
-        dcp.load(state, checkpoint_id=f"{path}/ckpt")
-        s.load_model_state_dict(pm.model, state["model"])
-        s.load_optimizer_state_dict(pm.model, opt, state["optim"])
-        exp = torch.load(f"{path}/expected.pt", weights_only=True)
-        w, o = full_weights(pm), full_optim(s.optimizer_state_dict(pm.model, opt))
-        assert set(w) == set(exp["weights"]) and set(o) == set(exp["optim"])
-        bad = [k for k in w if not torch.equal(w[k], exp["weights"][k])] + \
-              [k for k in o if not torch.equal(o[k], exp["optim"][k])]
-        assert not bad, f"entries differ after N=4 -> N=2 load: {bad[:5]}"
-        assert opt.param_groups[0]["lr"] == exp["lr"]
-        if info.rank == 0:
-            print(f"RESHARD OK {path}: {len(w)} weights and {len(o)} optimizer entries bit-equal")
+        return f"saved {path}"
+    trainer = Trainer.build(cfg, info)
+    pm, opt, s = trainer.pm, trainer.optimizer, trainer.pm.strategy
+    state = {"model": s.model_state_dict(pm.model), "optim": s.optimizer_state_dict(pm.parts, opt)}
+    dcp.load(state, checkpoint_id=f"{path}/ckpt")
+    s.load_model_state_dict(pm.model, state["model"])
+    s.load_optimizer_state_dict(pm.parts, opt, state["optim"])
+    exp = torch.load(f"{path}/expected.pt", weights_only=True)
+    w, o = pm.full_state_dict(), full_optim(s.optimizer_state_dict(pm.parts, opt))
+    assert set(w) == set(exp["weights"]) and set(o) == set(exp["optim"])
+    bad = [k for k in w if not torch.equal(w[k], exp["weights"][k])] + \
+          [k for k in o if not torch.equal(o[k], exp["optim"][k])]
+    assert not bad, f"entries differ after N=4 -> N=2 load: {bad[:5]}"
+    assert opt.param_groups[0]["lr"] == exp["lr"]
+    return f"RESHARD OK {path}: {len(w)} weights and {len(o)} optimizer entries bit-equal"
 
 
 # ------------------------------------------------------------------------------ memory / communication
 @pytest.fixture(scope="module")
-def accounting():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import memory_per_rank
-    finally:
-        sys.path.pop(0)
-    return memory_per_rank.run(4, "tiny", ["mfsdp_optim", "mfsdp_optim_grads_params"])
+def accounting(group):
+    return group("megatron_fsdp accounting n4")
 
 
 def test_memory_optim_grads_params(accounting):
@@ -245,5 +203,11 @@ def test_memory_optim(accounting):
         assert total <= c["all_reduce"] <= total * 1.05 and total <= c["all_gather"] <= total * 1.05, c
 
 
-if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2])
+
+GROUP_JOBS = [Job("megatron_fsdp parity n2", "meshforge.testing.parity:configs_job", {"configs": N2}, 2),
+              Job("megatron_fsdp parity n4", "meshforge.testing.parity:configs_job", {"configs": N4}, 4),
+              Job("megatron_fsdp reshard save n4", f"{Path(__file__).resolve()}:reshard_job", "save", 4),
+              Job("megatron_fsdp reshard load n2", f"{Path(__file__).resolve()}:reshard_job", "load", 2),
+              # benchmarks/memory_per_rank.py's own measurement, in the shared N=4 launch
+              Job("megatron_fsdp accounting n4", f"{ROOT / 'benchmarks' / 'memory_per_rank.py'}:measure_job",
+                  {"preset": "tiny", "strategies": ["mfsdp_optim", "mfsdp_optim_grads_params"]}, 4)]

@@ -1,8 +1,8 @@
 """Pipeline parallelism reproduces the single-process run (fp32, same seed and global batch, 10 steps).
 
-One launch per world size (`run_configs`) runs every configuration; each is compared with one `run_single`
-reference at a relative loss difference <= 1e-5 and on the final weights, gathered across stages by
-`full_weights` under the whole model's names.
+The suite's shared launches (one per world size) run every configuration; each is compared with one
+single-process reference at a relative loss difference <= 1e-5 and on the final weights, gathered across
+stages under the whole model's names.
 
 N=2: PP2 with every schedule (1f1b, gpipe, interleaved_1f1b, looped_bfs, dfs, v_schedule, zero_bubble),
 interleaved with 2 virtual stages per rank set by layers_per_stage, scale_grads_in_schedule true (the
@@ -16,9 +16,15 @@ PP2 (interleaved) x TP2 with sequence parallelism.
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import pytest
 
-from meshforge.testing.parity import compare, run_configs, run_single
+from meshforge.launch import launch
+from meshforge.testing.group import Job
+from meshforge.testing.parity import compare, results_of, run_single
 
 pytestmark = pytest.mark.dist
 LOSS_RTOL = 1e-5
@@ -34,9 +40,44 @@ def pp(n: int, schedule: str = "1f1b", *extra: str) -> list[str]:
     return BASE + [f"distributed.pp_size={n}", f"distributed.pipeline.pp_schedule={schedule}", *extra]
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return run_single(BASE, steps=10)
+SHARED = Path(os.environ["MESHFORGE_TEST_SHARED"]) / "pipeline"
+SINGLE_DIR, PP_DIR = SHARED / "single", SHARED / "pp2"
+
+
+def single_checkpoint(spec) -> list[float]:
+    """Launch target (one process): a non-PP run of 5 steps of the 10-step schedule that saves step 5."""
+    return run_single(BASE + ["training.max_steps=5", "checkpoint.save_final=true", f"checkpoint.dir={SINGLE_DIR}"],
+                      steps=10, weights=False).losses
+
+
+def _single_checkpoint_at_step_5() -> None:
+    """Made before the shared N=2 launch (in a process of its own: the launches run beside other tests)."""
+    env = {k: v for k, v in os.environ.items() if k != "MESHFORGE_FAULT"}  # a test running meanwhile may set it
+    losses = launch(f"{Path(__file__).resolve()}:single_checkpoint", None, 1, timeout=300, env=env).check().value
+    (SHARED / "single_losses.json").write_text(json.dumps(losses))
+
+
+CONFIGS_2 = {f"pp2 {s}": pp(2, s) for s in SCHEDULES}
+CONFIGS_2.update({
+    "pp2 interleaved layers_per_stage=1 (2 per rank)": pp(2, "interleaved_1f1b", "distributed.pipeline.layers_per_stage=1"),
+    "pp2 1f1b scale_grads_in_schedule": pp(2, "1f1b", "distributed.pipeline.scale_grads_in_schedule=true"),
+    "pp2 zero_bubble scale_grads_in_schedule": pp(2, "zero_bubble", "distributed.pipeline.scale_grads_in_schedule=true"),
+    "pp2 1f1b + full AC": pp(2, "1f1b", "distributed.activation_checkpointing=full"),
+    "pp2 1f1b meta init": pp(2, "1f1b", "model.init_device=meta"),
+    "pp2 interleaved resumes non-PP step 5": pp(2, "interleaved_1f1b", f"checkpoint.resume={SINGLE_DIR / 'step_5'}"),
+    "pp2 saves step 5": pp(2, "interleaved_1f1b", "training.max_steps=5", "checkpoint.save_final=true",
+                           f"checkpoint.dir={PP_DIR}"),
+})
+CONFIGS_4 = {
+    "pp4 1f1b": pp(4, "1f1b"),
+    "pp2 x fsdp2 2 (1f1b)": pp(2, "1f1b"),
+    "pp2 x fsdp2 2 (interleaved)": pp(2, "interleaved_1f1b"),
+    "pp2 x tp2": pp(2, "1f1b", "distributed.tp_size=2"),
+    "pp2 x tp2+sp (interleaved)": pp(2, "interleaved_1f1b", "distributed.tp_size=2", "distributed.sequence_parallel=true"),
+}
+GROUP_JOBS = [Job("pp parity n2", "meshforge.testing.parity:configs_job", {"configs": CONFIGS_2}, 2,
+                  prepare=_single_checkpoint_at_step_5),
+              Job("pp parity n4", "meshforge.testing.parity:configs_job", {"configs": CONFIGS_4}, 4)]
 
 
 def _check(reference, results, configs, tail_from: dict[str, int] | None = None):
@@ -53,49 +94,27 @@ def _check(reference, results, configs, tail_from: dict[str, int] | None = None)
     assert not failures, "\n".join(failures)
 
 
-def test_pp2_every_schedule_and_checkpoint_interchange(reference, tmp_path):
-    # a non-PP checkpoint at step 5, for the PP2 run to resume
-    single_dir = tmp_path / "single"
-    first = run_single(BASE + ["training.max_steps=5", "checkpoint.save_final=true",
-                               f"checkpoint.dir={single_dir}"], steps=10, weights=False)
-    assert first.losses == pytest.approx(reference.losses[:5], rel=LOSS_RTOL)
-    pp_dir = tmp_path / "pp2"
-    configs = {f"pp2 {s}": pp(2, s) for s in SCHEDULES}
-    configs.update({
-        "pp2 interleaved layers_per_stage=1 (2 per rank)": pp(2, "interleaved_1f1b", "distributed.pipeline.layers_per_stage=1"),
-        "pp2 1f1b scale_grads_in_schedule": pp(2, "1f1b", "distributed.pipeline.scale_grads_in_schedule=true"),
-        "pp2 zero_bubble scale_grads_in_schedule": pp(2, "zero_bubble", "distributed.pipeline.scale_grads_in_schedule=true"),
-        "pp2 1f1b + full AC": pp(2, "1f1b", "distributed.activation_checkpointing=full"),
-        "pp2 1f1b meta init": pp(2, "1f1b", "model.init_device=meta"),
-        "pp2 interleaved resumes non-PP step 5": pp(2, "interleaved_1f1b", f"checkpoint.resume={single_dir / 'step_5'}"),
-        "pp2 saves step 5": pp(2, "interleaved_1f1b", "training.max_steps=5", "checkpoint.save_final=true",
-                               f"checkpoint.dir={pp_dir}"),
-    })
-    results = run_configs(configs, 2, steps=10)
+def test_pp2_every_schedule_and_checkpoint_interchange(reference, group):
+    ref = reference(BASE)
+    first = json.loads((SHARED / "single_losses.json").read_text())  # the run that wrote the step-5 checkpoint
+    assert first == pytest.approx(ref.losses[:5], rel=LOSS_RTOL)
+    results = results_of(group("pp parity n2"))
     saver = results.pop("pp2 saves step 5")
     assert saver.error is None, saver.error
-    assert saver.losses == pytest.approx(reference.losses[:5], rel=LOSS_RTOL)
-    _check(reference, results, [n for n in configs if n != "pp2 saves step 5"],
+    assert saver.losses == pytest.approx(ref.losses[:5], rel=LOSS_RTOL)
+    _check(ref, results, [n for n in CONFIGS_2 if n != "pp2 saves step 5"],
            tail_from={"pp2 interleaved resumes non-PP step 5": 5})
     # the PP2 checkpoint (stage-local parts, whole-model names) resumes in a single process
-    resumed = run_single(BASE + [f"checkpoint.resume={pp_dir / 'step_5'}"], steps=10)
-    tail = type(reference)(reference.losses[5:], reference.grad_norms[5:], reference.weights)
+    resumed = run_single(BASE + [f"checkpoint.resume={PP_DIR / 'step_5'}"], steps=10)
+    tail = type(ref)(ref.losses[5:], ref.grad_norms[5:], ref.weights)
     compare(tail, resumed, "non-PP resumes PP2 step 5", loss_rtol=LOSS_RTOL, weight_atol=WEIGHT_ATOL)
 
 
-def test_pp4_and_pp_with_fsdp2_and_tp(reference):
-    configs = {
-        "pp4 1f1b": pp(4, "1f1b"),
-        "pp2 x fsdp2 2 (1f1b)": pp(2, "1f1b"),
-        "pp2 x fsdp2 2 (interleaved)": pp(2, "interleaved_1f1b"),
-        "pp2 x tp2": pp(2, "1f1b", "distributed.tp_size=2"),
-        "pp2 x tp2+sp (interleaved)": pp(2, "interleaved_1f1b", "distributed.tp_size=2",
-                                         "distributed.sequence_parallel=true"),
-    }
-    results = run_configs(configs, 4, steps=10)
+def test_pp4_and_pp_with_fsdp2_and_tp(reference, group):
+    ref, results = reference(BASE), results_of(group("pp parity n4"))
     sp = "pp2 x tp2+sp (interleaved)"
-    _check(reference, results, [n for n in configs if n != sp])
+    _check(ref, results, [n for n in CONFIGS_4 if n != sp])
     # TP+SP's own numerics (sequence all-gathers / reduce-scatters) move the grad norm by ~1.4e-4 relative over
     # 10 steps at lr 1e-2, PP or not (measured: TP2+SP alone gives the same grad norms as PP2 x TP2+SP to ~1e-6):
     # same loss and weight tolerances, grad norm to 1e-3.
-    compare(reference, results[sp], sp, LOSS_RTOL, WEIGHT_ATOL, grad_norm_rtol=1e-3)
+    compare(ref, results[sp], sp, LOSS_RTOL, WEIGHT_ATOL, grad_norm_rtol=1e-3)

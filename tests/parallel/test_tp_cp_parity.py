@@ -1,24 +1,21 @@
 """Tensor, sequence and context parallelism reproduce the single-process run (fp32, same seed and batch).
 
-Two launches of `run_configs` (N=2 and N=4) run every configuration of the issue for 10 steps; each is
-compared with `run_single` at a relative loss difference <= 1e-5. One more N=4 launch compares the
-gradients of a whole block (every parameter of layers.0, plus the embedding and output) directly after one
-forward/backward, for TP2+SP (x fsdp2 2), CP2 x TP2+SP and TP2 with tied embeddings. (megatron_fsdp 2 x TP2 is
-tested with that strategy.)
+The suite's shared launches (N=2 and N=4) run every configuration for 10 steps; each is compared with the
+single-process reference at a relative loss difference <= 1e-5. One more N=4 job compares the gradients of a
+whole block (every parameter of layers.0, plus the embedding and output) directly after one forward/backward,
+for TP2+SP (x fsdp2 2), CP2 x TP2+SP and TP2 with tied embeddings. (megatron_fsdp 2 x TP2 is tested with that
+strategy.)
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from meshforge.testing.parity import compare, run_configs, run_single
+from meshforge.testing.group import Job
+from meshforge.testing.parity import compare, results_of
 
 pytestmark = pytest.mark.dist
 
@@ -45,18 +42,13 @@ CONFIGS_4 = {
 }
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return run_single([], steps=10)
-
-
 @pytest.mark.parametrize("nproc,configs", [(2, CONFIGS_2), (4, CONFIGS_4)], ids=["N2", "N4"])
-def test_parity(reference, nproc, configs):
-    results = run_configs(configs, nproc, steps=10)
+def test_parity(reference, group, nproc, configs):
+    results = results_of(group(f"tp/cp parity n{nproc}"))
     failures = []
     for name in configs:
         try:
-            compare(reference, results[name], name, loss_rtol=LOSS_RTOL, weight_atol=WEIGHT_ATOL)
+            compare(reference(), results[name], name, loss_rtol=LOSS_RTOL, weight_atol=WEIGHT_ATOL)
         except AssertionError as err:
             failures.append(str(err)[:2000])
     assert not failures, "\n".join(failures)
@@ -68,18 +60,16 @@ GRAD_CASES = {"fsdp2 2 x tp2+sp": TP + SP, "cp2 x tp2+sp": ["distributed.cp_size
               "fsdp2 2 x tp2 tied": TP + ["model.tie_embeddings=true"]}
 
 
-def _grad_worker(out_dir: str) -> None:
+def grad_job(spec, info) -> dict:
     from torch.distributed.tensor import DTensor
 
     from meshforge.config import load_config
-    from meshforge.distributed.env import init_distributed
+    from meshforge.distributed.build import build_parallel_model
     from meshforge.distributed.mesh import MeshContext
     from meshforge.models import build_model, init_weights
+    from meshforge.models.loss import lm_loss
     from meshforge.testing.parity import base_overrides
-    from meshforge.training.step import lm_loss
-    from meshforge.training.trainer import build_parallel_model
 
-    info = init_distributed("cpu", timeout_minutes=5)
     results = {}
     for name, overrides in GRAD_CASES.items():
         cfg = load_config(None, base_overrides(1) + overrides, world_size=info.world_size)
@@ -105,22 +95,19 @@ def _grad_worker(out_dir: str) -> None:
             grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
             errs[n] = (grad - ref_grads[n]).abs().max().item()
         results[name] = errs
-    if info.rank == 0:
-        Path(out_dir, "grads.json").write_text(json.dumps(results))
-    import torch.distributed as dist
-
-    dist.destroy_process_group()
+    return results
 
 
-def test_block_gradients_match_single_process(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", __file__,
-           str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    results = json.loads((tmp_path / "grads.json").read_text())
+GROUP_JOBS = [Job("tp/cp parity n2", "meshforge.testing.parity:configs_job", {"configs": CONFIGS_2}, 2),
+              Job("tp/cp parity n4", "meshforge.testing.parity:configs_job", {"configs": CONFIGS_4}, 4),
+              Job("tp/cp block gradients", f"{Path(__file__).resolve()}:grad_job", None, 4)]
+
+
+def test_block_gradients_match_single_process(group):
+    results = group("tp/cp block gradients")
     assert set(results) == set(GRAD_CASES)
     for name, errs in results.items():
+        errs = dict(errs)
         loss_diff = errs.pop("loss")
         worst = max(errs, key=errs.get)
         print(f"gradients {name}: {len(errs)} parameters, max abs diff {errs[worst]:.2e} ({worst}), "
@@ -128,6 +115,3 @@ def test_block_gradients_match_single_process(tmp_path):
         assert len(errs) == 9 + (1 if "tied" in name else 2)  # 9 block parameters + embedding (+ output)
         assert loss_diff <= 1e-6 and errs[worst] <= GRAD_ATOL, errs
 
-
-if __name__ == "__main__":
-    _grad_worker(sys.argv[1])

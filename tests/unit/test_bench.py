@@ -14,6 +14,7 @@ import torch.distributed as dist
 from meshforge.bench import report, runner
 from meshforge.bench.measure import CommCounter, state_bytes
 from meshforge.cli import main
+from meshforge.errors import BenchError
 
 TINY = """model: {preset: tiny}
 data: {source: synthetic}
@@ -42,9 +43,9 @@ def test_compose_orders_overrides_and_names_configs():
     two = runner.compose([], ["a.b=1,2", "c.d=x,y,z"], [1], False)
     assert len(two) == 6 and two[-1].swept == {"a.b": "2", "c.d": "z"}
     for bad in ("distributed.strategy", "=ddp", "distributed.strategy=ddp,,fsdp2", "k=a,a"):
-        with pytest.raises(runner.BenchError):
+        with pytest.raises(BenchError):
             runner.parse_sweep(bad)
-    with pytest.raises(runner.BenchError):
+    with pytest.raises(BenchError):
         runner.parse_nprocs("2,zero")
 
 
@@ -72,8 +73,6 @@ def test_missing_config_exit_2(tmp_path, capsys):
 
 def test_megatron_flag_applies_perf_overrides(cfg_file):
     cs = runner.compose([], [], [2], True)
-    if not runner.megatron_fsdp_available():
-        pytest.skip("megatron_fsdp not in this build (the not-registered path is tested below)")
     (cfg,) = runner.validate(cfg_file, cs)
     d = cfg.distributed
     assert (d.strategy, d.data_parallel_sharding_strategy, d.average_in_collective, d.keep_fp8_transpose_cache) \
@@ -81,11 +80,13 @@ def test_megatron_flag_applies_perf_overrides(cfg_file):
     assert cfg.checkpoint.resume is None
 
 
-def test_megatron_not_registered_says_so_and_exits_2(cfg_file, capsys, monkeypatch):
-    monkeypatch.setattr(runner, "megatron_fsdp_available", lambda: False)
+def test_unregistered_strategy_says_so_and_exits_2(cfg_file, capsys, monkeypatch):
+    from meshforge.config import strategies
+
+    monkeypatch.setattr(strategies, "_SPECS", {k: v for k, v in strategies._SPECS.items() if k != "megatron_fsdp"})
     assert main(["bench", cfg_file, "--use-megatron-fsdp", "true", "--nproc-per-node", "2"]) == 2
     errs = _errors(capsys)
-    assert len(errs) == 1 and "megatron_fsdp is not registered" in errs[0], errs
+    assert errs and "unknown strategy 'megatron_fsdp'; choose one of ddp, fsdp2" in errs[0], errs
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """Context-parallel attention equals full causal attention (forward and gradients), on 2 and 4 gloo processes.
 
-One launch of 4 processes checks cp=4 (all ranks) and cp=2 (two groups of 2 ranks) on random q, k, v,
+One job of the suite's shared 4-process launch checks cp=4 (all ranks) and cp=2 (two groups of 2 ranks) on
+random q, k, v,
 with grouped-query attention (8 query heads, 2 kv heads) and with plain multi-head attention. Every rank
 computes the single-process reference itself and compares its load-balanced shards of the output and of
 dq, dk, dv. Uneven chunks are not allowed (the config rule and the batch transform reject them): tested too.
@@ -8,16 +9,13 @@ dq, dk, dv. Uneven chunks are not allowed (the config rule and the batch transfo
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from meshforge.distributed.context_parallel import CPBatchTransform, load_balanced_indices
+from meshforge.testing.group import Job
 
 TOL = 1e-10  # float64 inputs: only rounding differences
 
@@ -47,11 +45,11 @@ def _check(group, cp_size, cp_rank, heads, kv_heads, seq, seed) -> dict:
     return errs
 
 
-def _worker(out_dir: str) -> None:
+def cp_job(spec, info) -> list[dict]:
+    """Every rank's errors (gathered to rank 0)."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = info.rank, info.world_size
     results = {}
     cases = [(8, 2, 32), (4, 4, 64)]  # (heads, kv heads, sequence length)
     # cp=4 over every rank
@@ -61,20 +59,19 @@ def _worker(out_dir: str) -> None:
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     for i, (h, kvh, s) in enumerate(cases):
         results[f"cp2 h{h} kv{kvh} s{s}"] = _check(groups[rank // 2], 2, rank % 2, h, kvh, s, seed=20 + i)
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, results)
+    return everyone
+
+
+GROUP_JOBS = [Job("cp attention n4", f"{Path(__file__).resolve()}:cp_job", None, 4)]
 
 
 @pytest.mark.dist
-def test_cp_attention_matches_full_causal_attention(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", __file__,
-           str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-6000:]
+def test_cp_attention_matches_full_causal_attention(group):
     worst = {}
-    for r in range(4):
-        for case, errs in json.loads((tmp_path / f"rank{r}.json").read_text()).items():
+    for per_rank in group("cp attention n4"):
+        for case, errs in per_rank.items():
             for name, e in errs.items():
                 worst[(case, name)] = max(worst.get((case, name), 0.0), e)
     for (case, name), e in sorted(worst.items()):
@@ -130,6 +127,3 @@ def test_uneven_sequence_rejected():
         load_config(None, ["training.seq_len=30", "distributed.cp_size=2", "training.global_batch_size=8",
                            "training.micro_batch_size=2"], world_size=2)
 
-
-if __name__ == "__main__":
-    _worker(sys.argv[1])

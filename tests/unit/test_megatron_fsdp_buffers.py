@@ -48,8 +48,8 @@ def _setup(mode: str, extra=()):
     model = build_model(cfg.model)
     init_weights(model, 3)
     ref = copy.deepcopy(model)
-    model, strategy = parallelize_model(model, MeshContext.build(cfg.distributed, 1), cfg.distributed)
-    return cfg, model, strategy, ref
+    out = parallelize_model(model, MeshContext.build(cfg.distributed, 1), cfg.distributed)
+    return cfg, out.model, out.strategy, ref
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -78,16 +78,16 @@ def test_params_are_views_into_the_unit_buffer(mode):
 @pytest.mark.parametrize("mode", MODES)
 def test_optimizer_pieces_equal_plain_adamw(mode):
     """Weight decay on >= 2-D params only, clipping by the global norm: equal to plain AdamW on the full model."""
+    from meshforge.distributed.parallelize import Parallelized
+    from meshforge.distributed.runtime import ParallelModel
     from meshforge.distributed.strategy import Strategy
-    from meshforge.testing.parity import full_weights
-    from meshforge.training.step import ParallelModel
 
     _, model, strategy, ref = _setup(mode)
     opt = torch.optim.AdamW(strategy.optimizer_param_groups(model, 0.1), lr=1e-2, foreach=False)
     ref_opt = torch.optim.AdamW(Strategy.optimizer_param_groups(None, ref, 0.1), lr=1e-2, foreach=False)
     decay_shapes = sorted(p.numel() for p in opt.param_groups[0]["params"])
     assert decay_shapes == sorted(p.numel() for p in ref_opt.param_groups[0]["params"])
-    pm = ParallelModel(model, strategy, strategy.mesh_ctx, torch.device("cpu"))
+    pm = ParallelModel([Parallelized(model, strategy)], strategy.mesh_ctx, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
     for _ in range(3):
         x = torch.randint(0, 256, (4, 16), generator=g)
@@ -104,7 +104,7 @@ def test_optimizer_pieces_equal_plain_adamw(mode):
         ref_opt.zero_grad()
         assert abs(loss.item() - ref_loss.item()) <= 1e-6 * ref_loss.item()
         assert abs(norm.item() - ref_norm.item()) <= 1e-5 * ref_norm.item()
-    w = full_weights(pm)
+    w = pm.full_state_dict()
     for n, p in ref.named_parameters():
         assert (w[n] - p.detach()).abs().max().item() < 1e-6, n
 
@@ -117,7 +117,8 @@ def test_materialize_equals_full_init_and_state_dict_round_trip():
 
     cfg = load_config(None, ["model.preset=tiny", "distributed.strategy=megatron_fsdp"], world_size=1)
     meta = build_model(cfg.model, device="meta")
-    model, strategy = parallelize_model(meta, MeshContext.build(cfg.distributed, 1), cfg.distributed)
+    out = parallelize_model(meta, MeshContext.build(cfg.distributed, 1), cfg.distributed)
+    model, strategy = out.model, out.strategy
     strategy.materialize(model, 5)
     full = build_model(cfg.model)
     init_weights(full, 5)
@@ -158,12 +159,12 @@ def test_world_size_one_bf16_on_gpu_trains_close_to_fp32():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     from meshforge.distributed.env import DistInfo
-    from meshforge.testing.parity import _cfg, run_single
-    from meshforge.training.trainer import _train
+    from meshforge.testing.parity import config, run_single
+    from meshforge.training.trainer import train
 
     ref = run_single(weights=False)
-    cfg = _cfg(["distributed.strategy=megatron_fsdp", "training.device=cuda", "training.precision=bf16"], 10)
-    res = _train(cfg, DistInfo(0, 1, 0, torch.device("cuda", 0), None))
+    cfg = config(["distributed.strategy=megatron_fsdp", "training.device=cuda", "training.precision=bf16"], 10)
+    res = train(cfg, DistInfo(0, 1, 0, torch.device("cuda", 0), None))
     strategy = res.parallel_model.strategy
     assert strategy.compute_dtype == torch.bfloat16 and strategy.units[0].main.dtype == torch.float32
     assert all(abs(a - b) <= 2e-2 * abs(a) for a, b in zip(ref.losses, res.losses)), (ref.losses, res.losses)

@@ -114,7 +114,7 @@ def test_aux_loss_alone_reaches_every_router_and_is_in_the_training_loss():
         g = m.layers[i].feed_forward.router.gate.weight.grad
         assert g is not None and g.abs().sum() > 0, f"layer {i}: router got no gradient from the aux loss"
     # lm_loss adds it: the router gradient of ce + aux differs from ce alone by exactly the aux gradient
-    from meshforge.training.step import lm_loss
+    from meshforge.models.loss import lm_loss
 
     y = tokens(seed=1)
     grads = []

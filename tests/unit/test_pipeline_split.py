@@ -72,7 +72,7 @@ def test_bad_splits_name_the_numbers(n_layers, pp, kw, local, needle):
     (["distributed.pp_size=4", "model.n_layers=4", "distributed.pipeline.pp_microbatch_size=4",
       "training.global_batch_size=8", "training.micro_batch_size=2"], 4, "needs at least pp_size=4 microbatches"),
     (["distributed.pp_size=2", "model.n_layers=4", "model.tie_embeddings=true"], 2, "tie_embeddings=true cannot be split"),
-    (["distributed.strategy=ddp", "distributed.pp_size=2", "model.n_layers=4"], 2, "does not support distributed.pp_size=2"),
+    (["distributed.strategy=ddp", "distributed.pp_size=2", "model.n_layers=4"], 2, "distributed.pp_size=2 is not supported by strategy ddp"),
 ])
 def test_rules_reject_before_launch_with_exit_2(overrides, world, needle, capsys):
     rc = main(["validate", "examples/tiny_cpu.yaml", *overrides, "--world-size", str(world)])

@@ -20,18 +20,18 @@ CASES = [
     # rule 2: HSDP
     (["distributed.dp_replicate_size=3"], 8, "dp_replicate_size=3 must divide dp_size=8"),
     (["distributed.dp_replicate_size=4"], 4, "must divide dp_size=4 and be smaller than it"),
-    (["distributed.strategy=ddp", "distributed.dp_replicate_size=2"], 4, "dp_replicate_size belongs to strategy fsdp2"),
+    (["distributed.strategy=ddp", "distributed.dp_replicate_size=2"], 4, "distributed.dp_replicate_size=2 is not supported by strategy ddp"),
     # rule 3: EP
     (["model.preset=tiny_moe", "distributed.ep_size=3"], 4, "ep_size=3 must divide dp_size*cp_size = 4*1 = 4"),
     (["distributed.ep_size=2"], 4, "needs a mixture-of-experts model"),
-    # rule 4: megatron_fsdp limits
+    # rule 4: megatron_fsdp limits (each strategy declares what it composes with)
     (["distributed.strategy=megatron_fsdp", "distributed.pp_size=2"], 4, "pp_size=2 is not supported by strategy megatron_fsdp"),
     (["distributed.strategy=megatron_fsdp", "distributed.ep_size=2", "model.preset=tiny_moe"], 4, "ep_size=2 is not supported by strategy megatron_fsdp"),
     (["distributed.strategy=megatron_fsdp", "distributed.sequence_parallel=true", "distributed.tp_size=2"], 4, "sequence_parallel=true is not supported by strategy megatron_fsdp"),
-    (["distributed.strategy=megatron_fsdp", "distributed.dp_replicate_size=2"], 4, "dp_replicate_size belongs to strategy fsdp2"),
-    # rule 5: ddp limits
-    (["distributed.strategy=ddp", "distributed.tp_size=2"], 4, "strategy ddp is plain data parallelism and does not support distributed.tp_size=2"),
-    (["distributed.strategy=ddp", "distributed.cp_size=2"], 4, "does not support distributed.cp_size=2"),
+    (["distributed.strategy=megatron_fsdp", "distributed.dp_replicate_size=2"], 4, "distributed.dp_replicate_size=2 is not supported by strategy megatron_fsdp"),
+    # rule 5: ddp limits (the same rule)
+    (["distributed.strategy=ddp", "distributed.tp_size=2"], 4, "distributed.tp_size=2 is not supported by strategy ddp"),
+    (["distributed.strategy=ddp", "distributed.cp_size=2"], 4, "distributed.cp_size=2 is not supported by strategy ddp (torch DistributedDataParallel: full replicas, gradients all-reduced): use strategy fsdp2 or megatron_fsdp"),
     # rule 6
     (["distributed.sequence_parallel=true"], 2, "sequence_parallel=true requires tp_size > 1"),
     # rule 8

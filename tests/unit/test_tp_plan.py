@@ -10,7 +10,7 @@ from torch import nn
 
 from meshforge.config import ConfigError, load_config
 from meshforge.config.schema import ModelConfig
-from meshforge.distributed.tensor_parallel import (
+from meshforge.planning.tp_plan import (
     config_plan_problems,
     pattern_matches,
     plan_problems,

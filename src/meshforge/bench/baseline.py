@@ -6,7 +6,7 @@
   cross-entropy with gradient accumulation, `clip_grad_norm_`, the same lr
   schedule set by hand; its batches are the same global batches, materialised as
   tensors before timing (a hand-written loop's data is "just there");
-- meshforge's path: the trainer's building blocks and step body (`worker.train_step`).
+- meshforge's path: `Trainer.build` and the training loop's own step (`Trainer.train_step`).
 
 Machines are noisy (shared cores, frequency changes), so the two are interleaved
 step by step: `rounds x steps` pairs, alternating which goes first (AB, BA, ...),
@@ -18,35 +18,38 @@ taken out of the meshforge step (`ratio_without_data`): the trainer draws every
 batch from its data source inside the step, the bare loop does not.
 A last untimed-for-the-ratio pass splits one step of each into its parts (data,
 forward+backward, clip, optimizer, schedule, zero_grad), which is where any
-overhead shows.
+overhead shows. Neither loop reads the loss back on the step (meshforge's does
+so on log steps only; the bare loop returns the device tensor).
 """
 
 from __future__ import annotations
 
-import json
 import statistics
-import sys
 import time
-import traceback
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from meshforge.bench.measure import percentile, step_stats, sync, throughput_fields
+from meshforge.config import load_config
+from meshforge.data import ShardedBatchLoader, build_source
+from meshforge.distributed.env import DistInfo, pick_device
+from meshforge.models import build_model, contract_of, init_weights, resolve_model_args
+from meshforge.training.metrics import device_peak_tflops
+from meshforge.training.optim import lr_factor, optimizer_impl
+from meshforge.training.trainer import Trainer
 
 
 class BareLoop:
     """What a user would write by hand; nothing from meshforge's trainer, strategies or loader."""
 
     def __init__(self, cfg, device: torch.device, batches: list[list[tuple[torch.Tensor, torch.Tensor]]]):
-        from meshforge.models import build_model, init_weights
-        from meshforge.training.optim import lr_factor
-
         torch.manual_seed(cfg.run.seed)
         self.model = build_model(cfg.model)
         init_weights(self.model, cfg.run.seed)
         self.model.to(device).train()
         o = cfg.optimizer
-        impl = o.impl if o.impl != "auto" else ("fused" if device.type == "cuda" else "foreach")
+        impl = optimizer_impl(o)
         kw = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
         params = [p for p in self.model.parameters() if p.requires_grad]
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
@@ -62,7 +65,7 @@ class BareLoop:
         self.batches = [[(x.to(device), y.to(device)) for x, y in b] for b in batches]
         self.k = 0
 
-    def step(self, parts: dict | None = None) -> float:
+    def step(self, parts: dict | None = None) -> torch.Tensor:
         t = _Clock(parts, self.device)
         micro = self.batches[self.k % len(self.batches)]
         t("data")
@@ -75,12 +78,8 @@ class BareLoop:
             total += loss.detach()
         t("forward_backward")
         if self.clip is not None:
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         t("clip")
-        loss_v = float(total / len(micro))
-        if self.clip is not None:
-            float(norm)
-        t("host_sync")
         self.opt.step()
         t("optimizer")
         for g in self.opt.param_groups:
@@ -89,7 +88,7 @@ class BareLoop:
         self.opt.zero_grad(set_to_none=True)
         t("zero_grad")
         self.k += 1
-        return loss_v
+        return total / len(micro)
 
 
 class _Clock:
@@ -127,51 +126,22 @@ class _TimedLoader:
         return batch
 
 
-def meshforge_step_parts(pm, optimizer, scheduler, loader, grad_clip, device, parts: dict) -> None:
-    """`worker.train_step` split into the same parts as the bare loop (for the breakdown only)."""
-    t = _Clock(parts, device)
-    batch = loader.next_batch()
-    t("data")
-    loss = pm.forward_backward(batch)
-    t("forward_backward")
-    grad_norm = pm.clip_grad_norm_(grad_clip)
-    t("clip")
-    float(loss), float(grad_norm)
-    t("host_sync")
-    optimizer.step()
-    pm.after_optimizer_step()
-    t("optimizer")
-    scheduler.step()
-    t("schedule")
-    pm.zero_grad(optimizer)
-    t("zero_grad")
-
-
 def compare(cfg, steps: int, warmup: int, rounds: int, peak_override: float | None = None) -> dict:
-    from meshforge.bench.measure import percentile, step_stats, sync, throughput_fields
-    from meshforge.bench.worker import build_run, train_step
-    from meshforge.distributed.env import DistInfo, pick_device
-    from meshforge.training.metrics import device_peak_tflops
-
     device = pick_device(cfg.training.device)
-    info = DistInfo(0, 1, 0, device, None)
-    _, pm, optimizer, scheduler, loader = build_run(cfg, info)
+    trainer = Trainer.build(cfg, DistInfo(0, 1, 0, device, None))
     # the bare loop's data: the same global batches the trainer will see, as plain tensors
-    from meshforge.data import ShardedBatchLoader, build_source
-    from meshforge.models import resolve_model_args
-
     t = cfg.training
     source = build_source(cfg.data, t.seq_len, resolve_model_args(cfg.model).vocab_size, cfg.run.seed)
     data = ShardedBatchLoader(source, t.global_batch_size, t.micro_batch_size, seed=cfg.run.seed)
     bare = BareLoop(cfg, device, [data.next_batch() for _ in range(min(4, warmup + steps))])
 
-    timed_loader = _TimedLoader(loader)
+    timed_loader = trainer.loader = _TimedLoader(trainer.loader)
 
     def mf_step():
-        return train_step(pm, optimizer, scheduler, timed_loader, t.grad_clip)[0]
+        return trainer.train_step()[0]
 
     paths = {"bare": bare.step, "meshforge": mf_step}
-    first_losses = {"bare": paths["bare"](), "meshforge": paths["meshforge"]()}  # same batch, same init
+    first_losses = {name: float(step()) for name, step in paths.items()}  # same batch, same init
     for _ in range(max(0, warmup - 1)):
         for f in paths.values():
             f()
@@ -192,11 +162,11 @@ def compare(cfg, steps: int, warmup: int, rounds: int, peak_override: float | No
     breakdown: dict[str, dict] = {"bare": {}, "meshforge": {}}
     for _ in range(steps):
         bare.step(breakdown["bare"])
-        meshforge_step_parts(pm, optimizer, scheduler, loader, t.grad_clip, device, breakdown["meshforge"])
+        trainer.train_step(_Clock(breakdown["meshforge"], device))
     breakdown = {k: {p: v / steps for p, v in d.items()} for k, d in breakdown.items()}
 
-    model_ref = pm.unwrapped_parts()[0]
-    fpt = model_ref.flops_per_token(t.seq_len)
+    model_ref = trainer.pm.unwrapped_parts()[0]
+    fpt = contract_of(model_ref).flops_per_token(t.seq_len)
     peak = device_peak_tflops(device, peak_override or cfg.logging.peak_tflops)
     out: dict = {"settings": {"model": cfg.model.preset, "seq_len": t.seq_len, "global_batch_size": t.global_batch_size,
                               "micro_batch_size": t.micro_batch_size, "precision": t.precision,
@@ -217,22 +187,7 @@ def compare(cfg, steps: int, warmup: int, rounds: int, peak_override: float | No
     return out
 
 
-def main(spec_path: str, out_path: str) -> int:
-    from meshforge.config import load_config
-
-    spec = json.loads(Path(spec_path).read_text())
-    try:
-        cfg = load_config(spec.get("config"), spec["overrides"], world_size=1)
-        res = compare(cfg, spec["steps"], spec["warmup"], spec.get("rounds", 5), spec.get("peak_tflops"))
-        Path(out_path).write_text(json.dumps(res))
-        return 0
-    except Exception as err:  # noqa: BLE001 - reported by the runner
-        problems = getattr(err, "problems", None)
-        msg = "; ".join(problems) if problems else f"{type(err).__name__}: {err}"
-        Path(f"{out_path}.rank0.err").write_text(json.dumps({"error": msg, "traceback": traceback.format_exc()}))
-        print(f"error: baseline: {msg}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+def run(spec: dict) -> dict:
+    """Launch target (one process): the interleaved comparison."""
+    cfg = load_config(spec.get("config"), spec["overrides"], world_size=1)
+    return compare(cfg, spec["steps"], spec["warmup"], spec.get("rounds", 5), spec.get("peak_tflops"))

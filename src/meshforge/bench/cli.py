@@ -13,6 +13,8 @@ import argparse
 import os
 import sys
 
+from meshforge.errors import BenchError
+
 
 def _bool(text: str) -> bool:
     v = str(text).strip().lower()
@@ -68,7 +70,7 @@ def run(args) -> int:
         configs = runner.compose(args.overrides, args.sweep, runner.parse_nprocs(args.nproc_per_node),
                                  args.use_megatron_fsdp)
         cfgs = runner.validate(args.config, configs)
-    except runner.BenchError as err:
+    except BenchError as err:
         return _fail(err.problems)
     out_dir = args.output_dir or os.path.join(cfgs[0].run.output_dir, "bench")
 

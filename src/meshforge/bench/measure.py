@@ -18,9 +18,10 @@ Memory. `state_bytes` counts the storages (deduplicated, so views into one flat
 buffer or tied weights count once, and padding counts) behind this rank's
 parameters, gradients and optimizer state: DTensors by their local shard,
 optimizer-held parameters (e.g. fp32 main shards) included, DDP's reducer buckets
-added as gradient memory. A strategy with its own flat buffers may provide
+added as gradient memory. A strategy with its own flat buffers returns
 `memory_report(optimizer)` with `params_at_rest`, `grads` and `optimizer_state`
-(megatron_fsdp does), which is then used, the storage count kept beside it.
+(megatron_fsdp does; the base strategy returns None), which is then used, the
+storage count kept beside it.
 """
 
 from __future__ import annotations
@@ -138,19 +139,13 @@ def _ddp_bucket_bytes(model) -> int:
 def state_bytes(models: list, optimizer: torch.optim.Optimizer, strategy=None) -> dict:
     """Bytes this rank holds in params, grads and optimizer state (call after step, before zero_grad)."""
     counted = _storage_count(models, optimizer)
-    report = getattr(strategy, "memory_report", None)
-    if callable(report):
-        try:
-            rep = report(optimizer)
-        except TypeError:
-            rep = report()
-        if isinstance(rep, dict) and {"params_at_rest", "grads", "optimizer_state"} <= set(rep):
-            out = {"params": int(rep["params_at_rest"]), "grads": int(rep["grads"]),
-                   "optimizer": int(rep["optimizer_state"])}
-            out["total"] = out["params"] + out["grads"] + out["optimizer"]
-            return {"source": "strategy.memory_report", **out, "storages_total": counted["total"],
-                    "report": {k: v for k, v in rep.items() if isinstance(v, (int, float))}}
-    return counted
+    rep = strategy.memory_report(optimizer) if strategy is not None else None
+    if rep is None:
+        return counted
+    out = {"params": int(rep["params_at_rest"]), "grads": int(rep["grads"]), "optimizer": int(rep["optimizer_state"])}
+    out["total"] = out["params"] + out["grads"] + out["optimizer"]
+    return {"source": "strategy.memory_report", **out, "storages_total": counted["total"],
+            "report": {k: v for k, v in rep.items() if isinstance(v, (int, float))}}
 
 
 def _storage_count(models: list, optimizer: torch.optim.Optimizer) -> dict:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 
-from meshforge.checkpoint.errors import CheckpointError
+from meshforge.errors import CheckpointError
 
 
 def add_arguments(parser) -> None:
@@ -31,7 +31,7 @@ def add_arguments(parser) -> None:
 
 
 def _inspect(args) -> int:
-    from meshforge.checkpoint.manager import dcp_tensor_shapes, resolve_checkpoint_path, verify_files
+    from meshforge.checkpoint.files import dcp_tensor_shapes, resolve_checkpoint_path, verify_files
 
     path = resolve_checkpoint_path(args.dir)
     manifest = verify_files(path) if not args.no_verify else json.loads((path / "manifest.json").read_text())
@@ -74,7 +74,7 @@ def _numel(shape) -> int:
 
 def _export(args) -> int:
     from meshforge.checkpoint.hf import export_checkpoint
-    from meshforge.checkpoint.manager import resolve_checkpoint_path, verify_files
+    from meshforge.checkpoint.files import resolve_checkpoint_path, verify_files
 
     path = resolve_checkpoint_path(args.dir)
     verify_files(path)

@@ -1,6 +1,6 @@
 """Save and resume a run: model, optimizer, scheduler, step, data position and RNG states; a commit that never lies.
 
-Layout of `checkpoint.dir` (default `<run.output_dir>/checkpoints`)::
+Layout of `checkpoint.dir` (default `<run.output_dir>/checkpoints`; paths and the manifest in `files.py`)::
 
     LATEST                      one line: the name of the newest complete checkpoint ("step_20")
     step_<N>/                   a complete checkpoint:
@@ -33,9 +33,10 @@ starts fresh. Before anything is loaded, every file is checked against the manif
 shape against the model; a failure is a one-line `CheckpointError` (exit 2 from the CLI) naming the file or
 the parameter and both shapes.
 
-Fault injection for tests (`MESHFORGE_FAULT`, see `checkpoint/faults.py`): `kill_during_save:STEP[:RANK]`
-SIGKILLs a rank after its shards are written and before the commit; `signal_at_step`, `hang_at_step` are
-fired from `maybe_save`, which the trainer calls after every step; `nan_at_step` from the trainer.
+What is saved is whatever the strategy's state-dict methods return (`distributed/strategy.py`: DCP by
+default, megatron_fsdp's own); the manager never learns which strategy produced it. `before_commit`
+(None by default) is called after this rank's files are written and before the commit: the fault-injection
+tests kill a rank there (`training/faults.py`).
 """
 
 from __future__ import annotations
@@ -47,134 +48,40 @@ import hashlib
 import json
 import os
 import random
-import re
 import shutil
-import sys
 import time
-import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
+from torch.distributed.tensor import DTensor
+
+from meshforge.checkpoint.files import (
+    DCP_ERRORS,
+    FORMAT_VERSION,
+    MANIFEST,
+    _fsync_dir,
+    all_gather_object,
+    barrier,
+    check_model_shapes,
+    checkpoint_dir,
+    complete_checkpoints,
+    dcp_error_line,
+    dist_on,
+    file_entry,
+    log,
+    read_latest,
+    resolve_checkpoint_path,
+    verify_files,
+    write_atomic,
 )
-
-from meshforge.checkpoint import faults
-from meshforge.checkpoint.errors import CheckpointError
-
-# DCP warns on every single-process save/load; meshforge passes no_dist deliberately there
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
-_STEP_RE = re.compile(r"^step_(\d+)$")
-
-
-# ------------------------------------------------------------------------------ paths
-def checkpoint_dir(cfg) -> Path:
-    return Path(cfg.checkpoint.dir or os.path.join(cfg.run.output_dir, "checkpoints"))
-
-
-def has_checkpoint(cfg) -> bool:
-    return (checkpoint_dir(cfg) / "LATEST").is_file()
-
-
-def read_latest(root: Path) -> Path | None:
-    f = Path(root) / "LATEST"
-    if not f.is_file():
-        return None
-    name = f.read_text().strip()
-    return Path(root) / name if name else None
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """`step_<N>` directories that hold a manifest, newest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_RE.match(p.name)) and p.is_dir()
-             and (p / MANIFEST).is_file()]
-    return [p for _, p in sorted(found, reverse=True)]
-
-
-def resolve_checkpoint_path(path: str | Path) -> Path:
-    """A checkpoint dir as given, or LATEST's target inside a checkpoints dir or a run dir."""
-    p = Path(path)
-    for root in (p, p / "checkpoints"):
-        target = read_latest(root)
-        if target is not None and not (p / MANIFEST).is_file():
-            return target
-    return p
-
-
-# ------------------------------------------------------------------------ small helpers
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def file_entry(path: Path) -> dict:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
-
-
-def _dist_on() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _barrier(group=None) -> None:
-    if _dist_on():
-        dist.barrier(group=group)
-
-
-def _all_gather_object(obj, group=None) -> list:
-    if not _dist_on():
-        return [obj]
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-def _rank() -> int:
-    return dist.get_rank() if _dist_on() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if _dist_on() else 1
-
-
-def _log(msg: str, warn: bool = False) -> None:
-    if _rank() == 0:
-        print(f"{'warning: ' if warn else ''}checkpoint: {msg}", file=sys.stderr if warn else sys.stdout,
-              flush=True)
+from meshforge.checkpoint.hf import export_checkpoint
+from meshforge.config.rules import resolved_ckpt_format
+from meshforge.errors import CheckpointError
+from meshforge.models import resolve_model_args
 
 
 def config_digest(cfg) -> str:
@@ -184,8 +91,6 @@ def config_digest(cfg) -> str:
 
 
 def model_args_dict(cfg) -> dict:
-    from meshforge.models import resolve_model_args
-
     return dataclasses.asdict(resolve_model_args(cfg.model))
 
 
@@ -213,70 +118,9 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# ---------------------------------------------------------------------- verification
-def verify_files(path: Path, manifest: dict | None = None, group=None) -> dict:
-    """Check every file of the manifest (hashing split among the ranks); the manifest, or a one-line error."""
-    path = Path(path)
-    mpath = path / MANIFEST
-    if manifest is None:
-        if not path.is_dir():
-            raise CheckpointError(f"{path}: not a checkpoint directory")
-        if not mpath.is_file():
-            raise CheckpointError(f"{mpath}: missing (not a complete meshforge checkpoint)")
-        try:
-            manifest = json.loads(mpath.read_text())
-            files = manifest["files"]
-        except (ValueError, KeyError, TypeError) as err:
-            raise CheckpointError(f"{mpath}: unreadable manifest ({type(err).__name__}: {err})") from None
-    files = manifest["files"]
-    names = sorted(files)
-    problems = []
-    for name in names[_rank()::_world()]:
-        f, want = path / name, files[name]
-        if not f.is_file():
-            problems.append(f"{f}: missing (listed in {MANIFEST})")
-            continue
-        size = f.stat().st_size
-        if size != want["bytes"]:
-            problems.append(f"{f}: truncated or altered ({size} bytes, {MANIFEST} says {want['bytes']})")
-            continue
-        got = file_entry(f)["sha256"]
-        if got != want["sha256"]:
-            problems.append(f"{f}: checksum mismatch (sha256 {got[:16]}..., {MANIFEST} says {want['sha256'][:16]}...)")
-    allp = sorted(p for ps in _all_gather_object(problems, group) for p in ps)
-    if allp:
-        more = f" (and {len(allp) - 1} more problems)" if len(allp) > 1 else ""
-        raise CheckpointError(allp[0] + more)
-    return manifest
-
-
-def dcp_tensor_shapes(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """{state-dict key: (global shape, dtype)} of every tensor in a DCP checkpoint."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    md = dcp.FileSystemReader(str(path)).read_metadata()
-    return {k: (tuple(v.size), v.properties.dtype) for k, v in md.state_dict_metadata.items()
-            if isinstance(v, TensorStorageMetadata)}
-
-
-def check_model_shapes(path: Path, model_sd: dict) -> None:
-    saved = dcp_tensor_shapes(path)
-    for fqn, t in model_sd.items():
-        mine = tuple(t.shape)
-        key = f"model.{fqn}"
-        if key not in saved:
-            raise CheckpointError(f"{path}: parameter {fqn} (shape {mine}) is not in the checkpoint; it was saved "
-                                  "from another model")
-        if saved[key][0] != mine:
-            raise CheckpointError(f"{path}: parameter {fqn} has shape {saved[key][0]} in the checkpoint but {mine} "
-                                  "in this model (model.* differs from the run that saved it)")
-
-
 # ---------------------------------------------------------------------------- manager
 class CheckpointManager:
     def __init__(self, cfg, mesh_ctx, info):
-        from meshforge.config.rules import resolved_ckpt_format
-
         self.cfg, self.mesh_ctx, self.info = cfg, mesh_ctx, info
         self.root = checkpoint_dir(cfg)
         self.fmt = resolved_ckpt_format(cfg)
@@ -286,6 +130,7 @@ class CheckpointManager:
         self._pg = None
         self.last_saved: Path | None = None
         self.resumed_from: Path | None = None
+        self.before_commit: Callable[[int], None] | None = None  # (step) -> None; fault-injection tests
         self._clean_partials()
 
     # ------------------------------------------------------------------ housekeeping
@@ -293,9 +138,9 @@ class CheckpointManager:
         if self.rank == 0 and self.root.is_dir():
             for p in sorted([*self.root.glob("*.partial"), *self.root.glob("hf/*.partial")]):
                 shutil.rmtree(p, ignore_errors=True)
-                _log(f"removed leftover {p.relative_to(self.root)} (an interrupted save; LATEST was never moved to it)")
+                log(f"removed leftover {p.relative_to(self.root)} (an interrupted save; LATEST was never moved to it)")
             (self.root / "LATEST.tmp").unlink(missing_ok=True)
-        _barrier()
+        barrier()
 
     def _group(self):
         """A separate gloo group for background saves, so they never interleave with training collectives."""
@@ -313,70 +158,52 @@ class CheckpointManager:
         for p in done:
             if p not in keep:
                 shutil.rmtree(p, ignore_errors=True)
-                _log(f"keep_last={k}: deleted {p.name}")
+                log(f"keep_last={k}: deleted {p.name}")
 
     # ------------------------------------------------------------------------- state
-    def _parts(self, pm) -> list:
-        return pm.unwrapped_parts() if len(pm.parts) > 1 else pm.parts
-
-    def _model_sd(self, pm, full: bool = False) -> dict:
-        s, sd = pm.strategy, {}
-        for part in self._parts(pm):
-            if hasattr(s, "model_state_dict"):
-                sd.update(s.model_state_dict(part))
-            else:
-                opts = StateDictOptions(full_state_dict=full, cpu_offload=full)
-                sd.update(get_model_state_dict(part, options=opts))
-        return sd
-
-    def _optim_sd(self, pm, optimizer, full: bool = False) -> dict:
-        s, parts = pm.strategy, self._parts(pm)
-        if hasattr(s, "optimizer_state_dict"):
-            return s.optimizer_state_dict(parts[0] if len(parts) == 1 else parts, optimizer)
-        opts = StateDictOptions(full_state_dict=full, cpu_offload=full)
-        return get_optimizer_state_dict(parts[0] if len(parts) == 1 else parts, optimizer, options=opts)
-
     def _app_state(self, pm, optimizer, for_save: bool) -> dict:
-        msd = self._model_sd(pm)
-        full = False
-        if for_save and self.fmt == "torch_dist" and not hasattr(pm.strategy, "model_state_dict"):
-            from torch.distributed.tensor import DTensor
-
-            full = any(isinstance(v, DTensor) for v in msd.values())
-            if full:  # plain, unsharded tensors (gathered; rank 0 holds them on CPU)
-                msd = self._model_sd(pm, full=True)
-        return {"model": msd, "optim": self._optim_sd(pm, optimizer, full=full)}
+        s, parts = pm.strategy, pm.state_parts()
+        msd: dict = {}
+        for part in parts:
+            msd.update(s.model_state_dict(part))
+        # torch_dist saves plain full tensors: a sharded strategy gathers them (rank 0 holds them on CPU)
+        full = for_save and self.fmt == "torch_dist" and any(isinstance(v, DTensor) for v in msd.values())
+        if full:
+            msd = {}
+            for part in parts:
+                msd.update(s.model_state_dict(part, full=True))
+        return {"model": msd, "optim": s.optimizer_state_dict(parts, optimizer, full=full)}
 
     def _load_app_state(self, pm, optimizer, state: dict) -> None:
-        s, parts = pm.strategy, self._parts(pm)
+        s, parts = pm.strategy, pm.state_parts()
         for part in parts:
-            if hasattr(s, "load_model_state_dict"):
-                s.load_model_state_dict(part, state["model"])
-            else:
-                set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
+            s.load_model_state_dict(part, state["model"])
         if "optim" in state:
-            target = parts[0] if len(parts) == 1 else parts
-            if hasattr(s, "load_optimizer_state_dict"):
-                s.load_optimizer_state_dict(target, optimizer, state["optim"])
-            else:
-                set_optimizer_state_dict(target, optimizer, state["optim"])
+            s.load_optimizer_state_dict(parts, optimizer, state["optim"])
 
     def _manifest_base(self, step: int) -> dict:
         layout = self.mesh_ctx.layout
         return {"format_version": FORMAT_VERSION, "step": step, "contents": ["model", "optim", "trainer_state"],
                 "ckpt_format": self.fmt, "strategy": self.cfg.distributed.strategy, "world_size": self.world,
-                "layout": dict(zip(("pp", "dp_replicate", "dp_shard", "cp", "tp"), layout.shape)),
+                "layout": layout.named_shape(),
                 "config_digest": config_digest(self.cfg), "model_args": model_args_dict(self.cfg),
                 "torch_version": torch.__version__,
                 "created_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
 
     # -------------------------------------------------------------------------- save
-    def maybe_save(self, step: int, pm, optimizer, scheduler, loader, final: bool = False) -> None:
-        faults.after_step(step, self.rank, self.world)
+    def _due(self, step: int, final: bool) -> tuple[bool, bool]:
+        """(save a checkpoint, export consolidated HF weights) at this step."""
         c = self.cfg.checkpoint
         due = bool(c.interval and step % c.interval == 0)
         consolidated = (c.save_consolidated == "every" and (due or final)) or (c.save_consolidated == "final" and final)
-        if due or (final and c.save_final) or consolidated:
+        return due or (final and c.save_final) or consolidated, consolidated
+
+    def will_save(self, step: int, final: bool = False) -> bool:
+        return self._due(step, final)[0]
+
+    def maybe_save(self, step: int, pm, optimizer, scheduler, loader, final: bool = False) -> None:
+        save, consolidated = self._due(step, final)
+        if save:
             self._save(step, pm, optimizer, scheduler, loader, allow_async=True)
         if consolidated:
             self.export_consolidated(step)
@@ -386,7 +213,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         path = self._save(step, pm, optimizer, scheduler, loader, allow_async=False)
         dt, grace = time.perf_counter() - t0, self.cfg.checkpoint.grace_period_s
-        _log(f"synchronous save of step {step} took {dt:.2f} s (checkpoint.grace_period_s={grace:g})",
+        log(f"synchronous save of step {step} took {dt:.2f} s (checkpoint.grace_period_s={grace:g})",
              warn=dt > grace)
         return path
 
@@ -400,21 +227,21 @@ class CheckpointManager:
         if self.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True, exist_ok=True)
-        _barrier()
+        barrier()
         state = self._app_state(pm, optimizer, for_save=True)
         trainer_state = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
                          "rng": rng_state()}
         use_async = allow_async and self.cfg.checkpoint.async_save
         if use_async:
             group = self._group()
-            fut = dcp.async_save(state, checkpoint_id=str(partial), process_group=group, no_dist=not _dist_on())
+            fut = dcp.async_save(state, checkpoint_id=str(partial), process_group=group, no_dist=not dist_on())
             del state  # staged to CPU already: training may change the parameters now
             torch.save(trainer_state, partial / f"trainer_state_rank{self.rank}.pt")
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meshforge-ckpt")
             self._pending = self._executor.submit(self._finish_async, fut, step, partial, final, group, t0)
         else:
-            dcp.save(state, checkpoint_id=str(partial), no_dist=not _dist_on())
+            dcp.save(state, checkpoint_id=str(partial), no_dist=not dist_on())
             torch.save(trainer_state, partial / f"trainer_state_rank{self.rank}.pt")
             self._commit(step, partial, final, None, t0)
         self.last_saved = final
@@ -425,28 +252,29 @@ class CheckpointManager:
         self._commit(step, partial, final, group, t0, background=True)
 
     def _commit(self, step: int, partial: Path, final: Path, group, t0: float, background: bool = False) -> None:
-        faults.kill_during_save(step, self.rank, self.world)
-        _barrier(group)  # every rank's files are on disk
+        if self.before_commit is not None:
+            self.before_commit(step)
+        barrier(group)  # every rank's files are on disk
         names = sorted(p.name for p in partial.iterdir() if p.is_file() and p.name != MANIFEST)
         mine = {n: file_entry(partial / n) for n in names[self.rank::self.world]}
         files: dict = {}
-        for part in _all_gather_object(mine, group):
+        for part in all_gather_object(mine, group):
             files.update(part)
         if self.rank == 0:
             manifest = {**self._manifest_base(step), "files": files}
-            _write_atomic(partial / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+            write_atomic(partial / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
             if final.exists():  # a save of the same step again (e.g. after a resume): replace it
                 old = final.with_name(final.name + ".old.partial")
                 final.rename(old)
                 shutil.rmtree(old, ignore_errors=True)
             os.rename(partial, final)
             _fsync_dir(self.root)
-            _write_atomic(self.root / "LATEST", final.name + "\n")
+            write_atomic(self.root / "LATEST", final.name + "\n")
             self._retention()
             total = sum(f["bytes"] for f in files.values())
-            _log(f"saved {final.name} ({len(files)} files, {total / 2**20:.2f} MiB, {self.fmt}) in "
+            log(f"saved {final.name} ({len(files)} files, {total / 2**20:.2f} MiB, {self.fmt}) in "
                  f"{time.perf_counter() - t0:.2f} s{' (async)' if background else ''}")
-        _barrier(group)
+        barrier(group)
 
     def wait(self) -> None:
         """Block until a background save has committed (re-raising its error)."""
@@ -456,15 +284,13 @@ class CheckpointManager:
 
     def export_consolidated(self, step: int) -> Path:
         """Hugging Face safetensors of step `step`'s checkpoint into `<dir>/hf/step_<N>` (rank 0 streams it)."""
-        from meshforge.checkpoint.hf import export_checkpoint
-
         self.wait()
         out = self.root / "hf" / f"step_{step}"
         if self.rank == 0:
             t0 = time.perf_counter()
             export_checkpoint(self.root / f"step_{step}", out, self.cfg.checkpoint.consolidated_shard_mb)
-            _log(f"exported {out} (Hugging Face safetensors) in {time.perf_counter() - t0:.2f} s")
-        _barrier()
+            log(f"exported {out} (Hugging Face safetensors) in {time.perf_counter() - t0:.2f} s")
+        barrier()
         return out
 
     # ------------------------------------------------------------------------ resume
@@ -488,7 +314,7 @@ class CheckpointManager:
             except CheckpointError as err:
                 first_err = first_err or err
                 nxt = candidates[i + 1].name if i + 1 < len(candidates) else None
-                _log(f"{err}; " + (f"falling back to the previous complete checkpoint {nxt}" if nxt
+                log(f"{err}; " + (f"falling back to the previous complete checkpoint {nxt}" if nxt
                                    else "no older complete checkpoint to fall back to"), warn=True)
         raise CheckpointError(f"{first_err} (checkpoint.resume=auto: no usable checkpoint in {self.root})")
 
@@ -497,19 +323,20 @@ class CheckpointManager:
         manifest = verify_files(path)
         weights_only = "optim" not in manifest.get("contents", ["optim"])
         if weights_only:  # (asking DCP for an optimizer state dict would initialise it with a zero step)
-            state = {"model": self._model_sd(pm)}
+            state = {"model": {}}
+            for part in pm.state_parts():
+                state["model"].update(pm.strategy.model_state_dict(part))
         else:
             state = self._app_state(pm, optimizer, for_save=False)
         check_model_shapes(path, state["model"])
         try:
-            dcp.load(state, checkpoint_id=str(path), no_dist=not _dist_on())
-        except Exception as err:  # noqa: BLE001 - DCP wraps per-rank errors; report one line
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise CheckpointError(f"{path}: DCP load failed: {first}") from None
+            dcp.load(state, checkpoint_id=str(path), no_dist=not dist_on())
+        except DCP_ERRORS as err:  # DCP wraps per-rank errors; report one line
+            raise CheckpointError(f"{path}: DCP load failed: {dcp_error_line(err)}") from None
         self._load_app_state(pm, optimizer, state)
         self.resumed_from = path
         if weights_only:
-            _log(f"loaded model weights from {path} (no optimizer state): starting at step 0")
+            log(f"loaded model weights from {path} (no optimizer state): starting at step 0")
             return 0
         ts_path = path / f"trainer_state_rank{self.rank}.pt"
         if not ts_path.exists():
@@ -526,13 +353,13 @@ class CheckpointManager:
             raise CheckpointError(f"{ts_path}: {err}") from None
         set_rng_state(ts["rng"])
         if manifest.get("config_digest") != config_digest(self.cfg):
-            _log(f"{path.name} was saved with a different config (digest {manifest.get('config_digest', '?')[:12]}"
+            log(f"{path.name} was saved with a different config (digest {manifest.get('config_digest', '?')[:12]}"
                  f" vs {config_digest(self.cfg)[:12]}); shapes match, continuing")
         world = manifest.get("world_size")
         reshard = f", resharded from world {world} ({manifest.get('strategy')}) to {self.world} " \
                   f"({self.cfg.distributed.strategy})" if world != self.world or \
             manifest.get("strategy") != self.cfg.distributed.strategy else ""
-        _log(f"resumed from {path} at step {ts['step']}{reshard} in {time.perf_counter() - t0:.2f} s")
+        log(f"resumed from {path} at step {ts['step']}{reshard} in {time.perf_counter() - t0:.2f} s")
         return int(ts["step"])
 
     def close(self) -> None:

@@ -1,28 +1,18 @@
-"""YAML loading, `a.b.c=value` overrides, Bridge spellings, and readable errors.
+"""YAML in and out, and `a.b.c=value` overrides; validation is `validation.py`'s.
 
 YAML is read with `yaml.safe_load`, so a config can never import or run code.
-Every pydantic error becomes one line naming the key; unknown keys get a
-"did you mean" from the schema's own field names.
 """
 
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
 
+from meshforge.config import validation
 from meshforge.config.schema import Config
-
-
-class ConfigError(Exception):
-    """One or more problems with a config; `problems` holds one line each."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = list(problems)
-        super().__init__("\n".join(self.problems))
+from meshforge.errors import ConfigError
 
 
 def _parse_value(text: str) -> Any:
@@ -63,86 +53,9 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
-def _fold_bridge(raw: dict) -> tuple[dict, list[str]]:
-    """Map Megatron-Bridge `dist:` / `ddp:` keys onto `distributed` (and check their exclusivity rules)."""
-    problems: list[str] = []
-    raw = dict(raw)
-    dist = dict(raw.pop("dist", None) or {})
-    ddp = dict(raw.pop("ddp", None) or {})
-    if not dist and not ddp:
-        return raw, problems
-    d = dict(raw.get("distributed") or {})
-    if dist.get("use_megatron_fsdp") and dist.get("use_torch_fsdp2"):
-        problems.append("dist.use_megatron_fsdp and dist.use_torch_fsdp2 are mutually exclusive: set one of them false")
-    use_mfsdp = bool(dist.pop("use_megatron_fsdp", False)) | bool(ddp.pop("use_megatron_fsdp", False))
-    if dist.pop("use_tp_pp_dp_mapping", False) and use_mfsdp:
-        problems.append("dist.use_tp_pp_dp_mapping is not supported with Megatron FSDP: set it false "
-                        "(meshforge lays out ranks tp-innermost itself)")
-    if dist.pop("use_torch_fsdp2", False) and not use_mfsdp:
-        d["strategy"] = "fsdp2"
-    if use_mfsdp:
-        d["strategy"] = "megatron_fsdp"
-    for key, value in ddp.items():
-        if value is not None:
-            d[key] = value
-    for key in dist:
-        problems.append(f"dist.{key} is not a known Megatron-Bridge key meshforge maps")
-    raw["distributed"] = d
-    return raw, problems
-
-
-def _did_you_mean(model: type[BaseModel], loc: tuple) -> str:
-    """Walk the schema along `loc` and suggest the closest field name for its last element."""
-    node: Any = model
-    for part in loc[:-1]:
-        field = getattr(node, "model_fields", {}).get(part)
-        if field is None:
-            return ""
-        ann = field.annotation
-        for cand in (ann, *getattr(ann, "__args__", ())):
-            if isinstance(cand, type) and issubclass(cand, BaseModel):
-                node = cand
-                break
-        else:
-            return ""
-    names = list(getattr(node, "model_fields", {}))
-    close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)
-    return f" (did you mean {'.'.join(map(str, loc[:-1] + (close[0],)))!r}?)" if close else ""
-
-
-def format_validation_error(err: ValidationError, model: type[BaseModel] = Config) -> list[str]:
-    lines = []
-    for e in err.errors():
-        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith(("function-", "literal["))))
-        key = ".".join(str(p) for p in loc) or "config"
-        if e["type"] == "extra_forbidden":
-            lines.append(f"{key}: unknown key{_did_you_mean(model, loc)}")
-            continue
-        msg = e["msg"].removeprefix("Value error, ")
-        if "input" in e and e["type"] not in ("missing",) and not isinstance(e["input"], dict):
-            lines.append(f"{key}: {msg} (got {e['input']!r})")
-        else:
-            lines.append(f"{key}: {msg}")
-    return lines
-
-
 def resolve(raw: dict, world_size: int | None = None) -> Config:
-    """Raw dict -> validated Config; with `world_size`, the cross-field rules run too."""
-    if not isinstance(raw, dict):
-        raise ConfigError([f"config must be a mapping of sections, got {type(raw).__name__}"])
-    raw, problems = _fold_bridge(raw)
-    try:
-        cfg = Config.model_validate(raw)
-    except ValidationError as err:
-        raise ConfigError(problems + format_validation_error(err)) from None
-    if problems:
-        raise ConfigError(problems)
-    from meshforge.config import rules
-
-    violations = rules.check(cfg, world_size)
-    if violations:
-        raise ConfigError(violations)
-    return cfg
+    """Raw dict -> validated Config; the cross-field rules run too (see `validation.resolve`)."""
+    return validation.resolve(raw, Config, world_size)
 
 
 def read_yaml(path: str | Path) -> dict:
@@ -164,3 +77,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     raw = read_yaml(path) if path is not None else {}
     raw = apply_overrides(raw, list(overrides or []))
     return resolve(raw, world_size=world_size)
+
+
+def dump_yaml(cfg: Config) -> str:
+    """The resolved config as YAML, as it would be written (Bridge sections are folded in already)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json", exclude={"dist", "ddp"}), sort_keys=False)
+
+
+def write_yaml(cfg: Config, path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(dump_yaml(cfg))

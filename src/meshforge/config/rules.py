@@ -14,11 +14,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from meshforge.config.schema import Config
-from meshforge.planning.layout import Layout
+from meshforge.config.strategies import strategy_specs
+from meshforge.models import resolve_model_args
+from meshforge.planning.layout import Layout, inferred_dp
+from meshforge.planning.pipeline_plan import pipeline_problems
 
-Rule = Callable[[Config, int], list[str]]
+if TYPE_CHECKING:
+    from meshforge.config.schema import Config
+
+Rule = Callable[["Config", int], list[str]]
 RULES: list[Rule] = []
 
 
@@ -41,8 +47,15 @@ def layout_of(cfg: Config, world_size: int) -> Layout:
 
 def _dp(cfg: Config, world_size: int) -> int | None:
     d = cfg.distributed
-    denom = d.tp_size * d.pp_size * d.cp_size
-    return world_size // denom if world_size % denom == 0 else None
+    return inferred_dp(world_size, d.tp_size, d.pp_size, d.cp_size)
+
+
+def _model_args(cfg: Config):
+    """The resolved model, or None when it is invalid (reported once, by `model_fits_data`)."""
+    try:
+        return resolve_model_args(cfg.model)
+    except (KeyError, ValueError):
+        return None
 
 
 # 1 ----------------------------------------------------------------------------
@@ -60,20 +73,42 @@ def dp_size_inferred(cfg: Config, world_size: int) -> list[str]:
 
 
 # 2 ----------------------------------------------------------------------------
-@rule
-def dp_replicate(cfg: Config, world_size: int) -> list[str]:
+_AXIS_KEYS = {"tp": "tp_size", "pp": "pp_size", "cp": "cp_size", "ep": "ep_size", "sp": "sequence_parallel",
+              "hsdp": "dp_replicate_size"}
+
+
+def _axes_used(cfg: Config) -> list[str]:
     d = cfg.distributed
-    rep = d.dp_replicate_size
-    if rep is None or rep == 1:
-        return []
+    used = [a for a in ("tp", "pp", "cp", "ep") if getattr(d, f"{a}_size") > 1]
+    if d.sequence_parallel:
+        used.append("sp")
+    if (d.dp_replicate_size or 1) > 1:
+        used.append("hsdp")
+    return used
+
+
+@rule
+def strategy_composes(cfg: Config, world_size: int) -> list[str]:
+    """Each parallelism in use must be one the strategy composes with (its spec's `composes_with`)."""
+    d = cfg.distributed
+    spec, specs = d.spec, strategy_specs()
     out = []
-    if d.strategy != "fsdp2":  # normally caught by the schema; kept for programmatic edits
-        out.append(f"distributed.dp_replicate_size={rep} (HSDP) is only supported by strategy fsdp2, not "
-                   f"{d.strategy!r}: remove dp_replicate_size or use strategy fsdp2")
-    dp = _dp(cfg, world_size)
-    if dp is not None and (dp % rep or rep >= dp):
-        out.append(f"distributed.dp_replicate_size={rep} must divide dp_size={dp} and be smaller than it "
-                   f"(pure replication is not sharding): choose a proper divisor of {dp}")
+    for axis in _axes_used(cfg):
+        if axis in spec.composes_with:
+            continue
+        key = _AXIS_KEYS[axis]
+        value = str(getattr(d, key)).lower()
+        able = [s.name for s in specs.values() if axis in s.composes_with]
+        fix = f"use strategy {' or '.join(able)}" if able else f"set {key} back to its default"
+        out.append(f"distributed.{key}={value} is not supported by strategy {spec.name} ({spec.description}): {fix}")
+    return out
+
+
+@rule
+def strategy_own_rules(cfg: Config, world_size: int) -> list[str]:
+    out = []
+    for fn in cfg.distributed.spec.rules:
+        out += fn(cfg, world_size)
     return out
 
 
@@ -88,15 +123,14 @@ def expert_parallel(cfg: Config, world_size: int) -> list[str]:
     if dp is not None and (dp * d.cp_size) % d.ep_size:
         out.append(f"distributed.ep_size={d.ep_size} must divide dp_size*cp_size = {dp}*{d.cp_size} = "
                    f"{dp * d.cp_size}: choose an ep_size that divides it")
-    from meshforge.models import preset_is_moe
-
-    if not preset_is_moe(cfg.model):
+    args = _model_args(cfg)
+    if args is None:
+        return out
+    if not args.is_moe:
         out.append(f"distributed.ep_size={d.ep_size} needs a mixture-of-experts model, but model.preset="
                    f"{cfg.model.preset!r} is dense: set ep_size 1 or use an MoE preset (e.g. tiny_moe)")
     else:
-        from meshforge.models import resolve_model_args
-
-        n = resolve_model_args(cfg.model).n_experts
+        n = args.n_experts
         if n % d.ep_size:
             out.append(f"distributed.ep_size={d.ep_size} must divide model.n_experts={n} (each ep rank holds "
                        f"n_experts/ep_size experts): choose an ep_size dividing {n}")
@@ -105,42 +139,11 @@ def expert_parallel(cfg: Config, world_size: int) -> list[str]:
 
 @rule
 def moe_sequence_parallel(cfg: Config, world_size: int) -> list[str]:
-    from meshforge.models import preset_is_moe
-
-    if cfg.distributed.sequence_parallel and preset_is_moe(cfg.model):
+    args = _model_args(cfg)
+    if cfg.distributed.sequence_parallel and args is not None and args.is_moe:
         return [f"distributed.sequence_parallel=true is not supported with a mixture-of-experts model "
                 f"(model.preset={cfg.model.preset!r}): routed experts run on whole sequences; "
                 "set sequence_parallel false"]
-    return []
-
-
-# 4 ----------------------------------------------------------------------------
-@rule
-def megatron_fsdp_limits(cfg: Config, world_size: int) -> list[str]:
-    d = cfg.distributed
-    if d.strategy != "megatron_fsdp":
-        return []
-    out = []
-    for key, bad in (("pp_size", d.pp_size > 1), ("ep_size", d.ep_size > 1)):
-        if bad:
-            out.append(f"distributed.{key}={getattr(d, key)} is not supported by strategy megatron_fsdp: "
-                       f"use strategy fsdp2 for {'pipeline' if key == 'pp_size' else 'expert'} parallelism")
-    if d.sequence_parallel:
-        out.append("distributed.sequence_parallel=true is not supported by strategy megatron_fsdp: "
-                   "use strategy fsdp2 or set sequence_parallel false")
-    return out
-
-
-# 5 ----------------------------------------------------------------------------
-@rule
-def ddp_limits(cfg: Config, world_size: int) -> list[str]:
-    d = cfg.distributed
-    if d.strategy != "ddp":
-        return []
-    bad = [f"{k}={getattr(d, k)}" for k in ("tp_size", "pp_size", "cp_size", "ep_size") if getattr(d, k) > 1]
-    if bad:
-        return [f"strategy ddp is plain data parallelism and does not support distributed.{', '.join(bad)}: "
-                "use strategy fsdp2 for tensor/pipeline/context/expert parallelism"]
     return []
 
 
@@ -154,29 +157,13 @@ def sequence_parallel_needs_tp(cfg: Config, world_size: int) -> list[str]:
     return []
 
 
-# 8 ----------------------------------------------------------------------------
-@rule
-def cpu_offload(cfg: Config, world_size: int) -> list[str]:
-    d = cfg.distributed
-    if not d.offload_policy:
-        return []
-    out = []
-    if d.pp_size > 1:
-        out.append(f"distributed.offload_policy=true is not supported with pp_size={d.pp_size}: "
-                   "set pp_size 1 or turn offloading off")
-    if d.ac_mode:
-        out.append(f"distributed.offload_policy=true is not supported with activation_checkpointing="
-                   f"{d.activation_checkpointing}: turn one of them off")
-    return out
-
-
 # 9 ----------------------------------------------------------------------------
 @rule
 def checkpoint_format(cfg: Config, world_size: int) -> list[str]:
-    fmt, s = cfg.checkpoint.ckpt_format, cfg.distributed.strategy
-    if s == "megatron_fsdp" and fmt == "torch_dist":
-        return ["checkpoint.ckpt_format=torch_dist is not supported by strategy megatron_fsdp, which saves "
-                "sharded DTensors: set checkpoint.ckpt_format=fsdp_dtensor (or leave it unset)"]
+    fmt, spec = cfg.checkpoint.ckpt_format, cfg.distributed.spec
+    if fmt is not None and fmt not in spec.ckpt_formats:
+        return [f"checkpoint.ckpt_format={fmt} is not supported by strategy {spec.name}: set checkpoint.ckpt_format="
+                f"{spec.ckpt_formats[0]} (or leave it unset)"]
     return []
 
 
@@ -184,7 +171,7 @@ def checkpoint_format(cfg: Config, world_size: int) -> list[str]:
 @rule
 def cuda_device_max_connections(cfg: Config, world_size: int) -> list[str]:
     d = cfg.distributed
-    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1" and d.strategy in ("fsdp2", "megatron_fsdp") \
+    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1" and d.spec.shards_parameters \
             and world_size > 1 and cfg.training.device != "cpu" and _cuda_available():
         return [f"CUDA_DEVICE_MAX_CONNECTIONS=1 serialises the side-stream collectives strategy {d.strategy} "
                 "overlaps with compute: unset it (meshforge sets it for TP/CP without FSDP itself)"]
@@ -223,8 +210,6 @@ def batch_and_sequence(cfg: Config, world_size: int) -> list[str]:
 
 @rule
 def model_fits_data(cfg: Config, world_size: int) -> list[str]:
-    from meshforge.models import resolve_model_args
-
     try:
         args = resolve_model_args(cfg.model)
     except (KeyError, ValueError) as err:
@@ -248,16 +233,10 @@ def model_fits_data(cfg: Config, world_size: int) -> list[str]:
 def pipeline_split(cfg: Config, world_size: int) -> list[str]:
     """pp_size > 1: the stage split, schedule and microbatch count (planning/pipeline_plan.py), and what PP
     does not compose with yet."""
-    from meshforge.models import resolve_model_args
-    from meshforge.planning.pipeline_plan import pipeline_problems
-
     d, t = cfg.distributed, cfg.training
-    if d.pp_size == 1:
+    args = _model_args(cfg)
+    if d.pp_size == 1 or args is None:
         return []
-    try:
-        args = resolve_model_args(cfg.model)
-    except (KeyError, ValueError):
-        return []  # reported by model_fits_data
     out = []
     if args.tie_embeddings:
         out.append(f"model.tie_embeddings=true cannot be split by distributed.pp_size={d.pp_size} (the embedding "
@@ -277,19 +256,17 @@ def pipeline_split(cfg: Config, world_size: int) -> list[str]:
 @rule
 def tensor_parallel_plan(cfg: Config, world_size: int) -> list[str]:
     """The model's TP plan plus distributed.tp_plan must name real modules whose shapes divide by tp_size
-    (checked on a one-block meta model; see distributed/tensor_parallel.py)."""
+    (checked on the model's meta-device description; see planning/tp_plan.py)."""
     d = cfg.distributed
     if d.tp_plan and d.tp_size == 1:
         return ["distributed.tp_plan is set but distributed.tp_size=1, so it would do nothing: set tp_size > 1 "
                 "or remove tp_plan"]
-    if d.tp_size == 1:
+    if d.tp_size == 1 or _model_args(cfg) is None:
         return []
-    from meshforge.distributed.tensor_parallel import config_plan_problems
+    # imported here: the check builds a meta-device model, and a config without TP never needs torch
+    from meshforge.planning.tp_plan import config_plan_problems
 
-    try:
-        return config_plan_problems(cfg.model, d.tp_size, d.sequence_parallel, d.tp_plan)
-    except (KeyError, ValueError):
-        return []  # an invalid model is reported by model_fits_data
+    return config_plan_problems(cfg.model, d.tp_size, d.sequence_parallel, d.tp_plan)
 
 
 def check(cfg: Config, world_size: int | None = None) -> list[str]:
@@ -306,31 +283,21 @@ def check(cfg: Config, world_size: int | None = None) -> list[str]:
 def warnings(cfg: Config, world_size: int | None = None) -> list[str]:
     """Accepted but no-op options, and choices meshforge made for the user."""
     d = cfg.distributed
+    ws = world_size if world_size is not None else default_world_size(cfg)
     out = []
     if d.pipeline is not None and d.pp_size == 1:
         out.append("distributed.pipeline is ignored because pp_size=1")
-    if d.pp_size > 1 and d.defer_fsdp_grad_sync is False:
-        out.append("distributed.defer_fsdp_grad_sync=false has no effect with pp_size>1: the pipeline schedule "
-                   "reduces gradients once, after its last microbatch")
     if d.moe is not None and d.ep_size == 1:
         out.append("distributed.moe is ignored because ep_size=1")
-    if d.keep_fp8_transpose_cache:
-        out.append("distributed.keep_fp8_transpose_cache only matters with fp8 weights; meshforge trains "
-                   "in fp32/bf16, so it has no effect")
-    ws = world_size if world_size is not None else default_world_size(cfg)
-    dp = _dp(cfg, ws)
-    t = cfg.training
-    if d.strategy == "ddp" and d.static_graph and dp and t.global_batch_size // (t.micro_batch_size * dp) > 1:
-        out.append("distributed.static_graph=true with gradient accumulation: DDP's static graph cannot skip a "
-                   "reduction, so gradients are all-reduced after every micro-batch (same result, more traffic)")
-    if ws == 1 and d.strategy != "fsdp2" and any(
-            k in d.model_fields_set for k in ("data_parallel_sharding_strategy", "bucket_cap_mb")):
-        out.append(f"world size 1: strategy {d.strategy} options have nothing to shard or reduce")
+    for fn in d.spec.warnings:
+        out += fn(cfg, ws)
+    set_options = sorted(d.options.model_fields_set)
+    if ws == 1 and set_options:
+        out.append(f"world size 1: strategy {d.strategy} options ({', '.join(set_options)}) have nothing to shard "
+                   "or reduce")
     return out
 
 
 def resolved_ckpt_format(cfg: Config) -> str:
     """The checkpoint format actually used: explicit, else the right one for the strategy."""
-    if cfg.checkpoint.ckpt_format:
-        return cfg.checkpoint.ckpt_format
-    return "torch_dist" if cfg.distributed.strategy == "ddp" else "fsdp_dtensor"
+    return cfg.checkpoint.ckpt_format or cfg.distributed.spec.ckpt_formats[0]

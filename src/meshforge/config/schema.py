@@ -6,21 +6,53 @@ live here as validators; checks that need several sections or the world size
 live in `config.rules`, which runs before any process group exists.
 
 A key that exists works: options that belong to one strategy only are rejected
-when another strategy is chosen (see `DistributedConfig._strategy_options`).
+when another strategy is chosen (see `DistributedConfig._strategy_keys`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
-DTypeName = Literal["float32", "bfloat16", "float16"]
-_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float": "float32", "half": "float16"}
-
+from meshforge.config.validation import resolve
+from meshforge.config.strategies import (
+    StrategyOptions,
+    StrategySpec,
+    canonical_name,
+    get_strategy,
+    option_owners,
+    strategy_specs,
+)
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def set_values(model: BaseModel) -> dict:
+    """The values the user set (by YAML, override or attribute assignment), sections included when anything
+    inside them was set: re-validating them keeps "unset" meaning unset (rules ask it, e.g. pipeline stages)."""
+    out = {}
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            inner = set_values(value)
+            if name in model.model_fields_set or inner:
+                out[name] = inner
+        elif name in model.model_fields_set:
+            out[name] = value
+    if isinstance(model, DistributedConfig):
+        out.update(out.pop("options", {}))  # strategy keys are written flat
+    return out
 
 
 # ----------------------------------------------------------------------------- run
@@ -111,36 +143,17 @@ class MoEParallelConfig(Section):
     wrap_outer_model: bool = True
 
 
-class MixedPrecisionConfig(Section):
-    """FSDP2 mixed precision; `None` = meshforge's default for the device (bf16/fp32 on CUDA, fp32 on CPU)."""
-
-    param_dtype: DTypeName | None = None
-    reduce_dtype: DTypeName | None = None
-    output_dtype: DTypeName | None = None
-
-    @field_validator("param_dtype", "reduce_dtype", "output_dtype", mode="before")
-    @classmethod
-    def _alias(cls, v: Any) -> Any:
-        return _DTYPE_ALIASES.get(v, v) if isinstance(v, str) else v
-
-
-SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-_STRATEGY_ALIASES = {"megatron-fsdp": "megatron_fsdp", "mfsdp": "megatron_fsdp", "fsdp": "fsdp2"}
-
-# Options that only one strategy reads. Setting one under another strategy is an error.
-STRATEGY_OPTIONS: dict[str, tuple[str, ...]] = {
-    "megatron_fsdp": ("data_parallel_sharding_strategy", "average_in_collective", "grad_reduce_in_fp32",
-                      "overlap_grad_reduce", "overlap_param_gather", "keep_fp8_transpose_cache",
-                      "fsdp_unit_classes"),
-    "fsdp2": ("mp_policy", "offload_policy", "reshard_after_forward", "defer_fsdp_grad_sync", "dp_replicate_size"),
-    "ddp": ("bucket_cap_mb", "find_unused_parameters", "static_graph"),
-}
-
-
 class DistributedConfig(Section):
-    strategy: Literal["fsdp2", "megatron_fsdp", "ddp"] = "fsdp2"
+    """Sizes and parallelisms every strategy shares, plus the chosen strategy's own options.
+
+    The strategy's keys are written flat here (`distributed.bucket_cap_mb`, as in the spec) and validated by the
+    strategy's options model (`config/strategies.py`) into `options`; a key of another strategy is an error
+    naming its owner. Reading or assigning such a key on this object reaches `options`.
+    """
+
+    strategy: str = "fsdp2"  # a registered strategy or alias: see config/strategies.py
     dp_size: int | None = Field(None, gt=0)  # None = world_size / (tp * pp * cp)
-    dp_replicate_size: int | None = Field(None, gt=0)  # HSDP, fsdp2 only
+    dp_replicate_size: int | None = Field(None, gt=0)  # HSDP: replicas of the sharded group
     tp_size: int = Field(1, gt=0)
     pp_size: int = Field(1, gt=0)
     cp_size: int = Field(1, gt=0)
@@ -152,63 +165,77 @@ class DistributedConfig(Section):
     timeout_minutes: float = Field(10.0, gt=0)
     pipeline: PipelineConfig | None = None
     moe: MoEParallelConfig | None = None
-    # fsdp2
-    defer_fsdp_grad_sync: bool | None = None  # default true
-    mp_policy: MixedPrecisionConfig | None = None
-    offload_policy: bool | None = None
-    reshard_after_forward: bool | None = None  # None = every block but the last
-    # megatron_fsdp
-    data_parallel_sharding_strategy: Literal["no_shard", "optim", "optim_grads", "optim_grads_params"] | None = None
-    average_in_collective: bool | None = None
-    grad_reduce_in_fp32: bool | None = None
-    overlap_grad_reduce: bool | None = None
-    overlap_param_gather: bool | None = None
-    keep_fp8_transpose_cache: bool | None = None  # accepted; only meaningful with fp8 weights
-    fsdp_unit_classes: list[str] | None = None
-    # ddp
-    bucket_cap_mb: float | None = Field(None, gt=0)
-    find_unused_parameters: bool | None = None
-    static_graph: bool | None = None
+    options: SerializeAsAny[StrategyOptions] = Field(default_factory=StrategyOptions)
 
     @model_validator(mode="before")
     @classmethod
-    def _aliases(cls, data: Any) -> Any:
+    def _strategy_keys(cls, data: Any) -> Any:
+        """Canonical strategy name; flat strategy keys -> `options`; another strategy's key is an error."""
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        if isinstance(data.get("strategy"), str):
-            s = data["strategy"].lower()
-            data["strategy"] = _STRATEGY_ALIASES.get(s, s)
-        if "zero_dp_strategy" in data:  # Megatron spelling, 0-3
-            z = data.pop("zero_dp_strategy")
-            if z is not None:
-                if not (isinstance(z, int) and 0 <= z <= 3):
-                    raise ValueError(f"zero_dp_strategy must be 0, 1, 2 or 3 (got {z!r})")
-                data.setdefault("data_parallel_sharding_strategy", SHARDING_STRATEGIES[z])
         for key in ("dp_size", "dp_replicate_size"):  # spec YAML writes `none`
             if isinstance(data.get(key), str) and data[key].lower() in ("none", "null", "auto"):
                 data[key] = None
+        if isinstance(data.get("strategy"), str):
+            data["strategy"] = canonical_name(data["strategy"])
+        name = data.get("strategy", "fsdp2")
+        mine = get_strategy(name).option_keys if name in strategy_specs() else frozenset()
+        options = data.get("options")
+        options = dict(options) if isinstance(options, dict) else {}
+        foreign = []
+        for key in [k for k in data if k not in cls.model_fields]:
+            owners = option_owners(key)
+            if key in mine:
+                options[key] = data.pop(key)
+            elif owners and data[key] is not None:
+                foreign.append(f"distributed.{key} belongs to strategy {'/'.join(owners)}, not to strategy "
+                               f"{name!r}: remove it or set distributed.strategy={owners[0]}")
+            elif owners:
+                data.pop(key)  # None: the other strategy's default, as a round trip writes it
+        if foreign:
+            raise ValueError("\n".join(foreign))
+        if options or not isinstance(data.get("options"), StrategyOptions):
+            data["options"] = options
         return data
 
-    @model_validator(mode="after")
-    def _strategy_options(self) -> DistributedConfig:
-        for strategy, keys in STRATEGY_OPTIONS.items():
-            if strategy == self.strategy:
-                continue
-            for key in keys:
-                if key in self.model_fields_set and getattr(self, key) is not None:
-                    if key == "dp_replicate_size" and self.dp_replicate_size == 1:
-                        continue
-                    owner = [s for s, ks in STRATEGY_OPTIONS.items() if key in ks]
-                    raise ValueError(f"distributed.{key} belongs to strategy {'/'.join(owner)}, "
-                                     f"not to strategy {self.strategy!r}: remove it or set "
-                                     f"distributed.strategy={owner[0]}")
-        return self
+    @field_validator("strategy")
+    @classmethod
+    def _known_strategy(cls, v: str) -> str:
+        return get_strategy(v).name
+
+    @field_validator("options", mode="wrap")
+    @classmethod
+    def _options_of_strategy(cls, v: Any, handler: Any, info: ValidationInfo) -> StrategyOptions:
+        name = info.data.get("strategy")
+        if name is None:  # the strategy itself failed validation: reported there
+            return StrategyOptions()
+        model = get_strategy(name).options
+        return v if isinstance(v, model) else model.model_validate(v if isinstance(v, dict) else {})
+
+    @model_serializer(mode="wrap")
+    def _flat_options(self, handler: Any) -> dict:
+        """Dump the strategy's keys flat, as they are written."""
+        out = handler(self)
+        out.update(out.pop("options", None) or {})
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        options = self.__dict__.get("options")
+        if options is not None and (name in type(options).model_fields or hasattr(type(options), name)):
+            return getattr(options, name)
+        return super().__getattr__(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in type(self).model_fields and name in type(self.options).model_fields:
+            setattr(self.options, name, value)
+            return
+        super().__setattr__(name, value)
 
     # resolved values (the defaults meshforge applies when a key is unset)
     @property
-    def sharding_strategy(self) -> str:
-        return self.data_parallel_sharding_strategy or "optim_grads_params"
+    def spec(self) -> StrategySpec:
+        return get_strategy(self.strategy)
 
     @property
     def ac_mode(self) -> str | None:
@@ -350,6 +377,4 @@ class Config(Section):
 
     def validate(self, world_size: int | None = None) -> Config:  # type: ignore[override]
         """Re-validate after attribute edits and fold Bridge spellings; raises ConfigError listing every problem."""
-        from meshforge.config.loader import resolve
-
-        return resolve(self.model_dump(exclude_unset=False, round_trip=True), world_size=world_size)
+        return resolve(set_values(self), type(self), world_size)

@@ -15,9 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-
-class DataError(ValueError):
-    """Bad data input (missing files, wrong dtype, too short); reported in one line, exit code 2."""
+from meshforge.errors import DataError
 
 
 def stdlib_sources(max_files: int | None = None) -> list[Path]:

@@ -2,15 +2,16 @@
 
 `apply_cp(model, mesh_ctx, dcfg)` does two things:
 
-1. **Shards every micro-batch** (`model._meshforge_batch_transform`, read by `training/step.py`). The sequence
-   is cut into 2*cp equal chunks; cp rank r keeps chunks r and 2*cp-1-r (one early, one late), so every rank
-   has the same causal work. Input ids, labels and position ids are sharded the same way; RoPE uses the true
-   positions. Each rank's cross-entropy is the mean over its B*S/cp tokens; all ranks hold the same number of
-   tokens, so the average over the cp ranks (done by the data-parallel gradient reduction over
-   `dp_shard_cp`/`dp_cp`, and by `ParallelModel.reduce_loss` for the logged value) is exactly the mean over
-   all tokens. Uneven chunks are not allowed: `training.seq_len` must divide by 2*cp_size (a config rule).
+1. **Shards every micro-batch**: it returns the batch transform the step applies (`distributed/runtime.py`). The
+   sequence is cut into 2*cp equal chunks; cp rank r keeps chunks r and 2*cp-1-r (one early, one late), so every
+   rank has the same causal work. Input ids, labels and position ids are sharded the same way; RoPE uses the
+   true positions. Each rank's cross-entropy is the mean over its B*S/cp tokens; all ranks hold the same number
+   of tokens, so the average over the cp ranks (done by the data-parallel gradient reduction over
+   `dp_shard_cp`/`dp_cp`, and by `ParallelModel.reduce_loss` for the logged value) is exactly the mean over all
+   tokens. Uneven chunks are not allowed: `training.seq_len` must divide by 2*cp_size (a config rule).
 
-2. **Replaces every `CoreAttention`** (the model's swappable attention kernel) with `ContextParallelAttention`.
+2. **Replaces every attention slot** the model declares (its swappable attention op, see the model contract)
+   with `ContextParallelAttention`.
 
 The algorithm: all-gather K/V, with recomputation in backward
 -----------------------------------------------------------------
@@ -42,6 +43,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from meshforge.errors import ConfigError
+from meshforge.models import contract_of, set_submodule
 
 
 # ------------------------------------------------------------------------------ load balancing
@@ -154,7 +158,7 @@ class _AllGatherKVAttention(torch.autograd.Function):
 
 
 class ContextParallelAttention(nn.Module):
-    """Drop-in for `CoreAttention`: q, k, v are this rank's (B, H, S/cp, D) load-balanced shards."""
+    """Drop-in for a model's attention op: q, k, v are this rank's (B, H, S/cp, D) load-balanced shards."""
 
     def __init__(self, group, cp_size: int, cp_rank: int):
         super().__init__()
@@ -170,19 +174,14 @@ class ContextParallelAttention(nn.Module):
 
 
 # ------------------------------------------------------------------------------ apply
-def apply_cp(model: nn.Module, mesh_ctx, dcfg) -> nn.Module:
-    """Swap every CoreAttention for the cp version and make the trainer shard each micro-batch."""
-    from meshforge.models.llama import CoreAttention
-
+def apply_cp(model: nn.Module, mesh_ctx, dcfg) -> CPBatchTransform:
+    """Replace every attention slot of the model with the cp version; returns the step's batch transform."""
     cp_size, cp_rank, group = mesh_ctx.cp_size, mesh_ctx.cp_rank, mesh_ctx.group("cp")
-    swapped = 0
-    for module in list(model.modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, CoreAttention):
-                setattr(module, child_name, ContextParallelAttention(group, cp_size, cp_rank))
-                swapped += 1
-    if not swapped:
-        raise ValueError("distributed.cp_size > 1 needs the model's attention kernel to be a meshforge "
-                         "CoreAttention module (found none): use a built-in model or cp_size 1")
-    model._meshforge_batch_transform = CPBatchTransform(cp_size, cp_rank)
-    return model
+    slots = contract_of(model).attention_slots()
+    if not slots:
+        raise ConfigError(f"distributed.cp_size={cp_size} needs a model that declares its attention slots "
+                          f"(the model contract); {type(model).__name__} declares none: use a built-in model or "
+                          "cp_size 1")
+    for name in slots:
+        set_submodule(model, name, ContextParallelAttention(group, cp_size, cp_rank))
+    return CPBatchTransform(cp_size, cp_rank)

@@ -1,4 +1,4 @@
-"""`strategy: ddp`: torch DistributedDataParallel over the dp group, with the config's ddp options."""
+"""`strategy: ddp`: torch DistributedDataParallel over the dp group, with the strategy's ddp options."""
 
 from __future__ import annotations
 
@@ -7,27 +7,24 @@ import contextlib
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from meshforge.distributed.strategy import Strategy, register
+from meshforge.distributed.strategy import Strategy
 
 
-@register("ddp")
 class DDPStrategy(Strategy):
     def parallelize(self, model: nn.Module) -> nn.Module:
         if not self.active:
             return model
-        d = self.dcfg
-        kwargs = {}
-        if d.bucket_cap_mb is not None:
-            kwargs["bucket_cap_mb"] = d.bucket_cap_mb
+        o = self.options
+        kwargs = {} if o.bucket_cap_mb is None else {"bucket_cap_mb": o.bucket_cap_mb}
         return DistributedDataParallel(
             model, process_group=self.mesh_ctx.group("dp"),
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            find_unused_parameters=bool(d.find_unused_parameters), static_graph=bool(d.static_graph), **kwargs)
+            find_unused_parameters=bool(o.find_unused_parameters), static_graph=bool(o.static_graph), **kwargs)
 
     def micro_step(self, model, is_last):
         # static_graph DDP cannot skip a reduction (its reducer asserts), so it syncs every micro-batch;
-        # config.rules.warnings says so when accumulation is on.
-        if self.active and not is_last and not self.dcfg.static_graph:
+        # the strategy's warnings say so when accumulation is on.
+        if self.active and not is_last and not self.options.static_graph:
             return model.no_sync()
         return contextlib.nullcontext()
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,7 +63,7 @@ def choose_cuda_device_max_connections(dcfg, world_size: int, cuda: bool) -> str
         return None
     current = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
     dp_cp = world_size // max(1, dcfg.tp_size * dcfg.pp_size)
-    fsdp_sharding = dcfg.strategy in ("fsdp2", "megatron_fsdp") and dp_cp > 1
+    fsdp_sharding = dcfg.spec.shards_parameters and dp_cp > 1
     if (dcfg.tp_size > 1 or dcfg.cp_size > 1) and not fsdp_sharding:
         if current is None:
             os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
@@ -82,6 +85,20 @@ def init_distributed(device: str = "auto", timeout_minutes: float = 10.0) -> Dis
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes),
                                 device_id=dev if dev.type == "cuda" else None)
     return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), dev, backend)
+
+
+_PER_WORLD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def per_world(key: Any, make: Callable[[], Any]) -> Any:
+    """`make()` once per (process group, key): what several runs in one process group share (their device
+    meshes, a side group for polling), instead of new process groups for every run. Each new gloo group opens
+    connections and threads that live as long as the process."""
+    world = dist.distributed_c10d._get_default_group()
+    cache = _PER_WORLD.setdefault(world, {})
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
 
 
 def destroy() -> None:

@@ -1,7 +1,7 @@
 """Expert parallelism: experts split over the `ep` mesh, tokens moved to them and back with all-to-all.
 
-`apply_ep(model, mesh_ctx, dcfg)` runs after TP/CP and before activation checkpointing and the strategy.
-For every MoE layer (`model.moe_layers()`):
+`apply_ep(model, mesh_ctx, dcfg, strategy)` runs after TP/CP and before activation checkpointing and the
+strategy's `parallelize`. For every MoE layer the model declares (the model contract's `moe_layers()`):
 
 1. The stacked expert parameters (`experts.w1/w2/w3`, dim 0 = expert) become DTensors `Shard(0)` on the
    `ep` mesh: ep rank j holds experts [j*E/ep, (j+1)*E/ep). Checkpoints, full state dicts and the global
@@ -11,11 +11,12 @@ For every MoE layer (`model.moe_layers()`):
    go to their owners with `all_to_all_single_autograd` (uneven and zero splits), are regrouped by local
    expert, computed, put back in arrival order and returned by the reverse all-to-all. Autograd runs
    through both directions.
-3. The experts module is `fully_shard`ed over the `ep_shard` mesh (dim 1, since there may be more shards
-   than local experts), with `moe.reshard_after_forward`, before the strategy wraps each block over the
-   dense dp mesh: FSDP2 leaves parameters that another FSDP module manages alone, so routers, attention,
-   norms and shared experts are sharded over the dense dp mesh and experts only over ep_shard. This is done
-   also when ep_shard has size 1, which is what keeps the dense wrapping's hands off the expert parameters.
+3. The experts module is handed to the data-parallel strategy (`strategy.shard_experts`) to be sharded over
+   the `ep_shard` mesh, with `moe.reshard_after_forward`, before the strategy wraps each block over the
+   dense dp mesh: fsdp2 `fully_shard`s it (dim 1, since there may be more shards than local experts) and
+   leaves parameters another FSDP unit manages alone, so routers, attention, norms and shared experts are
+   sharded over the dense dp mesh and experts only over ep_shard. This is done also when ep_shard has size
+   1, which is what keeps the dense wrapping's hands off the expert parameters.
 4. Gradient scale: the owner of an expert receives the token copies of all ep ranks, so its local weight
    gradient is the SUM over the ep group of the per-rank losses' gradients, and FSDP over ep_shard then
    AVERAGES over ep_shard. The single-process gradient is the mean over all dp*cp ranks, so the expert
@@ -23,9 +24,10 @@ For every MoE layer (`model.moe_layers()`):
    (1/ep) * (1/ep_shard) * sum over dp*cp ranks = the mean. Parity tests prove it (EP2, EP4, EP2 x ep_shard 2).
 5. `moe.ignore_router_for_ac` with activation checkpointing on: each router keeps its top-k decision of the
    forward and the recompute reuses it (`Router.replay_routing`), so routing is identical in the recompute.
-6. `moe.wrap_outer_model: false`: the outer model's own parameters are not put in one root FSDP unit: the
-   embedding and the output head get FSDP units of their own on the dense mesh (the strategy's root unit is
-   left with the final norm), so they are gathered only around their own use.
+6. `moe.wrap_outer_model: false`: the outer model's own parameters are not put in one root unit: the
+   modules the model's pipeline layout gives the first stage (embedding) and the last stage (final norm,
+   output head) become one sharding unit each (`strategy.shard_group`), so they are gathered only around
+   their own use. A tied embedding/head pair stays in the root unit.
 
 Experts that receive no token still get a (zero) gradient on every rank: every local expert runs, also on
 zero rows, so optimizers and clipping stay consistent across ranks.
@@ -44,6 +46,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from meshforge.errors import ConfigError
+from meshforge.models import contract_of, submodule_or_none
 
 
 class AllToAllDispatcher:
@@ -128,30 +134,17 @@ def _outside_selective_ac(fn, *args):
     return fn(*args)
 
 
-def moe_layers(model: nn.Module) -> list[nn.Module]:
-    if hasattr(model, "moe_layers"):
-        return list(model.moe_layers())
-    return [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "dispatcher")]
-
-
-def apply_ep(model: nn.Module, mesh_ctx, dcfg) -> nn.Module:
-    """Split every MoE layer's experts over `ep`, shard them over `ep_shard`; see the module docstring."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-
-    from meshforge.distributed.fsdp2 import FSDP2Strategy
-
-    layers = moe_layers(model)
+def apply_ep(model: nn.Module, mesh_ctx, dcfg, strategy) -> nn.Module:
+    """Split every MoE layer's experts over `ep`, have the strategy shard them over `ep_shard`; see the module
+    docstring."""
+    contract = contract_of(model)
+    layers = contract.moe_layers()
     if not layers:
-        raise ValueError(f"distributed.ep_size={mesh_ctx.ep_size} but the model ({type(model).__name__}) has no "
-                         "MoE layers: use an MoE preset (e.g. tiny_moe) or set ep_size 1")
+        raise ConfigError(f"distributed.ep_size={mesh_ctx.ep_size} but the model ({type(model).__name__}) has no "
+                          "MoE layers: use an MoE preset (e.g. tiny_moe) or set ep_size 1")
     ep_mesh, shard_mesh = mesh_ctx.mesh("ep"), mesh_ctx.mesh("ep_shard")
     ep = ep_mesh.size()
     moe_cfg = dcfg.moe_or_default
-    device = next(model.parameters()).device
-    fsdp = FSDP2Strategy(dcfg, mesh_ctx, device if device.type != "meta" else torch.device(mesh_ctx.device_type))
-    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if dcfg.offload_policy \
-        else OffloadPolicy()
     replay = bool(moe_cfg.ignore_router_for_ac) and dcfg.ac_mode is not None
     for layer in layers:
         experts = layer.experts
@@ -164,17 +157,16 @@ def apply_ep(model: nn.Module, mesh_ctx, dcfg) -> nn.Module:
         experts.grad_scale = 1.0 / ep
         layer.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), ep, layer.n_experts)
         layer.router.replay_routing = replay
-        fully_shard(experts, mesh=shard_mesh, shard_placement_fn=lambda _p: Shard(1),
-                    reshard_after_forward=bool(moe_cfg.reshard_after_forward), mp_policy=fsdp.mp_policy(False),
-                    offload_policy=offload)
-    if not moe_cfg.wrap_outer_model:
-        dense = mesh_ctx.dp_shard_mesh()
-        emb, out = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
-        tied = emb is not None and out is not None and out.weight is emb.weight
-        for mod in () if tied else (emb, out):  # a tied pair stays together in the root unit
-            if mod is not None:
-                fully_shard(mod, mesh=dense, reshard_after_forward=bool(moe_cfg.reshard_after_forward),
-                            mp_policy=fsdp.mp_policy(False), offload_policy=offload)
+        strategy.shard_experts(experts, shard_mesh, bool(moe_cfg.reshard_after_forward))
+    layout = contract.pipeline_layout()
+    if not moe_cfg.wrap_outer_model and layout is not None:
+        groups = [[m for m in (submodule_or_none(model, n) for n in names) if m is not None]
+                  for names in (layout.first_stage, layout.last_stage)]
+        groups = [g for g in groups if g]
+        first = {id(p) for m in groups[0] for p in m.parameters()} if groups else set()
+        tied = len(groups) == 2 and any(id(p) in first for m in groups[1] for p in m.parameters())
+        for group in () if tied else groups:  # a tied pair stays together in the root unit
+            strategy.shard_group(group, bool(moe_cfg.reshard_after_forward))
     return model
 
 
@@ -197,11 +189,11 @@ def share_moe_batch_stats(model: nn.Module, mesh_ctx) -> None:
     models without MoE layers or at cp_size 1."""
     if mesh_ctx.cp_size == 1:
         return
-    for layer in moe_layers(model):
+    for layer in contract_of(model).moe_layers():
         layer.stats_reducer = _SumOverGroup(mesh_ctx.group("cp"))
         layer.aux_grad_scale = float(mesh_ctx.cp_size)
 
 
 def dispatch_stats(model: nn.Module) -> list[dict]:
     """Per MoE layer, the dispatcher's counters (empty dicts for layers without EP)."""
-    return [getattr(layer.dispatcher, "stats", {}) for layer in moe_layers(model)]
+    return [getattr(layer.dispatcher, "stats", {}) for layer in contract_of(model).moe_layers()]

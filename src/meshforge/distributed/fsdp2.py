@@ -3,8 +3,11 @@
 Sharding runs over `dp_shard_cp` (context-parallel ranks hold the same
 parameters, so they shard them too). Defaults: mixed precision bf16 params with
 fp32 reduction on CUDA, fp32 on CPU; reshard after forward for every block but
-the last (its parameters are needed again at once by backward); gradient
-reduce-scatter deferred to the last micro-batch of an accumulation.
+the last (its parameters are needed again at once by backward), and for none under
+pipeline parallelism (a stage's parameters stay gathered across microbatches);
+gradient reduce-scatter deferred to the last micro-batch of an accumulation.
+Expert parallelism hands over each MoE layer's experts (`shard_experts`), which
+are then sharded over ep_shard and left alone by the dense wrapping.
 """
 
 from __future__ import annotations
@@ -14,21 +17,21 @@ import contextlib
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
-from meshforge.distributed.blocks import find_blocks
-from meshforge.distributed.strategy import Strategy, register
+from meshforge.distributed.strategy import Strategy
+from meshforge.models import blocks_of
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, None: None}
 
 
-@register("fsdp2")
 class FSDP2Strategy(Strategy):
     @property
     def active(self) -> bool:
         return self.mesh_ctx.world_size > 1 and self.mesh_ctx.size("dp_cp") > 1
 
     def mp_policy(self, root: bool) -> MixedPrecisionPolicy:
-        mp = self.dcfg.mp_policy
+        mp = self.options.mp_policy
         cuda = self.device.type == "cuda"
         param = _DTYPES[mp.param_dtype] if mp and mp.param_dtype else (torch.bfloat16 if cuda else None)
         reduce = _DTYPES[mp.reduce_dtype] if mp and mp.reduce_dtype else (torch.float32 if cuda else None)
@@ -36,24 +39,40 @@ class FSDP2Strategy(Strategy):
         # output_dtype only on the root: set on every block it breaks the next block's matmul (TORCH_NOTES)
         return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce, output_dtype=output if root else None)
 
+    def _offload(self) -> OffloadPolicy:
+        return CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.options.offload_policy \
+            else OffloadPolicy()
+
+    def _reshard(self, default: bool) -> bool:
+        explicit = self.options.reshard_after_forward
+        if explicit is not None:
+            return explicit
+        return default and self.mesh_ctx.pp_size == 1
+
     def parallelize(self, model: nn.Module) -> nn.Module:
         if not self.active:
             return model
-        d = self.dcfg
-        mesh = self.mesh_ctx.dp_shard_mesh()
-        offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if d.offload_policy \
-            else OffloadPolicy()
-        blocks = find_blocks(model, d.block_classes)
+        mesh, offload = self.mesh_ctx.dp_shard_mesh(), self._offload()
+        blocks = blocks_of(model, self.dcfg.block_classes)
         for i, block in enumerate(blocks):
-            reshard = d.reshard_after_forward if d.reshard_after_forward is not None else i < len(blocks) - 1
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=self.mp_policy(False),
-                        offload_policy=offload)
+            fully_shard(block, mesh=mesh, reshard_after_forward=self._reshard(i < len(blocks) - 1),
+                        mp_policy=self.mp_policy(False), offload_policy=offload)
         fully_shard(model, mesh=mesh, mp_policy=self.mp_policy(True), offload_policy=offload,
-                    reshard_after_forward=d.reshard_after_forward if d.reshard_after_forward is not None else False)
+                    reshard_after_forward=self._reshard(False))
         return model
+
+    def shard_experts(self, experts: nn.Module, mesh, reshard_after_forward: bool) -> None:
+        # dim 1: there may be more ep_shard ranks than local experts on dim 0
+        fully_shard(experts, mesh=mesh, shard_placement_fn=lambda _p: Shard(1),
+                    reshard_after_forward=reshard_after_forward, mp_policy=self.mp_policy(False),
+                    offload_policy=self._offload())
+
+    def shard_group(self, modules: list[nn.Module], reshard_after_forward: bool) -> None:
+        fully_shard(modules, mesh=self.mesh_ctx.dp_shard_mesh(), reshard_after_forward=reshard_after_forward,
+                    mp_policy=self.mp_policy(False), offload_policy=self._offload())
 
     @contextlib.contextmanager
     def micro_step(self, model, is_last):
-        if self.active and self.dcfg.defer_fsdp_grad_sync is not False:
+        if self.active and self.options.defer_fsdp_grad_sync is not False:
             model.set_requires_gradient_sync(is_last)
         yield

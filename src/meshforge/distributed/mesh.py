@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from meshforge.distributed.env import per_world
 from meshforge.planning.layout import FLAT_DIMS, ROOT_DIMS, Layout, MeshAxis
 
 
@@ -32,26 +33,27 @@ class MeshContext:
                                    ep=dcfg.ep_size, dp=dcfg.dp_size, dp_replicate=dcfg.dp_replicate_size)
         ctx = cls(layout, rank, device_type)
         if create_meshes and world_size > 1:
-            ctx._create()
+            ctx.device_mesh, ctx.moe_mesh, ctx._meshes = per_world(("meshes", layout, device_type), ctx._create)
         return ctx
 
-    def _create(self) -> None:
+    def _create(self) -> tuple[DeviceMesh, DeviceMesh | None, dict[MeshAxis, DeviceMesh]]:
+        """(root mesh, MoE mesh, {axis: mesh}); made once per layout and process group (`env.per_world`)."""
         names = tuple(a.value for a in ROOT_DIMS)
         root = init_device_mesh(self.device_type, self.layout.shape, mesh_dim_names=names)
-        self.device_mesh = root
-        for a in ROOT_DIMS:
-            self._meshes[a] = root[a.value]
+        meshes: dict[MeshAxis, DeviceMesh] = {a: root[a.value] for a in ROOT_DIMS}
         for flat, dims in FLAT_DIMS.items():
-            self._meshes[flat] = root[tuple(d.value for d in dims)]._flatten(flat.value)
+            meshes[flat] = root[tuple(d.value for d in dims)]._flatten(flat.value)
+        moe_mesh = None
         if self.layout.ep > 1:
             # (pp, ep_shard, ep) per pipeline stage, over the dp_cp ranks of each tp coordinate
             L = self.layout
             ranks = torch.arange(L.world_size).view(L.pp, L.dp_replicate * L.dp_shard * L.cp, L.tp)
             ranks = ranks.permute(0, 2, 1).reshape(L.pp * L.tp, L.size(MeshAxis.EP_SHARD), L.ep)
             moe_root = DeviceMesh(self.device_type, ranks, mesh_dim_names=("pp_tp", "ep_shard", "ep"))
-            self.moe_mesh = moe_root[("ep_shard", "ep")]
-            self._meshes[MeshAxis.EP] = self.moe_mesh["ep"]
-            self._meshes[MeshAxis.EP_SHARD] = self.moe_mesh["ep_shard"]
+            moe_mesh = moe_root[("ep_shard", "ep")]
+            meshes[MeshAxis.EP] = moe_mesh["ep"]
+            meshes[MeshAxis.EP_SHARD] = moe_mesh["ep_shard"]
+        return root, moe_mesh, meshes
 
     # ------------------------------------------------------------------ meshes
     def mesh(self, *axes: str | MeshAxis) -> DeviceMesh | None:

@@ -1,61 +1,78 @@
 """Apply every parallelism to a model, in one fixed order: TP/SP -> CP -> EP -> activation checkpointing
 -> compile -> data-parallel strategy.
 
-Each parallelism is a small `apply_*` function in its own module that reads the
-MeshContext; this file only decides the order. (Pipeline parallelism splits the
-model into stages first and then calls `parallelize_model` on each stage.)
+Why this order: tensor parallelism turns parameters into DTensors that everything after it must see;
+context parallelism swaps attention ops inside those blocks; expert parallelism shards the experts and
+hands them to the strategy before the strategy wraps the rest (FSDP leaves modules another unit manages
+alone); activation checkpointing and compilation wrap whole blocks; the strategy comes last because it
+wraps (or re-stores) the parameters all of the above produced.
+
+Each parallelism is a small `apply_*` function in its own module that reads the MeshContext; this file
+only decides the order and collects what the step needs into a `Parallelized`. (Pipeline parallelism
+splits the model into stages first and then calls `parallelize_model` on each stage.)
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
+from meshforge.config.rules import check
+from meshforge.config.schema import Config
 from meshforge.distributed.activation_checkpointing import apply_activation_checkpointing
-from meshforge.distributed.blocks import find_blocks
+from meshforge.distributed.context_parallel import apply_cp
+from meshforge.distributed.env import init_distributed
+from meshforge.distributed.expert_parallel import apply_ep, share_moe_batch_stats
 from meshforge.distributed.mesh import MeshContext
 from meshforge.distributed.strategy import Strategy, build_strategy
+from meshforge.distributed.tensor_parallel import apply_tp
+from meshforge.errors import ConfigError
+from meshforge.models import blocks_of
+
+
+@dataclass
+class Parallelized:
+    """A model after `parallelize_model`: the module to run, its strategy, and what the step needs."""
+
+    model: nn.Module
+    strategy: Strategy
+    # (inputs, labels) -> (inputs, labels, positions) of this rank: context parallelism's sequence shard
+    batch_transform: Callable | None = None
+    # the context the loss (forward and backward) runs in: vocabulary-parallel loss under TP
+    loss_context: Callable[[], AbstractContextManager] = field(default=contextlib.nullcontext)
 
 
 def parallelize_model(model: nn.Module, mesh_ctx: MeshContext, dcfg, device: torch.device | None = None,
-                      compile: bool = False) -> tuple[nn.Module, Strategy]:
+                      compile: bool = False) -> Parallelized:
     device = device or torch.device("cpu")
+    strategy = build_strategy(dcfg, mesh_ctx, device)
+    out = Parallelized(model, strategy)
     if mesh_ctx.tp_size > 1:
-        from meshforge.distributed.tensor_parallel import apply_tp
-
-        apply_tp(model, mesh_ctx, dcfg)
+        out.loss_context = apply_tp(model, mesh_ctx, dcfg) or contextlib.nullcontext
     if mesh_ctx.cp_size > 1:
-        from meshforge.distributed.context_parallel import apply_cp
-
-        apply_cp(model, mesh_ctx, dcfg)
-        from meshforge.distributed.expert_parallel import share_moe_batch_stats
-
+        out.batch_transform = apply_cp(model, mesh_ctx, dcfg)
         share_moe_batch_stats(model, mesh_ctx)  # MoE aux loss over the whole micro batch (no-op for dense)
     if mesh_ctx.ep_size > 1:
-        from meshforge.distributed.expert_parallel import apply_ep
-
-        apply_ep(model, mesh_ctx, dcfg)
-    apply_activation_checkpointing(find_blocks(model, dcfg.block_classes), dcfg.ac_mode)
+        apply_ep(model, mesh_ctx, dcfg, strategy)
+    blocks = blocks_of(model, dcfg.block_classes)
+    apply_activation_checkpointing(blocks, dcfg.ac_mode)
     if compile:
-        for block in find_blocks(model, dcfg.block_classes):
+        for block in blocks:
             block.compile()
-    strategy = build_strategy(dcfg, mesh_ctx, device)
-    model = strategy.parallelize(model)
-    model._meshforge_strategy = strategy
-    return model, strategy
+    out.model = strategy.parallelize(model)
+    return out
 
 
 def setup(dcfg, device: str = "auto") -> MeshContext:
     """Bring-your-own-model entry: init the process group (if launched by torchrun/SLURM) and build the meshes."""
-    from meshforge.config.rules import check
-    from meshforge.config.schema import Config
-    from meshforge.distributed.env import init_distributed
-
     info = init_distributed(device, dcfg.timeout_minutes)
     problems = check(Config(distributed=dcfg), info.world_size)
     if problems:
-        from meshforge.config.loader import ConfigError
-
         raise ConfigError(problems)
     return MeshContext.build(dcfg, info.world_size, info.rank, info.device.type)
 
@@ -65,5 +82,4 @@ def parallelize(model: nn.Module, mesh_ctx: MeshContext, dcfg, device: torch.dev
     if device is None:
         device = torch.device(mesh_ctx.device_type, torch.cuda.current_device()) \
             if mesh_ctx.device_type == "cuda" else torch.device("cpu")
-    model, _ = parallelize_model(model.to(device), mesh_ctx, dcfg, device)
-    return model
+    return parallelize_model(model.to(device), mesh_ctx, dcfg, device).model

@@ -1,22 +1,22 @@
 """Pipeline parallelism: split the model into stages, parallelise each stage, drive them with a torch schedule.
 
-`build_pipeline_model(cfg, mesh_ctx, device, meta)` (called by the trainer when
+`build_pipeline_model(cfg, mesh_ctx, device, meta)` (called by `distributed.build` when
 pp_size > 1) returns a `PipelineParallelModel`:
 
 - The split is `planning.pipeline_plan.plan_pipeline` (the plan `config.rules`
-  validated): the model's declared `pp_split_points()` (its blocks, in order) are
-  cut into contiguous runs; the embedding goes with the first stage, the final
-  norm and output with the last. Stage s runs on pp rank s % pp (loop-style
-  schedules) or in a V (v_schedule).
+  validated): the split points of the model's pipeline layout (its blocks, in
+  order; the model contract) are cut into contiguous runs; the layout's
+  first-stage modules go with the first stage, its last-stage modules with the
+  last. Stage s runs on pp rank s % pp (loop-style schedules) or in a V (v_schedule).
 - A stage is the whole model built (on meta for large models) with the modules
   of other stages removed, so every parameter keeps the whole model's name:
   initialisation by (seed, name) gives the single-process weights, and
   checkpoints move between PP and non-PP runs without renaming.
 - Each stage then goes through `parallelize_model` (TP, AC, compile, strategy;
   FSDP2 shards it over this stage's dp mesh). Under PP, FSDP2 keeps parameters
-  gathered across microbatches (`reshard_after_forward` defaults to False) unless
-  the user set it; torch's stage turns gradient sync off for every microbatch
-  but the reduce at the end of the schedule step.
+  gathered across microbatches (its `reshard_after_forward` default under PP)
+  unless the user set it; torch's stage turns gradient sync off for every
+  microbatch but the reduce at the end of the schedule step.
 - One schedule step per optimizer step carries this rank's whole share of the
   global batch (the trainer's micro batches concatenated), split into
   microbatches of `pp_microbatch_size`. The loss (cross-entropy mean of a
@@ -35,23 +35,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshforge.config import ConfigError
-from meshforge.planning.pipeline_plan import (
-    TORCH_SCHEDULE_CLASS,
-    PipelinePlan,
-    PipelinePlanError,
-    plan_pipeline,
-)
-from meshforge.training.step import ParallelModel, lm_loss
+from torch.distributed.pipelining import PipelineStage, schedules
+from torch.distributed.tensor import DTensor
 
-FIRST_STAGE_MODULES = ("tok_embeddings",)
-LAST_STAGE_MODULES = ("norm", "output")
+from meshforge.distributed.grad_norm import clip_grad_norm_
+from meshforge.distributed.mesh import MeshContext
+from meshforge.distributed.parallelize import Parallelized, parallelize_model
+from meshforge.distributed.runtime import ParallelModel
+from meshforge.errors import ConfigError, PipelinePlanError
+from meshforge.models import (
+    build_model,
+    contract_of,
+    init_weights,
+    resolve_model_args,
+    set_submodule,
+    submodule_or_none,
+)
+from meshforge.models.loss import lm_loss
+from meshforge.planning.pipeline_plan import TORCH_SCHEDULE_CLASS, PipelinePlan, plan_pipeline
 
 
 def schedule_class(name: str):
     """The torch schedule class for a `pp_schedule` name; a ConfigError naming the torch version if absent."""
-    from torch.distributed.pipelining import schedules
-
     cls_name = TORCH_SCHEDULE_CLASS[name]
     cls = getattr(schedules, cls_name, None)
     if cls is None:
@@ -63,8 +68,6 @@ def schedule_class(name: str):
 
 
 def plan_for(cfg, mesh_ctx) -> PipelinePlan:
-    from meshforge.models import resolve_model_args
-
     args = resolve_model_args(cfg.model)
     local_batch = cfg.training.global_batch_size // mesh_ctx.dp_size
     try:
@@ -73,37 +76,33 @@ def plan_for(cfg, mesh_ctx) -> PipelinePlan:
         raise ConfigError(err.problems) from None
 
 
-def prune_to_stage(model: nn.Module, layers: tuple[int, ...], first: bool, last: bool) -> nn.Module:
-    """Delete every block not in `layers` (by the model's split points) and the first/last-only modules."""
-    points = model.pp_split_points()
-    keep = {points[i] for i in layers}
-    for name in points:
+def prune_to_stage(model: nn.Module, blocks: tuple[int, ...], first: bool, last: bool) -> nn.Module:
+    """Delete every split point (block) not in `blocks` and, unless this is the first/last stage, the
+    layout's first/last-stage modules (set to None: the model's forward then passes hidden states through)."""
+    layout = contract_of(model).pipeline_layout()
+    keep = {layout.split_points[i] for i in blocks}
+    for name in layout.split_points:
         if name not in keep:
             parent, _, child = name.rpartition(".")
             delattr(model.get_submodule(parent) if parent else model, child)
-    for names, keep_them in ((FIRST_STAGE_MODULES, first), (LAST_STAGE_MODULES, last)):
+    for names, keep_them in ((layout.first_stage, first), (layout.last_stage, last)):
         if not keep_them:
             for n in names:
-                if getattr(model, n, None) is not None:
-                    setattr(model, n, None)
+                set_submodule(model, n, None)
     return model
 
 
 def build_stage_module(cfg, plan: PipelinePlan, stage: int, device: torch.device, meta: bool) -> nn.Module:
     """Stage `stage` of the model, with the whole model's parameter names; initialised unless `meta`."""
-    from meshforge.models import build_model, init_weights
-
     model = build_model(cfg.model, device="meta" if meta else None)
+    if contract_of(model).pipeline_layout() is None:
+        raise ConfigError(f"distributed.pp_size={plan.pp}: the model ({type(model).__name__}) declares no pipeline "
+                          "layout: use a built-in model or pp_size 1")
     prune_to_stage(model, plan.stage_layers[stage], stage == 0, stage == plan.num_stages - 1)
     if not meta:
         init_weights(model, cfg.run.seed)  # a function of (seed, name) only: equals the single-process init
         model.to(device)
     return model
-
-
-def _set_submodule(root: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, child, module)
 
 
 def _full_positions_from_sequence_shard(module: nn.Module, tp: int) -> None:
@@ -118,31 +117,22 @@ def _full_positions_from_sequence_shard(module: nn.Module, tp: int) -> None:
     module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
-def _stage_dcfg(dcfg):
-    """FSDP2 under PP keeps parameters gathered across microbatches unless the user chose otherwise."""
-    if dcfg.strategy == "fsdp2" and dcfg.reshard_after_forward is None:
-        return dcfg.model_copy(update={"reshard_after_forward": False})
-    return dcfg
-
-
 class PipelineParallelModel(ParallelModel):
     """The stages this rank runs (`parts`, in stage order) and the schedule that drives them."""
 
-    def __init__(self, parts: list[nn.Module], stage_ids: list[int], plan: PipelinePlan, strategy, mesh_ctx,
-                 device: torch.device, precision: str, scale_grads_in_schedule: bool, shell_factory=None):
-        super().__init__(parts[0], strategy, mesh_ctx, device, precision)
-        from torch.distributed.pipelining import PipelineStage
-
-        self.parts = list(parts)
+    def __init__(self, parts: list[Parallelized], stage_ids: list[int], plan: PipelinePlan, mesh_ctx: MeshContext,
+                 device: torch.device, precision: str, scale_grads_in_schedule: bool, shell_factory):
+        super().__init__(parts, mesh_ctx, device, precision)
         self.plan, self.stage_ids = plan, stage_ids
         self.scale_in_schedule = scale_grads_in_schedule
         self.pp_group = mesh_ctx.group("pp")
         self.has_first = 0 in stage_ids
         self.has_last = plan.num_stages - 1 in stage_ids
         self.stages = [PipelineStage(part, s, plan.num_stages, device, group=self.pp_group)
-                       for part, s in zip(parts, stage_ids)]
-        last_part = parts[stage_ids.index(plan.num_stages - 1)] if self.has_last else None
-        self._loss_ctx = getattr(last_part, "_meshforge_loss_context", None)
+                       for part, s in zip(self.parts, stage_ids)]
+        # the loss runs on the last stage, under that stage's loss context (vocabulary-parallel loss under TP)
+        self.loss_context = parts[stage_ids.index(plan.num_stages - 1)].loss_context if self.has_last \
+            else contextlib.nullcontext
         self._ces: list[torch.Tensor] = []
         self._merged: nn.Module | None = None
         self._shell_factory = shell_factory
@@ -165,7 +155,7 @@ class PipelineParallelModel(ParallelModel):
         args = (x,) if self.has_first else ()
         # the loss context (vocabulary-parallel loss under TP) must also cover the loss's backward, which the
         # schedule runs later, outside `_loss_fn`: it wraps the whole step (it only touches the loss ops)
-        with self.autocast(), (self._loss_ctx or contextlib.nullcontext)():
+        with self.autocast(), self.loss_context():
             self.schedule.step(*args, target=y if self.has_last else None, return_outputs=False)
         for part in self.parts:
             self.strategy.finish_grad_sync(part)
@@ -183,7 +173,6 @@ class PipelineParallelModel(ParallelModel):
         """The strategy's groups of every local stage, merged by hyperparameters (and DTensor or not, which
         foreach optimizers cannot mix): the same groups as a non-PP run, so optimizer checkpoints
         (`optim.param_groups.<i>.*`) interchange."""
-        from torch.distributed.tensor import DTensor
 
         def key(g):
             return ({k: v for k, v in g.items() if k != "params"}, isinstance(g["params"][0], DTensor))
@@ -212,46 +201,51 @@ class PipelineParallelModel(ParallelModel):
         if self._merged is None:
             shell = self._shell_factory()  # the model with no blocks and no first/last modules, on meta
             for stage in stages:
-                for n in stage.pp_split_points():
-                    _set_submodule(shell, n, stage.get_submodule(n))
-                for attr in FIRST_STAGE_MODULES + LAST_STAGE_MODULES:
-                    if getattr(stage, attr, None) is not None:
-                        setattr(shell, attr, getattr(stage, attr))
+                layout = contract_of(stage).pipeline_layout()
+                for n in layout.split_points + layout.first_stage + layout.last_stage:
+                    module = submodule_or_none(stage, n)
+                    if module is not None:
+                        set_submodule(shell, n, module)
             self._merged = shell
         return [self._merged]
 
+    def state_parts(self) -> list[nn.Module]:
+        return self.unwrapped_parts() if len(self.parts) > 1 else self.parts
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every stage's full weights, gathered from all pp ranks (stages hold different names)."""
+        mine = super().full_state_dict()
+        everyone: list = [None] * self.mesh_ctx.world_size
+        dist.all_gather_object(everyone, mine)
+        merged: dict[str, torch.Tensor] = {}
+        for part in everyone:
+            merged.update(part or {})
+        return merged
+
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
         # always the multi-part path: it adds the squares of every stage over the pp group
-        from meshforge.distributed.grad_norm import clip_grad_norm_
-
         params = [p for part in self.parts for p in part.parameters()]
         return clip_grad_norm_(params, max_norm, self.mesh_ctx)
 
 
-def build_pipeline_model(cfg, mesh_ctx, device: torch.device, meta: bool = False) -> PipelineParallelModel:
-    from meshforge.distributed.parallelize import parallelize_model
-
+def build_pipeline_model(cfg, mesh_ctx: MeshContext, device: torch.device, meta: bool = False
+                         ) -> PipelineParallelModel:
     plan = plan_for(cfg, mesh_ctx)
     schedule_class(plan.schedule)  # fail before building anything if torch lacks it
-    dcfg = _stage_dcfg(cfg.distributed)
+    dcfg = cfg.distributed
     stage_ids = plan.rank_stages(mesh_ctx.pp_rank)
-    parts, strategy = [], None
+    parts = []
     for s in stage_ids:
         module = build_stage_module(cfg, plan, s, device, meta)
         if s > 0 and dcfg.sequence_parallel and mesh_ctx.tp_size > 1:
             _full_positions_from_sequence_shard(module, mesh_ctx.tp_size)
-        part, strategy = parallelize_model(module, mesh_ctx, dcfg, device, compile=cfg.training.compile)
+        part = parallelize_model(module, mesh_ctx, dcfg, device, compile=cfg.training.compile)
         if meta:
-            strategy.materialize(part, cfg.run.seed)
-        if cfg.model.init_from:
-            from meshforge.checkpoint.hf import load_hf_into
-
-            load_hf_into(strategy.unwrap(part), cfg.model.init_from)
+            part.strategy.materialize(part.model, cfg.run.seed)
         parts.append(part)
-    def shell():
-        from meshforge.models import build_model
 
+    def shell():
         return prune_to_stage(build_model(cfg.model, device="meta"), (), first=False, last=False)
 
-    return PipelineParallelModel(parts, stage_ids, plan, strategy, mesh_ctx, device, cfg.training.precision,
-                                 cfg.distributed.pipeline_or_default.scale_grads_in_schedule, shell_factory=shell)
+    return PipelineParallelModel(parts, stage_ids, plan, mesh_ctx, device, cfg.training.precision,
+                                 dcfg.pipeline_or_default.scale_grads_in_schedule, shell_factory=shell)

@@ -1,61 +1,75 @@
-"""The protocol every data-parallel strategy implements, and the registry that maps YAML names to them.
+"""The runtime protocol every data-parallel strategy implements; the base class is what world size 1 runs.
 
-The trainer only talks to this protocol, never to a strategy by name. Adding a
-strategy is one module with a `Strategy` subclass and one `register` line.
+A strategy's spec (`config/strategies.py`: name, options, rules, checkpoint formats) names its runtime class,
+a subclass of `Strategy`; `build_strategy` imports it when a run starts. The trainer, the pipeline, expert
+parallelism and the checkpointer only talk to this protocol, never to a strategy by name. The state-dict
+methods default to torch's DCP helpers (`get_model_state_dict` and friends), which see through DDP and FSDP2;
+a strategy with its own storage (megatron_fsdp's flat buffers) overrides them.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import importlib
+from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshforge.distributed.grad_norm import clip_grad_norm_
-
-_REGISTRY: dict[str, Callable[..., Strategy]] = {}
-
-
-def register(name: str):
-    def deco(cls):
-        _REGISTRY[name] = cls
-        cls.name = name
-        return cls
-
-    return deco
+from meshforge.errors import ConfigError
+from meshforge.models import init_weights
 
 
 def build_strategy(dcfg, mesh_ctx, device: torch.device) -> Strategy:
-    import meshforge.distributed.ddp  # noqa: F401 - registration side effects
-    import meshforge.distributed.fsdp2  # noqa: F401
-
-    try:
-        import meshforge.distributed.megatron_fsdp  # noqa: F401
-    except ImportError:
-        pass
-    name = dcfg.strategy
-    if name not in _REGISTRY:
-        raise ValueError(f"distributed.strategy={name!r} is not available; registered: {', '.join(_REGISTRY)}")
-    return _REGISTRY[name](dcfg, mesh_ctx, device)
+    """The runtime of the configured strategy (its spec names the class)."""
+    spec = dcfg.spec
+    cls = spec.runtime
+    if isinstance(cls, str):
+        module, _, name = cls.partition(":")
+        cls = getattr(importlib.import_module(module), name)
+    return cls(dcfg, mesh_ctx, device)
 
 
 class Strategy:
     """Default behaviour: a plain single-process model (what world size 1 runs)."""
 
-    name = "base"
-
     def __init__(self, dcfg, mesh_ctx, device: torch.device):
-        self.dcfg, self.mesh_ctx, self.device = dcfg, mesh_ctx, device
+        self.dcfg, self.options, self.mesh_ctx, self.device = dcfg, dcfg.options, mesh_ctx, device
+        self.name = dcfg.strategy
 
     @property
     def active(self) -> bool:
         """False at world size 1 with nothing to shard: the model runs unwrapped."""
         return self.mesh_ctx.world_size > 1
 
+    # ------------------------------------------------------------------ wrapping
     def parallelize(self, model: nn.Module) -> nn.Module:
         return model
 
+    def shard_experts(self, experts: nn.Module, mesh, reshard_after_forward: bool) -> None:
+        """Expert parallelism hands over each MoE layer's (ep-sharded) experts to be sharded over `mesh`
+        (ep_shard) before `parallelize` wraps the rest; strategies that cannot say so."""
+        raise ConfigError(f"distributed.strategy={self.name} cannot shard experts: use a strategy that composes "
+                          "with ep")
+
+    def shard_group(self, modules: list[nn.Module], reshard_after_forward: bool) -> None:
+        """Make `modules` one sharding unit of their own (e.g. the embedding, the output head)."""
+        raise ConfigError(f"distributed.strategy={self.name} cannot shard a module group on its own")
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The module whose parameter names are the model's own (for checkpoints and init)."""
+        return model
+
+    # ------------------------------------------------------------------ one step
     def optimizer_param_groups(self, model: nn.Module, weight_decay: float) -> list[dict]:
         """Weight decay on matrices, none on norms and biases (1-D), in parameter order."""
         decay, no_decay = [], []
@@ -65,9 +79,7 @@ class Strategy:
         groups = [{"params": decay, "weight_decay": weight_decay}]
         if no_decay:
             groups.append({"params": no_decay, "weight_decay": 0.0})
-        # foreach optimizers cannot mix DTensor and plain parameters in one group (a partial TP plan has both)
-        from torch.distributed.tensor import DTensor
-
+        # foreach/fused optimizers cannot mix DTensor and plain parameters in one group (a partial TP plan has both)
         split = []
         for g in groups:
             dt = [p for p in g["params"] if isinstance(p, DTensor)]
@@ -94,9 +106,6 @@ class Strategy:
 
     def materialize(self, model: nn.Module, seed: int) -> None:
         """Allocate a meta-device model on the device and initialise it exactly like a full one would be."""
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
-        from meshforge.models import init_weights
 
         def copy(p, full):
             if isinstance(p, DTensor):
@@ -109,6 +118,38 @@ class Strategy:
         inner.to_empty(device=self.device)
         init_weights(inner, seed, copy_fn=copy)
 
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        """The module whose parameter names are the model's own (for checkpoints and init)."""
-        return model
+    # ------------------------------------------------------------------ state dicts (DCP)
+    def model_state_dict(self, model: nn.Module, full: bool = False) -> dict:
+        """{name: tensor}: this rank's shards as DTensors (`full=False`, the fsdp_dtensor format), or plain full
+        tensors gathered to rank 0's CPU (`full=True`, what torch_dist saves for a sharded strategy)."""
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+
+    def load_model_state_dict(self, model: nn.Module, state_dict: dict) -> None:
+        set_model_state_dict(model, state_dict, options=StateDictOptions(strict=False))
+
+    def optimizer_state_dict(self, models: list[nn.Module], optimizer: torch.optim.Optimizer,
+                             full: bool = False) -> dict:
+        target = models[0] if len(models) == 1 else models
+        return get_optimizer_state_dict(target, optimizer,
+                                        options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+
+    def load_optimizer_state_dict(self, models: list[nn.Module], optimizer: torch.optim.Optimizer,
+                                  state_dict: dict) -> None:
+        set_optimizer_state_dict(models[0] if len(models) == 1 else models, optimizer, state_dict)
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Every parameter as a full tensor on every rank (parity checks, consolidated export); all ranks call."""
+        # cpu_offload=True would leave every rank but 0 empty
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+
+    # ------------------------------------------------------------------ accounting (the bench)
+    def memory_report(self, optimizer: torch.optim.Optimizer) -> dict[str, int] | None:
+        """Bytes of state per rank measured from the strategy's own storage (`params_at_rest`, `grads`,
+        `optimizer_state`, ...), or None: the bench then counts the storages behind parameters, gradients and
+        optimizer state itself."""
+        return None
+
+    def comm_bytes_total(self) -> int | None:
+        """Bytes this strategy handed to collectives since its counter was reset, or None when it does not
+        count (the bench's dispatch-level counter sees everything anyway)."""
+        return None

@@ -1,27 +1,92 @@
-"""Plain PyTorch models and their declared plans; nothing here imports torch.distributed."""
+"""Plain PyTorch models behind one contract (`protocol.py`); nothing here imports torch.distributed.
+
+This package sits below config and planning: they validate a config against the models' declared plans
+(built on the meta device), and the models know nothing of configs beyond duck-typed `model.*` values.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from typing import Any
 
 from meshforge.models.presets import PRESETS, ModelArgs, preset_is_moe, resolve_model_args
+from meshforge.models.protocol import (
+    ForeignModel,
+    InitSpec,
+    ModelContract,
+    PipelineLayout,
+    StateDictAdapter,
+    blocks_of,
+    contract_of,
+    set_submodule,
+    submodule_or_none,
+)
 
-__all__ = ["PRESETS", "ModelArgs", "build_model", "init_weights", "param_init_tensor", "preset_is_moe",
-           "resolve_model_args"]
+__all__ = ["PRESETS", "ForeignModel", "InitSpec", "ModelArgs", "ModelContract", "PipelineLayout",
+           "StateDictAdapter", "args_from_hf_config", "blocks_of", "build_model", "contract_of", "init_weights",
+           "meta_modules", "param_init_tensor", "preset_is_moe", "resolve_model_args", "set_submodule",
+           "submodule_or_none"]
+
+
+def model_class(args: ModelArgs):
+    if args.is_moe:
+        from meshforge.models.moe import MoETransformer
+
+        return MoETransformer
+    from meshforge.models.llama import Llama
+
+    return Llama
 
 
 def build_model(model_cfg: Any, device: str | None = None):
-    """Build the model a `ModelConfig` describes (on `device`, e.g. "meta"; default CPU), uninitialised."""
+    """Build the model a `ModelConfig` (or `ModelArgs`) describes (on `device`, e.g. "meta"; default CPU),
+    uninitialised (`init_weights` gives the values)."""
+    import contextlib
+
     import torch
 
+    args = model_cfg if isinstance(model_cfg, ModelArgs) else resolve_model_args(model_cfg)
+    with torch.device(device or "cpu"), _skip_init_on_meta() if device == "meta" else contextlib.nullcontext():
+        return model_class(args)(args)
+
+
+def _skip_init_on_meta():
+    """A TorchFunctionMode skipping `torch.nn.init` on meta tensors: there is no data to fill, and the meta
+    kernels of the initialisers import torch._dynamo (and with it FSDP), a second of start-up for nothing."""
+    from torch.overrides import TorchFunctionMode
+
+    class SkipInitOnMeta(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if getattr(func, "__module__", None) == "torch.nn.init":
+                tensor = args[0] if args else kwargs.get("tensor")
+                if getattr(tensor, "is_meta", False):
+                    return tensor
+            return func(*args, **kwargs)
+
+    return SkipInitOnMeta()
+
+
+def meta_modules(model_cfg: Any):
+    """(a one-block model on the meta device, {name: module} of the whole model) for process-free checks.
+
+    Every block of a built-in model has the same shapes and lives in one container keyed "0", "1", ..., so
+    the one block's modules stand in for every block's under the whole model's names: a 70B model is
+    described in milliseconds and no memory.
+    """
     args = resolve_model_args(model_cfg)
-    if args.is_moe:
-        from meshforge.models.moe import MoETransformer as cls
-    else:
-        from meshforge.models.llama import Llama as cls
-    with torch.device(device or "cpu"):
-        return cls(args)
+    one = build_model(dataclasses.replace(args, n_layers=1), device="meta")
+    block = one.pipeline_layout().split_points[0]
+    container = block.rpartition(".")[0]
+    modules = {}
+    for name, mod in one.named_modules():
+        if name == block or name.startswith(block + "."):
+            for i in range(args.n_layers):
+                modules[f"{container}.{i}{name[len(block):]}"] = mod
+        else:
+            modules[name] = mod
+    return one, modules
 
 
 def param_init_tensor(model, name: str, shape, seed: int):
@@ -33,7 +98,7 @@ def param_init_tensor(model, name: str, shape, seed: int):
     """
     import torch
 
-    kind, std = model.init_spec(name)
+    kind, std = contract_of(model).init_spec(name)
     if kind == "ones":
         return torch.ones(shape)
     if kind == "zeros":
@@ -53,7 +118,7 @@ def init_weights(model, seed: int, copy_fn=None) -> None:
     seen = set()
     with torch.no_grad():
         for name, p in model.named_parameters(remove_duplicate=False):
-            if id(p) in seen:  # tied weights: first name wins (tok_embeddings before output)
+            if id(p) in seen:  # tied weights: the first name wins
                 continue
             seen.add(id(p))
             full = param_init_tensor(model, name, tuple(p.shape), seed)
@@ -61,3 +126,10 @@ def init_weights(model, seed: int, copy_fn=None) -> None:
                 copy_fn(p, full)
             else:
                 p.copy_(full.to(dtype=p.dtype, device=p.device))
+
+
+def args_from_hf_config(config: dict) -> dict:
+    """A Hugging Face config.json -> the `model.*` values of the meshforge model that reads its weights."""
+    from meshforge.models.hf_llama import args_from_hf_config as llama
+
+    return llama(config)

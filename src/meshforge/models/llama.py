@@ -1,13 +1,13 @@
 """A Llama-3-style decoder in plain PyTorch: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
-No distributed code lives here. The model *declares* what can be parallelised
-(`blocks`, `tp_plan`, `pp_split_points`, `hf_name_map`) and the distributed
-package applies it. Layers live in a `ModuleDict` keyed "0", "1", ... so that a
-pipeline stage that holds only some of them keeps the whole model's parameter
-names (checkpoints move between PP and non-PP runs without renaming).
+No distributed code lives here. The model implements the model contract (`models/protocol.py`): it
+*declares* its blocks, TP plan, pipeline layout, attention slots, initialisation, FLOPs and Hugging Face
+adapter, and the packages above apply them. Layers live in a `ModuleDict` keyed "0", "1", ... so that a
+pipeline stage that holds only some of them keeps the whole model's parameter names (checkpoints move
+between PP and non-PP runs without renaming).
 
-The attention kernel is a swappable `CoreAttention` module, so context
-parallelism can replace it without the model knowing.
+The attention kernel is a swappable `CoreAttention` module (an attention slot), so context parallelism
+can replace it without the model knowing.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshforge.models.hf_llama import LlamaStateDictAdapter
 from meshforge.models.presets import ModelArgs
+from meshforge.models.protocol import InitSpec, PipelineLayout, StateDictAdapter
 
 
 class RMSNorm(nn.Module):
@@ -159,21 +161,25 @@ class Llama(nn.Module):
                          "layers.*.attention": "sequence_gather", "layers.*.feed_forward": "sequence_gather"})
         return plan
 
-    def pp_split_points(self) -> list[str]:
-        """Names of the layers in order; a pipeline stage takes a contiguous run of them.
+    def pipeline_layout(self) -> PipelineLayout:
+        """The blocks, in order, are the split points; the embedding goes with the first stage and the final
+        norm + output with the last."""
+        return PipelineLayout(tuple(f"layers.{k}" for k in self.layers), ("tok_embeddings",), ("norm", "output"))
 
-        The embedding goes with the first stage and the final norm + output with the last.
-        """
-        return [f"layers.{k}" for k in self.layers]
+    def attention_slots(self) -> list[str]:
+        return [f"layers.{k}.attention.core" for k in self.layers]
 
-    def init_spec(self, name: str) -> tuple[str, float]:
-        """How parameter `name` is initialised: ("normal", std), ("ones", 0) or ("zeros", 0)."""
+    def moe_layers(self) -> list[nn.Module]:
+        return []
+
+    def init_spec(self, name: str) -> InitSpec:
+        """How parameter `name` is initialised: normal(std), ones (norms)."""
         if name.endswith("norm.weight"):
-            return ("ones", 0.0)
+            return InitSpec("ones")
         std = self.args.init_std
         if name.endswith(("wo.weight", "w2.weight")):
             std = std / math.sqrt(2 * self.args.n_layers)  # residual projections, GPT-2 style
-        return ("normal", std)
+        return InitSpec("normal", std)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x matmul parameters, plus causal attention 6 * layers * heads * head_dim * seq
@@ -192,20 +198,5 @@ class Llama(nn.Module):
         a = self.args
         return 3 * a.dim * a.moe_ffn_dim * (a.top_k + a.n_shared_experts) + a.dim * a.n_experts
 
-    @staticmethod
-    def hf_name_map() -> dict[str, str]:
-        """meshforge name pattern -> Hugging Face Llama name pattern ({} = layer index)."""
-        return {
-            "tok_embeddings.weight": "model.embed_tokens.weight",
-            "layers.{}.attention.wq.weight": "model.layers.{}.self_attn.q_proj.weight",
-            "layers.{}.attention.wk.weight": "model.layers.{}.self_attn.k_proj.weight",
-            "layers.{}.attention.wv.weight": "model.layers.{}.self_attn.v_proj.weight",
-            "layers.{}.attention.wo.weight": "model.layers.{}.self_attn.o_proj.weight",
-            "layers.{}.feed_forward.w1.weight": "model.layers.{}.mlp.gate_proj.weight",
-            "layers.{}.feed_forward.w3.weight": "model.layers.{}.mlp.up_proj.weight",
-            "layers.{}.feed_forward.w2.weight": "model.layers.{}.mlp.down_proj.weight",
-            "layers.{}.attention_norm.weight": "model.layers.{}.input_layernorm.weight",
-            "layers.{}.ffn_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
-            "norm.weight": "model.norm.weight",
-            "output.weight": "lm_head.weight",
-        }
+    def state_dict_adapter(self) -> StateDictAdapter:
+        return LlamaStateDictAdapter(self.args)

@@ -11,7 +11,7 @@ Per block, `feed_forward` is an `MoE`:
   aux     -> the Switch-Transformer load-balancing loss coeff * E * sum_e f_e * P_e (f_e: fraction of
              token copies sent to e, not differentiable; P_e: mean router probability of e, differentiable),
              summed over layers and returned by `MoETransformer.forward` as `(logits, aux_loss)` in training,
-             so `training.step.lm_loss` adds it to the loss and its gradient reaches the router.
+             so `models.loss.lm_loss` adds it to the loss and its gradient reaches the router.
 
 Why the aux loss is collected as it is: the block keeps `TransformerBlock`'s forward (`h -> h`), so the MoE
 leaves its aux loss on itself (`MoE.aux_loss`) and the model's forward collects it right after each block.
@@ -36,8 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshforge.errors import CheckpointError
 from meshforge.models.llama import FeedForward, Llama, TransformerBlock, rope_cos_sin
 from meshforge.models.presets import ModelArgs
+from meshforge.models.protocol import InitSpec, StateDictAdapter
 
 
 def in_backward() -> bool:
@@ -241,9 +243,9 @@ class MoETransformer(Llama):
                      "layers.*.feed_forward.shared_experts.w2": "rowwise"})
         return plan
 
-    def init_spec(self, name: str) -> tuple[str, float]:
+    def init_spec(self, name: str) -> InitSpec:
         if name.endswith("experts.w2"):  # stacked routed experts' down projection: a residual projection
-            return ("normal", self.args.init_std / math.sqrt(2 * self.args.n_layers))
+            return InitSpec("normal", self.args.init_std / math.sqrt(2 * self.args.n_layers))
         return super().init_spec(name)
 
     def active_ffn_params_per_layer(self) -> int:
@@ -254,9 +256,8 @@ class MoETransformer(Llama):
     def total_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    @staticmethod
-    def hf_name_map() -> dict[str, str]:
-        """No Hugging Face mapping: meshforge's HF import/export (checkpoint/hf.py) is Llama-only, and stacked
-        experts would need splitting per expert. Raising beats a partial map that loads some weights silently."""
-        raise NotImplementedError("Hugging Face weight names are defined for the dense Llama model only; "
-                                  "MoE presets have no hf_name_map")
+    def state_dict_adapter(self) -> StateDictAdapter:
+        """None yet: stacked experts would need splitting per expert, and a partial map that loads some weights
+        silently is worse than a refusal."""
+        raise CheckpointError("Hugging Face import/export is defined for the dense Llama model only; mixture-of-"
+                              "experts presets have no state-dict adapter yet")

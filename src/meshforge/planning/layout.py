@@ -13,6 +13,8 @@ import itertools
 from dataclasses import dataclass
 from enum import StrEnum
 
+from meshforge.errors import LayoutError
+
 
 class MeshAxis(StrEnum):
     PP = "pp"
@@ -43,8 +45,10 @@ FLAT_DIMS = {
 }
 
 
-class LayoutError(ValueError):
-    pass
+def inferred_dp(world_size: int, tp: int, pp: int, cp: int) -> int | None:
+    """dp = world / (tp * pp * cp), or None when the product does not divide the world size."""
+    denom = tp * pp * cp
+    return world_size // denom if world_size % denom == 0 else None
 
 
 @dataclass(frozen=True)
@@ -61,14 +65,13 @@ class Layout:
     def from_sizes(cls, world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
                    dp: int | None = None, dp_replicate: int | None = None) -> Layout:
         """Infer dp = world / (tp*pp*cp); raise LayoutError with the numbers when it does not fit."""
-        denom = tp * pp * cp
-        if world_size % denom:
+        inferred = inferred_dp(world_size, tp, pp, cp)
+        if inferred is None:
             raise LayoutError(f"world size {world_size} is not divisible by tp_size*pp_size*cp_size = "
-                              f"{tp}*{pp}*{cp} = {denom}")
-        inferred = world_size // denom
+                              f"{tp}*{pp}*{cp} = {tp * pp * cp}")
         if dp is not None and dp != inferred:
             raise LayoutError(f"dp_size={dp} disagrees with world_size/(tp_size*pp_size*cp_size) = "
-                              f"{world_size}/{denom} = {inferred}")
+                              f"{world_size}/{tp * pp * cp} = {inferred}")
         rep = dp_replicate or 1
         if inferred % rep:
             raise LayoutError(f"dp_replicate_size={rep} does not divide dp_size={inferred}")
@@ -82,6 +85,10 @@ class Layout:
     @property
     def shape(self) -> tuple[int, ...]:
         return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+
+    def named_shape(self) -> dict[str, int]:
+        """{root axis: size}, in mesh order."""
+        return {a.value: n for a, n in zip(ROOT_DIMS, self.shape)}
 
     def size(self, axis: str | MeshAxis) -> int:
         axis = MeshAxis.parse(axis)

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshforge.errors import PipelinePlanError
+
 TORCH_SCHEDULE_CLASS = {
     "1f1b": "Schedule1F1B",
     "gpipe": "ScheduleGPipe",
@@ -44,10 +46,6 @@ V_SHAPED = ("v_schedule",)
 ROUNDS_SCHEDULES = ("interleaved_1f1b", "dfs", "zero_bubble")
 
 
-class PipelinePlanError(ValueError):
-    def __init__(self, problems: list[str]):
-        self.problems = list(problems)
-        super().__init__("\n".join(self.problems))
 
 
 @dataclass(frozen=True)

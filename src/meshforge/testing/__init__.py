@@ -1,1 +1,2 @@
-"""Test support shipped with the package: the parity harness (run configs on N gloo processes, compare)."""
+"""Test support shipped with the package: the parity harness (`parity.py`) and many jobs in one process group
+(`group.py`), both on the one launcher (`meshforge.launch`)."""

@@ -1,26 +1,27 @@
-"""The parity harness: run several configs on N gloo CPU processes in ONE launch, return losses and weights.
+"""The parity harness: run many configs on N gloo CPU processes in ONE launch, compare with one process.
 
-Process start costs ~3 s, a tiny run milliseconds, so a test module launches once
-(`run_configs`) and runs every configuration inside the same process group. The
-single-process reference runs in the calling process (`run_single`). Both return
-per-step losses and the final full (gathered) weights, so a test compares them
-with an explicit tolerance and prints the worst difference.
+Process start costs ~3 s, a tiny run milliseconds, so configurations are run many per launch
+(`configs_job` inside a shared launch of `testing.group`, or `run_configs` for a launch of its own). The
+single-process reference runs in the calling process (`run_single`). Both return per-step losses, grad
+norms and the final full (gathered) weights, so a test compares them with an explicit tolerance (`compare`)
+and prints the worst difference.
 
-Configs are given as override lists applied to `base_overrides()`: a tiny fp32
-model on synthetic data, 10 steps.
+Configs are override lists applied to `base_overrides()`: a tiny fp32 model on synthetic data, 10 steps.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import tempfile
+import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+from meshforge.config import load_config
+from meshforge.distributed.env import DistInfo
+from meshforge.testing.group import Job, launch_jobs
+from meshforge.training.trainer import TrainResult, train
 
 
 def base_overrides(steps: int = 10) -> list[str]:
@@ -38,102 +39,61 @@ class RunResult:
     error: str | None = None
 
 
-def full_weights(pm) -> dict[str, torch.Tensor]:
-    """Every parameter gathered to a full CPU tensor, by the whole model's names (all ranks must call)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    out: dict[str, torch.Tensor] = {}
-    # cpu_offload=True would leave every rank but 0 empty, losing the other pipeline stages' weights
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=False)
-    for part in pm.unwrapped_parts() if len(pm.parts) > 1 else pm.parts:
-        sd = part.state_dict_for_checkpoint() if hasattr(part, "state_dict_for_checkpoint") else \
-            get_model_state_dict(part, options=opts)
-        out.update({k: v.detach().float().cpu().clone() for k, v in sd.items()})
-    if pm.mesh_ctx.pp_size > 1:  # stages hold different names: gather them all
-        import torch.distributed as dist
-
-        parts: list = [None] * pm.mesh_ctx.world_size
-        dist.all_gather_object(parts, out)
-        merged: dict[str, torch.Tensor] = {}
-        for p in parts:
-            merged.update(p or {})
-        out = merged
-    return out
+def config(overrides: list[str], steps: int = 10, world_size: int | None = None):
+    """`base_overrides(steps)` + overrides, validated at this process's world size."""
+    ws = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
+    return load_config(None, base_overrides(steps) + list(overrides), world_size=ws)
 
 
-def _cfg(overrides: list[str], steps: int):
-    from meshforge.config import load_config
-
-    return load_config(None, base_overrides(steps) + list(overrides),
-                       world_size=int(os.environ.get("WORLD_SIZE", 1)))
+def single_info() -> DistInfo:
+    return DistInfo(0, 1, 0, torch.device("cpu"), None)
 
 
 def run_single(overrides: list[str] = (), steps: int = 10, weights: bool = True) -> RunResult:
-    """The single-process reference, in this process (world size 1)."""
-    from meshforge.distributed.env import DistInfo
-    from meshforge.training.trainer import _train
-
-    saved = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if k in os.environ}
-    try:
-        cfg = _cfg([o for o in overrides if not o.startswith("distributed.")], steps)
-        res = _train(cfg, DistInfo(0, 1, 0, torch.device("cpu"), None))
-        return RunResult(res.losses, res.grad_norms, full_weights(res.parallel_model) if weights else {})
-    finally:
-        os.environ.update(saved)
+    """The single-process reference, in this process (world size 1). `distributed.*` overrides are dropped."""
+    cfg = config([o for o in overrides if not o.startswith("distributed.")], steps, world_size=1)
+    res = train(cfg, single_info())
+    return RunResult(res.losses, res.grad_norms, res.parallel_model.full_state_dict() if weights else {})
 
 
-def _worker(spec_path: str, out_dir: str) -> None:
-    """Entry point inside each launched process: run every config of the spec in one process group."""
-    from meshforge.distributed.env import init_distributed
-    from meshforge.training.trainer import _train
+def run_in_group(overrides: list[str], steps: int, info: DistInfo, weights: bool = True) -> tuple[dict, TrainResult]:
+    """One config inside an existing process group: ({losses, grad_norms[, weights on rank 0]}, TrainResult)."""
+    res = train(config(overrides, steps, info.world_size), info)
+    out: dict = {"losses": res.losses, "grad_norms": res.grad_norms}
+    if weights:
+        w = res.parallel_model.full_state_dict()  # every rank takes part in the gathers
+        if info.rank == 0:
+            out["weights"] = w
+    return out, res
 
-    spec = json.loads(Path(spec_path).read_text())
-    info = init_distributed("cpu", timeout_minutes=spec.get("timeout_minutes", 5))
+
+def configs_job(spec: dict, info: DistInfo) -> dict[str, dict]:
+    """Job target (`testing.group`): every config of `spec["configs"]` in this process group, as
+    {name: {losses, grad_norms, weights (rank 0)}} or {name: {error}}."""
     results = {}
     for name, overrides in spec["configs"].items():
         try:
-            cfg = _cfg(overrides, spec["steps"])
-            res = _train(cfg, info)
-            w = full_weights(res.parallel_model) if spec["weights"] else {}
-            results[name] = {"losses": res.losses, "grad_norms": res.grad_norms}
-            if info.rank == 0 and w:
-                torch.save(w, Path(out_dir) / f"{name}.weights.pt")
-        except Exception as err:  # noqa: BLE001 - reported to the test, which fails with it
-            import traceback
-
+            results[name] = run_in_group(overrides, spec.get("steps", 10), info, spec.get("weights", True))[0]
+        except (Exception, CheckpointException) as err:  # reported to the test, which fails with it
             results[name] = {"error": f"{type(err).__name__}: {err}\n{traceback.format_exc()}"}
-    if info.rank == 0:
-        (Path(out_dir) / "results.json").write_text(json.dumps(results))
-    import torch.distributed as dist
+    return results
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+
+def results_of(raw: dict[str, dict]) -> dict[str, RunResult]:
+    """`configs_job`'s value -> RunResults by name."""
+    return {name: RunResult([], [], {}, r["error"]) if "error" in r else
+            RunResult(r["losses"], r["grad_norms"], r.get("weights", {})) for name, r in raw.items()}
 
 
 def run_configs(configs: dict[str, list[str]], nproc: int, steps: int = 10, weights: bool = True,
-                timeout: float = 600) -> dict[str, RunResult]:
+                timeout: float = 900) -> dict[str, RunResult]:
     """Launch `nproc` gloo processes once and run each named override list; rank 0's view is returned."""
-    with tempfile.TemporaryDirectory() as tmp:
-        spec = Path(tmp) / "spec.json"
-        spec.write_text(json.dumps({"configs": configs, "steps": steps, "weights": weights}))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "meshforge.testing.parity", str(spec), tmp]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-        res_file = Path(tmp) / "results.json"
-        if not res_file.exists():
-            raise RuntimeError(f"parity launch failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}\n"
-                               f"{proc.stderr[-8000:]}")
-        raw = json.loads(res_file.read_text())
-        out = {}
-        for name, r in raw.items():
-            if "error" in r:
-                out[name] = RunResult([], [], {}, r["error"])
-                continue
-            wf = Path(tmp) / f"{name}.weights.pt"
-            out[name] = RunResult(r["losses"], r["grad_norms"],
-                                  torch.load(wf, weights_only=True) if wf.exists() else {})
-        return out
+    job = Job("configs", "meshforge.testing.parity:configs_job", {"configs": configs, "steps": steps,
+                                                                   "weights": weights}, nproc)
+    out = launch_jobs([job], nproc, timeout=timeout)["configs"]
+    if "error" in out:
+        raise RuntimeError(out["error"])
+    return results_of(out["value"])
 
 
 def compare(ref: RunResult, got: RunResult, name: str = "", loss_rtol: float = 1e-5,
@@ -159,7 +119,3 @@ def compare(ref: RunResult, got: RunResult, name: str = "", loss_rtol: float = 1
     if weight_atol is not None:
         assert wdiff <= weight_atol, f"{name}: final weights differ by {wdiff:.3e} > {weight_atol}"
     return rel, wdiff
-
-
-if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2])

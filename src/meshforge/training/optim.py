@@ -7,10 +7,14 @@ import math
 import torch
 
 
-def build_optimizer(param_groups: list[dict], ocfg, device: torch.device) -> torch.optim.Optimizer:
-    impl = ocfg.impl
-    if impl == "auto":
-        impl = "fused" if device.type == "cuda" else "foreach"
+def optimizer_impl(ocfg) -> str:
+    """`auto` is fused on every device: one kernel per step, and it skips a non-finite step on the device
+    (`found_inf`, see nonfinite.py) where foreach/for_loop need a host check."""
+    return "fused" if ocfg.impl == "auto" else ocfg.impl
+
+
+def build_optimizer(param_groups: list[dict], ocfg) -> torch.optim.Optimizer:
+    impl = optimizer_impl(ocfg)
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
     return torch.optim.AdamW(param_groups, lr=ocfg.lr, betas=tuple(ocfg.betas), eps=ocfg.eps,
                              weight_decay=ocfg.weight_decay, **kwargs)

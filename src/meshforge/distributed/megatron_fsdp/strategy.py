@@ -38,7 +38,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from meshforge.distributed.blocks import find_blocks
 from meshforge.distributed.megatron_fsdp.buffers import (
     SHARDED_OPTIM,
     FlatUnit,
@@ -49,21 +48,21 @@ from meshforge.distributed.megatron_fsdp.buffers import (
     storage_bytes,
 )
 from meshforge.distributed.megatron_fsdp.comm import CommCounter
-from meshforge.distributed.strategy import Strategy, register
+from meshforge.distributed.strategy import Strategy
+from meshforge.models import blocks_of, param_init_tensor
 
 
-@register("megatron_fsdp")
 class MegatronFSDPStrategy(Strategy):
     def __init__(self, dcfg, mesh_ctx, device: torch.device, compute_dtype: torch.dtype | None = None):
         super().__init__(dcfg, mesh_ctx, device)
-        cuda = device.type == "cuda"
-        self.mode = dcfg.sharding_strategy
-        self.avg_in_collective = bool(dcfg.average_in_collective)
+        cuda, o = device.type == "cuda", self.options
+        self.mode = o.sharding_strategy
+        self.avg_in_collective = bool(o.average_in_collective)
         self.compute_dtype = compute_dtype or (torch.bfloat16 if cuda else torch.float32)
-        fp32_reduce = True if dcfg.grad_reduce_in_fp32 is None else dcfg.grad_reduce_in_fp32
+        fp32_reduce = True if o.grad_reduce_in_fp32 is None else o.grad_reduce_in_fp32
         self.reduce_dtype = torch.float32 if fp32_reduce else self.compute_dtype
-        self.overlap_grad = cuda if dcfg.overlap_grad_reduce is None else dcfg.overlap_grad_reduce
-        self.overlap_param = cuda if dcfg.overlap_param_gather is None else dcfg.overlap_param_gather
+        self.overlap_grad = cuda if o.overlap_grad_reduce is None else o.overlap_grad_reduce
+        self.overlap_param = cuda if o.overlap_param_gather is None else o.overlap_param_gather
         if mesh_ctx.world_size > 1:
             self.group = mesh_ctx.group("dp_cp")
             self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
@@ -93,6 +92,9 @@ class MegatronFSDPStrategy(Strategy):
     def reset_comm(self) -> None:
         self.comm.reset()
 
+    def comm_bytes_total(self) -> int:
+        return sum(self.comm.bytes.values())
+
     # ================================================================== wrapping
     def parallelize(self, model: nn.Module) -> nn.Module:
         names: dict[int, list[str]] = {}
@@ -100,8 +102,8 @@ class MegatronFSDPStrategy(Strategy):
         for fqn, p in model.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), []).append(fqn)
             params[id(p)] = p
-        unit_classes = self.dcfg.fsdp_unit_classes or self.dcfg.block_classes or None
-        blocks = find_blocks(model, unit_classes)
+        unit_classes = self.options.fsdp_unit_classes or self.dcfg.block_classes or None
+        blocks = blocks_of(model, unit_classes)
         owner: dict[int, int] = {}
         for i, b in enumerate(blocks):
             for p in b.parameters():
@@ -144,7 +146,6 @@ class MegatronFSDPStrategy(Strategy):
                 self.root_unit = u
         self._order = [u for u in ([self.root_unit] if self.root_unit else []) + self.blocks]
         self._register_hooks(model)
-        model.state_dict_for_checkpoint = lambda: self.full_state_dict(model)
         return model
 
     def _register_hooks(self, model: nn.Module) -> None:
@@ -382,8 +383,6 @@ class MegatronFSDPStrategy(Strategy):
 
     # ================================================================== init
     def materialize(self, model: nn.Module, seed: int) -> None:
-        from meshforge.models import param_init_tensor
-
         for m in model.modules():
             for k, b in list(m._buffers.items()):
                 if b is not None and b.is_meta:
@@ -424,8 +423,11 @@ class MegatronFSDPStrategy(Strategy):
 
         return v.full_tensor() if isinstance(v, DTensor) else v
 
-    def model_state_dict(self, model: nn.Module) -> dict:
-        """{fqn: DTensor Shard(0) over the dp mesh} in fp32, FSDP2's layout (tied names share a tensor)."""
+    def model_state_dict(self, model: nn.Module, full: bool = False) -> dict:
+        """{fqn: DTensor Shard(0) over the dp mesh} in fp32, FSDP2's layout (tied names share a tensor); with
+        `full`, plain full tensors."""
+        if full:
+            return self.full_state_dict(model)
         out = {}
         for u in self.units:
             full = self._gather_flat(u, u.main)
@@ -459,7 +461,8 @@ class MegatronFSDPStrategy(Strategy):
         by_leaf = {id(s.leaf): s.fqn for s, _ in self._leaves()}
         return [[by_leaf[id(p)] for p in g["params"] if id(p) in by_leaf] for g in optimizer.param_groups]
 
-    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    def optimizer_state_dict(self, models: list[nn.Module], optimizer: torch.optim.Optimizer,
+                             full: bool = False) -> dict:
         """{"state": {fqn: {"step": tensor, <key>: DTensor Shard(0)}}, "param_groups": [{..., "params": fqns}]}.
 
         The same FQN-keyed structure DCP's `get_optimizer_state_dict` gives for FSDP2. Before the first step
@@ -495,9 +498,11 @@ class MegatronFSDPStrategy(Strategy):
         groups = []
         for g, fqns in zip(optimizer.param_groups, self._group_fqns(optimizer)):
             groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": fqns})
+        if full:  # plain full tensors (every rank takes part in the gathers)
+            state = {fqn: {k: self._full(v) for k, v in entry.items()} for fqn, entry in state.items()}
         return {"state": state, "param_groups": groups}
 
-    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, sd: dict) -> None:
+    def load_optimizer_state_dict(self, models: list[nn.Module], optimizer: torch.optim.Optimizer, sd: dict) -> None:
         state = sd["state"]
         for u in self.units:
             for s in u.slots:

@@ -1,17 +1,15 @@
-"""One training step's forward and backward over the micro batches of this rank.
+"""The parallel model runtime: run one global batch through a parallelised model.
 
-`ParallelModel` is what the trainer holds: the model part(s) this rank runs, the
-strategy that wraps them, and the forward/backward of one global batch. Pipeline
-parallelism subclasses it (its schedule drives forward and backward); everything
-else uses this class. Parallelisms that change how a batch is fed or how the loss
-is computed leave two attributes on the model, read here:
-`_meshforge_batch_transform(x, y) -> (x, y, positions)` (context parallelism) and
-`_meshforge_loss_context()` (vocabulary-parallel loss under tensor parallelism).
+`ParallelModel` is what the trainer holds: the model part(s) this rank runs, the strategy that wraps them,
+and the forward/backward of one global batch, applying the batch transform and loss context that
+`parallelize_model` returned. Pipeline parallelism subclasses it (its schedule drives forward and backward).
 
-Loss normalisation: every micro batch has the same number of tokens on every
-rank (fixed-length sequences, equal cp chunks), so the mean of per-micro-batch
-means, averaged over the data-parallel ranks by the gradient reduction, is
-exactly the mean over all tokens of the global batch.
+Loss normalisation: every micro batch has the same number of tokens on every rank (fixed-length sequences,
+equal cp chunks), so the mean of per-micro-batch means, averaged over the data-parallel ranks by the
+gradient reduction, is exactly the mean over all tokens of the global batch.
+
+Nothing here reads a tensor back to the host: the loss stays a device tensor (the trainer reads it on log
+steps only).
 """
 
 from __future__ import annotations
@@ -20,26 +18,22 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-
-def lm_loss(output, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(cross-entropy mean over tokens, auxiliary loss or None); models may return (logits, aux_loss)."""
-    aux = None
-    if isinstance(output, tuple):
-        output, aux = output
-    ce = F.cross_entropy(output.flatten(0, 1).float(), labels.flatten())
-    if hasattr(ce, "full_tensor"):  # vocabulary-parallel loss (TP): a replicated DTensor -> plain tensor
-        ce = ce.full_tensor()
-    return ce, aux
+from meshforge.distributed.mesh import MeshContext
+from meshforge.distributed.parallelize import Parallelized
+from meshforge.distributed.strategy import Strategy
+from meshforge.models.loss import lm_loss
 
 
 class ParallelModel:
-    def __init__(self, model: nn.Module, strategy, mesh_ctx, device: torch.device, precision: str = "fp32"):
-        self.parts = [model]
-        self.strategy, self.mesh_ctx, self.device = strategy, mesh_ctx, device
-        self.precision = precision
+    def __init__(self, parts: list[Parallelized], mesh_ctx: MeshContext, device: torch.device,
+                 precision: str = "fp32"):
+        self.parts = [p.model for p in parts]
+        self.strategy: Strategy = parts[-1].strategy
+        self.batch_transform = parts[0].batch_transform
+        self.loss_context = parts[-1].loss_context
+        self.mesh_ctx, self.device, self.precision = mesh_ctx, device, precision
 
     @property
     def model(self) -> nn.Module:
@@ -53,19 +47,17 @@ class ParallelModel:
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Run every micro batch; returns the mean cross-entropy over the global batch (same on every rank)."""
         model = self.model
-        transform = getattr(model, "_meshforge_batch_transform", None)
-        loss_ctx = getattr(model, "_meshforge_loss_context", None) or contextlib.nullcontext
         n = len(micro_batches)
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(micro_batches):
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             positions = None
-            if transform is not None:
-                x, y, positions = transform(x, y)
+            if self.batch_transform is not None:
+                x, y, positions = self.batch_transform(x, y)
             with self.strategy.micro_step(model, is_last=i == n - 1):
                 with self.autocast():
                     out = model(x) if positions is None else model(x, positions)
-                with loss_ctx():
+                with self.loss_context():
                     ce, aux = lm_loss(out, y)
                     loss = ce if aux is None else ce + aux
                     (loss / n).backward()
@@ -88,12 +80,7 @@ class ParallelModel:
         return [g for g in groups if g["params"]]
 
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
-        if len(self.parts) == 1:
-            return self.strategy.clip_grad_norm_(self.model, max_norm)
-        from meshforge.distributed.grad_norm import clip_grad_norm_
-
-        params = [p for part in self.parts for p in part.parameters()]
-        return clip_grad_norm_(params, max_norm, self.mesh_ctx)
+        return self.strategy.clip_grad_norm_(self.model, max_norm)
 
     def after_optimizer_step(self) -> None:
         for part in self.parts:
@@ -108,4 +95,18 @@ class ParallelModel:
             part.train()
 
     def unwrapped_parts(self) -> list[nn.Module]:
+        """The modules holding this rank's parameters under the whole model's names (checkpoints, export)."""
         return [self.strategy.unwrap(p) for p in self.parts]
+
+    def state_parts(self) -> list[nn.Module]:
+        """What the strategy's state-dict methods take: the parallelised parts (the strategy sees through
+        its own wrappers)."""
+        return self.parts
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter as a full CPU tensor under the whole model's names; all ranks must call."""
+        out: dict[str, torch.Tensor] = {}
+        for part in self.state_parts():
+            sd = self.strategy.full_state_dict(part)
+            out.update({k: v.detach().float().cpu().clone() for k, v in sd.items()})
+        return out

@@ -1,0 +1,108 @@
+"""From a raw mapping to a validated Config: Bridge spellings folded, one line per schema error, then every
+cross-field rule. `Config.validate()` and `load_config` both come here.
+
+Every pydantic error becomes one line naming the key; unknown keys get a "did you mean" from the schema's
+own field names (and, under `distributed`, the registered strategies' option keys, which are written there).
+This module takes the schema class as an argument, so the schema can call it without an import cycle.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from meshforge.config import rules
+from meshforge.config.strategies import StrategyOptions, strategy_specs
+from meshforge.errors import ConfigError
+
+
+def _fold_bridge(raw: dict) -> tuple[dict, list[str]]:
+    """Map Megatron-Bridge `dist:` / `ddp:` keys onto `distributed` (and check their exclusivity rules)."""
+    problems: list[str] = []
+    raw = dict(raw)
+    dist = dict(raw.pop("dist", None) or {})
+    ddp = dict(raw.pop("ddp", None) or {})
+    if not dist and not ddp:
+        return raw, problems
+    d = dict(raw.get("distributed") or {})
+    if dist.get("use_megatron_fsdp") and dist.get("use_torch_fsdp2"):
+        problems.append("dist.use_megatron_fsdp and dist.use_torch_fsdp2 are mutually exclusive: set one of them false")
+    use_mfsdp = bool(dist.pop("use_megatron_fsdp", False)) | bool(ddp.pop("use_megatron_fsdp", False))
+    if dist.pop("use_tp_pp_dp_mapping", False) and use_mfsdp:
+        problems.append("dist.use_tp_pp_dp_mapping is not supported with Megatron FSDP: set it false "
+                        "(meshforge lays out ranks tp-innermost itself)")
+    if dist.pop("use_torch_fsdp2", False) and not use_mfsdp:
+        d["strategy"] = "fsdp2"
+    if use_mfsdp:
+        d["strategy"] = "megatron_fsdp"
+    for key, value in ddp.items():
+        if value is not None:
+            d[key] = value
+    for key in dist:
+        problems.append(f"dist.{key} is not a known Megatron-Bridge key meshforge maps")
+    raw["distributed"] = d
+    return raw, problems
+
+
+def _did_you_mean(model: type[BaseModel], loc: tuple) -> str:
+    """Walk the schema along `loc` and suggest the closest field name for its last element."""
+    node: Any = model
+    for part in loc[:-1]:
+        field = getattr(node, "model_fields", {}).get(part)
+        if field is None:
+            return ""
+        ann = field.annotation
+        for cand in (ann, *getattr(ann, "__args__", ())):
+            if isinstance(cand, type) and issubclass(cand, BaseModel):
+                node = cand
+                break
+        else:
+            return ""
+    names = list(getattr(node, "model_fields", {}))
+    options = getattr(node, "model_fields", {}).get("options")
+    if options is not None and StrategyOptions in getattr(options.annotation, "__mro__", ()):
+        names += sorted({k for spec in strategy_specs().values() for k in spec.option_keys})  # written flat
+    close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)
+    return f" (did you mean {'.'.join(map(str, loc[:-1] + (close[0],)))!r}?)" if close else ""
+
+
+def format_validation_error(err: ValidationError, model: type[BaseModel]) -> list[str]:
+    lines = []
+    for e in err.errors():
+        # `options` is where the strategy's flat keys live: name them as they are written
+        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith(("function-", "literal[")))
+                    and p != "options")
+        key = ".".join(str(p) for p in loc) or "config"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{key}: unknown key{_did_you_mean(model, loc)}")
+            continue
+        msg = e["msg"].removeprefix("Value error, ")
+        if msg.startswith(key + "."):  # the message names its keys already (one line each)
+            lines += msg.splitlines()
+        elif "input" in e and e["type"] not in ("missing",) and not isinstance(e["input"], dict):
+            lines.append(f"{key}: {msg} (got {e['input']!r})")
+        else:
+            lines.append(f"{key}: {msg}")
+    return lines
+
+
+def resolve(raw: dict, schema: type[BaseModel], world_size: int | None = None):
+    """Raw dict -> validated `schema` instance (a Config); the cross-field rules run too, at `world_size` (or
+    the smallest world the config describes)."""
+    if not isinstance(raw, dict):
+        raise ConfigError([f"config must be a mapping of sections, got {type(raw).__name__}"])
+    raw, problems = _fold_bridge(raw)
+    try:
+        cfg = schema.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(problems + format_validation_error(err, schema)) from None
+    if problems:
+        raise ConfigError(problems)
+    violations = rules.check(cfg, world_size)
+    if violations:
+        raise ConfigError(violations)
+    return cfg
+
+

@@ -1,0 +1,39 @@
+"""Build the parallel model a config describes: the one entry the trainer, the bench and the tests use.
+
+Non-PP runs build one model; PP runs build this rank's stages (`pipeline.build_pipeline_model`). Large
+models (or `model.init_device: meta`) are built on the meta device, parallelised, then materialised and
+initialised from (seed, parameter name), so every layout starts from the same weights.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from meshforge.distributed.mesh import MeshContext
+from meshforge.distributed.parallelize import parallelize_model
+from meshforge.distributed.pipeline import build_pipeline_model
+from meshforge.distributed.runtime import ParallelModel
+from meshforge.models import build_model, init_weights
+
+
+def use_meta_init(cfg, world_size: int, n_params: int) -> bool:
+    if cfg.model.init_device != "auto":
+        return cfg.model.init_device == "meta"
+    return world_size > 1 and n_params > 500_000_000
+
+
+def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device) -> ParallelModel:
+    """Model on CPU or meta -> parallelised -> materialised and initialised identically at any world size."""
+    meta_probe = build_model(cfg.model, device="meta")
+    n_params = sum(p.numel() for p in meta_probe.parameters())
+    meta = use_meta_init(cfg, mesh_ctx.world_size, n_params)
+    if mesh_ctx.pp_size > 1:
+        return build_pipeline_model(cfg, mesh_ctx, device, meta=meta)
+    model = meta_probe if meta else build_model(cfg.model)
+    if not meta:
+        init_weights(model, cfg.run.seed)
+        model.to(device)
+    part = parallelize_model(model, mesh_ctx, cfg.distributed, device, compile=cfg.training.compile)
+    if meta:
+        part.strategy.materialize(part.model, cfg.run.seed)
+    return ParallelModel([part], mesh_ctx, device, cfg.training.precision)

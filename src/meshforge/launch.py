@@ -1,0 +1,158 @@
+"""The one launcher of local process groups: torch's elastic launcher (torchrun), a spec in, per-rank results out.
+
+- `run_cli(nproc, argv)`: `python -m meshforge ARGV` on N processes in the foreground, output streamed, as
+  `meshforge train --nproc-per-node N` does; a failure is one line naming how many ranks failed.
+- `launch(target, spec, nproc)`: call `target(spec)` in each of N fresh processes (one plain process at N=1)
+  and collect every rank's return value. `target` is "package.module:function" or "path/to/file.py:function".
+  A return value is anything `torch.save` writes and `torch.load(weights_only=True)` reads back (tensors,
+  numbers, strings, lists, dicts). A rank that raises reports `Type: message` (a `MeshforgeError` its
+  problems), its traceback kept aside; the launch's `error` is one line naming the first failing rank.
+
+This module is the only place meshforge spells out a torchrun command line.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# variables of an enclosing launch that must not leak into a nested one
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+               "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+               "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE")
+
+
+def torchrun_args(nproc: int, entry: list[str]) -> list[str]:
+    """torchrun's arguments for `nproc` local processes running `entry` (["-m", module, ...] or [script, ...])."""
+    return ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", *entry]
+
+
+def run_cli(nproc: int, argv: list[str]) -> int:
+    """`python -m meshforge ARGV` on `nproc` local processes, in the foreground (this process is the agent)."""
+    from torch.distributed.run import get_args_parser, run
+
+    largs = get_args_parser().parse_args(torchrun_args(nproc, ["-m", "meshforge", *argv]))
+    try:
+        run(largs)
+    except Exception as err:  # noqa: BLE001 - ChildFailedError carries the failing ranks' exit codes
+        if type(err).__name__ != "ChildFailedError":
+            raise
+        failures = getattr(err, "failures", {})
+        codes = sorted({f.exitcode for f in failures.values()}) or [1]
+        print(f"error: {len(failures)} of {nproc} processes failed (exit codes {codes}); their messages are above",
+              file=sys.stderr)
+        return codes[0] if codes[0] > 0 else 1
+    return 0
+
+
+@dataclass
+class LaunchResult:
+    ranks: list[Any]  # each rank's return value (None where a rank returned nothing or failed)
+    errors: dict[int, dict] = field(default_factory=dict)  # rank -> {"error": one line, "traceback": ...}
+    returncode: int = 0
+    stdout: str = ""
+    stderr: str = ""
+    wall_s: float = 0.0
+
+    @property
+    def value(self) -> Any:
+        """Rank 0's return value."""
+        return self.ranks[0] if self.ranks else None
+
+    @property
+    def error(self) -> str | None:
+        """One line: the first failing rank and its message, or how the launch died; None on success."""
+        if self.errors:
+            r = min(self.errors)
+            return f"rank {r}: {self.errors[r]['error']}"
+        if self.returncode != 0:
+            tail = (self.stderr or self.stdout).strip().splitlines()[-1:] or ["no output"]
+            return f"exit code {self.returncode}: {tail[0][:300]}"
+        return None
+
+    def check(self) -> LaunchResult:
+        """Raise RuntimeError with the error line, the failing rank's traceback and the output's tail."""
+        if self.error is None:
+            return self
+        tb = next(iter(self.errors.values()), {}).get("traceback", "")
+        raise RuntimeError(f"{self.error}\n{tb}\n--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-6000:]}")
+
+
+def launch(target: str, spec: Any = None, nproc: int = 1, timeout: float = 900, env: dict | None = None,
+           cwd: str | Path | None = None) -> LaunchResult:
+    """Run `target(spec)` on `nproc` fresh local processes; every rank's return value comes back.
+    `env` is their environment (default: this process's), less an enclosing launch's variables."""
+    with tempfile.TemporaryDirectory(prefix="meshforge-launch-") as tmp:
+        out = Path(tmp)
+        (out / "spec.json").write_text(json.dumps(spec))
+        entry = ["-m", "meshforge.launch", target, str(out)]
+        cmd = [sys.executable, *entry] if nproc == 1 else \
+            [sys.executable, "-m", "torch.distributed.run", *torchrun_args(nproc, entry)]
+        base = {k: v for k, v in (os.environ if env is None else env).items() if k not in LAUNCH_VARS}
+        base.setdefault("OMP_NUM_THREADS", "1")
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base, cwd=cwd,
+                                start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the agent and every rank it started
+            stdout, stderr = proc.communicate()
+            stderr += f"\nmeshforge.launch: killed after {timeout:.0f} s"
+        result = LaunchResult([None] * nproc, returncode=proc.returncode, stdout=stdout, stderr=stderr,
+                              wall_s=time.perf_counter() - t0)
+        import torch
+
+        for r in range(nproc):
+            if (out / f"rank{r}.pt").exists():
+                result.ranks[r] = torch.load(out / f"rank{r}.pt", weights_only=True)
+            if (out / f"rank{r}.error.json").exists():
+                result.errors[r] = json.loads((out / f"rank{r}.error.json").read_text())
+        return result
+
+
+def _resolve(target: str):
+    where, _, name = target.rpartition(":")
+    if where.endswith(".py"):
+        path = Path(where).resolve()
+        sys.path.insert(0, str(path.parent))  # its sibling helpers import as they do under pytest
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[path.stem] = module
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    return getattr(module, name)
+
+
+def _worker(target: str, out_dir: str) -> int:
+    """Inside each launched process: run the target, write this rank's result or error."""
+    import torch
+
+    out, rank = Path(out_dir), int(os.environ.get("RANK", "0"))
+    spec = json.loads((out / "spec.json").read_text())
+    try:
+        value = _resolve(target)(spec)
+    except BaseException as err:  # noqa: BLE001 - every failure is reported to the launching process
+        problems = getattr(err, "problems", None)
+        line = "; ".join(problems) if problems else f"{type(err).__name__}: {err}".strip().splitlines()[0]
+        (out / f"rank{rank}.error.json").write_text(json.dumps({"error": line, "traceback": traceback.format_exc()}))
+        print(f"error: rank {rank}: {line}", file=sys.stderr, flush=True)
+        return 1
+    torch.save(value, out / f"rank{rank}.pt")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(sys.argv[1], sys.argv[2]))

@@ -1,0 +1,152 @@
+"""Tensor-parallel plans resolved and checked without processes: which module gets which style, and why a
+plan cannot be applied at a tp size.
+
+The plan is a dict of module-name patterns -> style. Patterns match module names component by component
+(`*` is one name component, fnmatch inside a component). The model declares its plan (the model contract's
+`tp_plan(sequence_parallel)`); `distributed.tp_plan` from the config is laid over it, module by module (a
+config entry wins). A model that declares no plan uses the config plan alone. In the config, `colwise` on the
+module the model declares `vocab_output` keeps the vocabulary-parallel loss, and `rowwise` on its
+`vocab_embedding` keeps the vocabulary-sharded embedding. `distributed/tensor_parallel.py` applies the
+resolved plan with DTensor.
+
+`plan_problems` reports a pattern that names no module, a style on a module it cannot shard (not
+Linear/Embedding), a sharded dimension that does not divide by tp_size, and tied weights split differently,
+each with the module name and its shape. `config/rules.py` runs it on a meta-device model
+(`models.meta_modules`) before anything starts, so a bad plan fails in validation, not as an opaque
+DTensor assertion in the first step.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+
+from torch import nn
+
+from meshforge.models import contract_of, meta_modules
+
+SHARDED_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_output")
+ALL_STYLES = SHARDED_STYLES + ("sequence_parallel", "sequence_gather", "replicate")
+
+
+def pattern_matches(pattern: str, name: str) -> bool:
+    p, n = pattern.split("."), name.split(".")
+    return len(p) == len(n) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(n, p))
+
+
+def _expand(modules: dict[str, nn.Module], plan: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """pattern plan -> {module name: style}, in module order; and the patterns that matched nothing."""
+    names = [n for n in modules if n]
+    out: dict[str, str] = {}
+    unmatched = []
+    for pattern, style in plan.items():
+        hits = [n for n in names if pattern_matches(pattern, n)]
+        if not hits:
+            unmatched.append(pattern)
+        for n in hits:
+            out[n] = style
+    return out, unmatched
+
+
+def resolve_plan(model: nn.Module, sequence_parallel: bool, custom: dict[str, str] | None,
+                 modules: dict[str, nn.Module] | None = None) -> tuple[dict[str, str], dict[str, str], list[str]]:
+    """(resolved {module: style}, declared {module: style}, problems) for `model` (or its `modules` by name)."""
+    modules = modules if modules is not None else dict(model.named_modules())
+    problems: list[str] = []
+    declared_plan = contract_of(model).tp_plan(sequence_parallel)
+    declared: dict[str, str] = {}
+    if declared_plan is not None:
+        declared, _ = _expand(modules, declared_plan)
+    elif not custom:
+        problems.append(f"distributed.tp_size > 1 but the model ({type(model).__name__}) declares no tp_plan: "
+                        "set distributed.tp_plan (module pattern -> colwise/rowwise/sequence_parallel/replicate)")
+    resolved = dict(declared)
+    if custom:
+        overrides, unmatched = _expand(modules, custom)
+        plan = declared_plan or {}
+        example = next((p for p in plan if "*" in p), next(iter(plan), "blocks.*.proj"))
+        for pattern in unmatched:
+            problems.append(f"distributed.tp_plan pattern {pattern!r} names no module of the model: patterns match "
+                            f"dotted module names per component, e.g. {example!r}")
+        for name, style in overrides.items():
+            base = declared.get(name)
+            if (style, base) in (("colwise", "vocab_output"), ("rowwise", "vocab_embedding")):
+                style = base
+            resolved[name] = style
+    return resolved, declared, problems
+
+
+def _shape(module: nn.Module) -> tuple[int, ...] | None:
+    w = getattr(module, "weight", None)
+    return tuple(w.shape) if w is not None else None
+
+
+def sharded_dim(mod: nn.Module, style: str) -> int | None:
+    """Which weight dimension a style splits (None: kept whole). Linear weights are (out, in), Embedding
+    weights (num, dim)."""
+    if style not in SHARDED_STYLES:
+        return None
+    emb = isinstance(mod, nn.Embedding)
+    if style in ("colwise", "vocab_output"):
+        return 1 if emb else 0
+    return 0 if emb else 1
+
+
+def tied_parameters(model: nn.Module) -> list[list[str]]:
+    """Groups of parameter names that share one tensor (e.g. a tied embedding and output head)."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def plan_problems(model: nn.Module, tp_size: int, sequence_parallel: bool, custom: dict[str, str] | None,
+                  modules: dict[str, nn.Module] | None = None) -> list[str]:
+    """Every reason this plan cannot be applied at tp_size, naming the module and its shape."""
+    modules = modules if modules is not None else dict(model.named_modules())
+    resolved, declared, problems = resolve_plan(model, sequence_parallel, custom, modules)
+    for name, style in resolved.items():
+        mod = modules[name]
+        if style == "replicate":
+            if sequence_parallel and declared.get(name) == "sequence_parallel":
+                problems.append(f"distributed.tp_plan: module {name!r} must stay sequence_parallel with "
+                                "sequence_parallel=true (a replicated norm would miss other ranks' gradients): "
+                                "remove the entry or set sequence_parallel false")
+            continue
+        if style not in SHARDED_STYLES:
+            continue
+        if not isinstance(mod, (nn.Linear, nn.Embedding)):
+            problems.append(f"tensor-parallel style {style!r} on module {name!r} ({type(mod).__name__}): only "
+                            "nn.Linear and nn.Embedding can be sharded; point the pattern at the projections")
+            continue
+        shape, dim = _shape(mod), sharded_dim(mod, style)
+        if shape[dim] % tp_size:
+            problems.append(f"tensor parallelism: module {name!r} with weight shape {list(shape)} cannot be "
+                            f"split {style} over distributed.tp_size={tp_size} (dimension {dim} = {shape[dim]} "
+                            f"is not divisible): choose a tp_size dividing {shape[dim]} or mark it 'replicate'")
+    for names in tied_parameters(model):
+        dims = {}
+        for pname in names:
+            mod_name = pname.rpartition(".")[0]
+            dims[mod_name] = sharded_dim(modules[mod_name], resolved.get(mod_name, "replicate"))
+        if len(set(dims.values())) > 1:
+            desc = ", ".join(f"{m!r} {'whole' if d is None else f'split on dim {d}'}" for m, d in dims.items())
+            problems.append(f"tensor parallelism: tied weight {names[0]!r} is used by modules sharded differently "
+                            f"({desc}): give them matching styles in distributed.tp_plan or set "
+                            "model.tie_embeddings false")
+    return _fold_repeats(problems)
+
+
+def _fold_repeats(problems: list[str]) -> list[str]:
+    """The same problem in many layers is one line: '<container>.*.x' (in N layers)."""
+    groups: dict[str, list[str]] = {}
+    for msg in problems:
+        groups.setdefault(re.sub(r"'([\w.]*?)\.\d+\.", r"'\1.*.", msg), []).append(msg)
+    return [msgs[0] if len(msgs) == 1 else f"{key} (in {len(msgs)} layers)" for key, msgs in groups.items()]
+
+
+def config_plan_problems(model_cfg, tp_size: int, sequence_parallel: bool, custom: dict[str, str] | None
+                         ) -> list[str]:
+    """`plan_problems` for a built-in model described by a config, on its meta-device description."""
+    model, modules = meta_modules(model_cfg)
+    return plan_problems(model, tp_size, sequence_parallel, custom, modules)

@@ -1,0 +1,78 @@
+"""Fault injection for tests: `MESHFORGE_FAULT` names faults at controlled points of a run.
+
+The variable holds comma-separated specs; each is `name:step[:rank[:arg]]` (rank default: the last rank):
+
+- `kill_during_save:STEP[:RANK]`  SIGKILL this rank inside the save of step STEP, after its DCP shards and
+  trainer state are written and before the manifest/rename/LATEST commit.
+- `signal_at_step:STEP[:RANK[:SIG]]`  deliver a real signal (USR1 default, or TERM) to this rank after step STEP.
+- `hang_at_step:STEP[:RANK[:SECONDS]]`  this rank sleeps SECONDS (default 3600) after step STEP instead of
+  joining the next collective, so the others must time out (`distributed.timeout_minutes`).
+- `nan_at_step:STEP`  every rank's loss and gradients of step STEP become NaN, to test `training.nonfinite`.
+
+The variable is read once, when a trainer is built (`install`), and the faults it names become hooks of
+that trainer and its checkpoint manager: a run without it carries no fault code in its loop. A test that runs
+several phases in one process sets it before each phase's trainer is built.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import torch
+
+
+def parse(raw: str, rank: int, world_size: int) -> dict[str, dict[int, list[str]]]:
+    """{fault name: {step: extra args}} of the faults armed for this rank."""
+    out: dict[str, dict[int, list[str]]] = {}
+    for spec in (s.strip().split(":") for s in raw.split(",") if s.strip()):
+        if len(spec) < 2:
+            continue
+        name, step = spec[0], int(spec[1])
+        target = int(spec[2]) if len(spec) > 2 and spec[2] != "" else world_size - 1
+        if name == "nan_at_step" or target == rank:
+            out.setdefault(name, {})[step] = spec[3:]
+    return out
+
+
+def install(trainer) -> None:
+    """Arm the faults of `MESHFORGE_FAULT` (if set) as hooks of `trainer` and its checkpoint manager."""
+    raw = os.environ.get("MESHFORGE_FAULT", "").strip()
+    if not raw:
+        return
+    rank, world = trainer.info.rank, trainer.info.world_size
+    faults = parse(raw, rank, world)
+
+    def nan_at_step(step: int, loss: torch.Tensor) -> torch.Tensor:
+        if step not in faults.get("nan_at_step", {}):
+            return loss
+        with torch.no_grad():  # the gradients too, so an update that is not skipped would poison the weights
+            for part in trainer.pm.parts:
+                for p in part.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(float("nan"))
+        return loss * float("nan")
+
+    def after_step(step: int) -> None:
+        args = faults.get("signal_at_step", {}).get(step)
+        if args is not None:
+            sig = signal.SIGTERM if args and args[0].upper() in ("TERM", "SIGTERM") else signal.SIGUSR1
+            print(f"fault: rank {rank} sends itself {sig.name} after step {step}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), sig)
+        args = faults.get("hang_at_step", {}).get(step)
+        if args is not None:
+            seconds = float(args[0]) if args else 3600.0
+            print(f"fault: rank {rank} hangs for {seconds:g} s after step {step}", file=sys.stderr, flush=True)
+            time.sleep(seconds)
+
+    def kill_during_save(step: int) -> None:
+        if step in faults.get("kill_during_save", {}):
+            print(f"fault: rank {rank} kills itself (SIGKILL) in the middle of saving step {step}", file=sys.stderr,
+                  flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    trainer.after_backward.append(nan_at_step)
+    trainer.after_step.append(after_step)
+    trainer.before_commit = kill_during_save

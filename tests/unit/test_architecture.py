@@ -1,0 +1,191 @@
+"""The architecture as tests: the import layers, no import cycles, the model contract's reach, and
+process-free validation.
+
+Layers (a package may import only packages of its own layer or below; every import counts, function-local
+ones too, except under `if TYPE_CHECKING:`):
+
+    errors, launch                      leaves: the error classes, the process launcher
+    models, data                        plain models behind one contract; token sources and the loader
+    config, planning, recipes           process-free: schema, strategy specs, rules, layout, plans
+    distributed                         meshes, strategies, parallelisms, the parallel model runtime
+    checkpoint                          formats, commit protocol, resume, HF weight I/O
+    training                            the Trainer and its parts
+    testing, bench, verify, cli, ...    tools on top
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "meshforge"
+LAYERS = [
+    {"errors", "launch"},
+    {"models", "data"},
+    {"config", "planning", "recipes"},
+    {"distributed"},
+    {"checkpoint"},
+    {"training"},
+    {"testing", "bench", "verify", "cli", "__init__", "__main__"},
+]
+LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
+# what a model is made of: names no code outside models/ may spell (the model contract says it instead)
+MODEL_INTERNALS = {"tok_embeddings", "feed_forward", "attention_norm", "ffn_norm", "wq", "wk", "wv", "wo", "w1",
+                   "w2", "w3", "shared_experts", "CoreAttention", "Llama", "MoETransformer", "TransformerBlock",
+                   "GroupedExperts", "hf_name_map", "pp_split_points"}
+# what other packages may import from models/: the package, its contract, the presets and the loss
+MODELS_PUBLIC = {"protocol", "presets", "loss"}
+# modules that must import without torch.distributed (beyond what `import torch` itself loads)
+PROCESS_FREE = {"errors", "models", "data", "config", "planning", "recipes"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "__init__"
+    return parts[1]
+
+
+def _imports(path: Path) -> list[str]:
+    """Every meshforge module `path` imports (function-local imports included, TYPE_CHECKING blocks not)."""
+    tree = ast.parse(path.read_text())
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skip |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.append(node.module)
+            found += [f"{node.module}.{a.name}" for a in node.names]
+    return [m for m in found if m.split(".")[0] == "meshforge" and m in MODULES]
+
+
+GRAPH = {m: sorted(set(_imports(p)) - {m}) for m, p in MODULES.items()}
+
+
+def test_every_package_is_in_a_layer():
+    assert {_package(m) for m in MODULES} <= set(LAYER_OF), {_package(m) for m in MODULES} - set(LAYER_OF)
+
+
+def test_imports_flow_down_the_layers():
+    bad = [f"{m} imports {dep}" for m, deps in GRAPH.items() for dep in deps
+           if LAYER_OF[_package(dep)] > LAYER_OF[_package(m)]]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles():
+    seen, stack, cycles = set(), [], []
+
+    def visit(m):
+        if m in stack:
+            cycles.append(stack[stack.index(m):] + [m])
+            return
+        if m in seen:
+            return
+        seen.add(m)
+        stack.append(m)
+        for dep in GRAPH[m]:
+            # importing a package's submodule runs the package first: not an edge back into it
+            if not m.startswith(dep + "."):
+                visit(dep)
+        stack.pop()
+
+    for m in GRAPH:
+        visit(m)
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_process_free_packages_never_name_torch_distributed():
+    bad = []
+    for m, path in MODULES.items():
+        if _package(m) not in PROCESS_FREE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            bad += [f"{m}: {n}" for n in names if n.startswith("torch.distributed")]
+    assert not bad, bad
+
+
+def test_nothing_outside_models_names_a_model_internal():
+    bad = []
+    for m, path in MODULES.items():
+        if _package(m) == "models":
+            continue
+        tree = ast.parse(path.read_text())
+        docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                      if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+                      and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("meshforge.models.") \
+                    and node.module.rpartition(".")[2] not in MODELS_PUBLIC:
+                bad.append(f"{m}: imports {node.module}")
+            word = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) else \
+                node.value if isinstance(node, ast.Constant) and id(node) not in docstrings else None
+            if isinstance(word, str) and word in MODEL_INTERNALS:
+                bad.append(f"{m}:{node.lineno}: {word}")
+    assert not bad, "\n".join(bad)
+
+
+def _fresh_python(code: str) -> dict:
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=SRC.parents[1])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+VALIDATE = """
+import contextlib, io, json, sys
+import torch
+before = {m for m in sys.modules if m.startswith("torch.distributed")}
+from meshforge.cli import main
+with contextlib.redirect_stdout(io.StringIO()):
+    rc = main(["validate", %r, *%r, "--world-size", "%d"])
+extra = sorted(m for m in sys.modules if m.startswith("torch.distributed") and m not in before)
+print(json.dumps({"rc": rc, "extra": extra}))
+"""
+
+
+@pytest.mark.parametrize("config,overrides,world", [
+    ("examples/llama3_70b_tp_pp.yaml", ["distributed.tp_size=8", "distributed.pp_size=2"], 1024),
+    ("examples/qwen3_moe_ep8.yaml", ["distributed.tp_size=4"], 256),
+], ids=["tp8-pp2", "ep8-tp4"])
+def test_validate_loads_no_torch_distributed_module(config, overrides, world):
+    """Beyond what `import torch` loads itself: no DTensor, FSDP, pipelining or DCP to check a plan."""
+    out = _fresh_python(VALIDATE % (config, overrides, world))
+    assert out == {"rc": 0, "extra": []}, out
+
+
+def test_validating_a_config_without_tp_never_imports_torch():
+    out = _fresh_python("""
+import json, sys
+from meshforge.config import load_config
+load_config("examples/tiny_cpu.yaml", ["distributed.strategy=megatron_fsdp", "training.micro_batch_size=4"],
+            world_size=4)
+print(json.dumps({"torch": "torch" in sys.modules}))
+""")
+    assert out == {"torch": False}
