@@ -1,10 +1,11 @@
 """Activation memory of one transformer block per rank, context parallelism cp=1 vs cp=2 (and more).
 
-What is measured: the bytes autograd keeps for backward during one block's forward (every tensor that
-reaches `saved_tensors_hooks`, counted once per storage, parameters excluded), for a micro-batch of
-`--batch` sequences of `--seq` tokens. cp=1 is the plain model in this process; cp=N runs N gloo processes,
-each holding its load-balanced S/N tokens and the context-parallel attention (all-gather K/V, recompute in
-backward). With cp=N the per-rank bytes should be 1/N of cp=1 (the issue asks: cp2 halved within 10%).
+What is measured: the bytes autograd keeps for backward during one block's forward (every tensor that reaches
+`saved_tensors_hooks`, counted once per storage, parameters excluded), for a micro-batch of `--batch` sequences
+of `--seq` tokens. cp=1 is the plain model in this process; cp=N runs N gloo processes (`meshforge.launch`),
+each holding its load-balanced S/N tokens and the context-parallel attention in the model's attention slots
+(all-gather K/V, recompute in backward). With cp=N the per-rank bytes should be 1/N of cp=1 (the issue asks: cp2
+halved within 10%).
 
     python benchmarks/cp_activation_memory.py [--preset small] [--seq 1024] [--batch 1] [--cp 2 4]
 """
@@ -12,11 +13,10 @@ backward). With cp=N the per-rank bytes should be 1/N of cp=1 (the issue asks: c
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 
 def build_block(preset: str):
@@ -53,40 +53,36 @@ def _inputs(args, batch: int, seq: int):
     return torch.randn(batch, seq, args.dim, generator=g)
 
 
-def _cp_worker(rank: int, world: int, preset: str, batch: int, seq: int, port: int, queue) -> None:
+def cp_rank_bytes(spec: dict) -> int:
+    """Launch target: this rank's saved bytes with context-parallel attention over all ranks."""
     import torch.distributed as dist
 
     from meshforge.distributed.context_parallel import ContextParallelAttention, load_balanced_indices
+    from meshforge.distributed.env import destroy, init_distributed
+    from meshforge.models import contract_of, set_submodule
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    model, block = build_block(preset)
-    block.attention.core = ContextParallelAttention(dist.group.WORLD, world, rank)
-    idx = load_balanced_indices(seq, world, rank)
-    x = _inputs(model.args, batch, seq).index_select(1, idx)
-    queue.put((rank, saved_bytes(block, x, idx, model.args)))
-    dist.destroy_process_group()
+    info = init_distributed("cpu")
+    model, block = build_block(spec["preset"])
+    for slot in contract_of(model).attention_slots():
+        set_submodule(model, slot, ContextParallelAttention(dist.group.WORLD, info.world_size, info.rank))
+    idx = load_balanced_indices(spec["seq"], info.world_size, info.rank)
+    x = _inputs(model.args, spec["batch"], spec["seq"]).index_select(1, idx)
+    nbytes = saved_bytes(block, x, idx, model.args)
+    destroy()
+    return nbytes
 
 
 def measure(preset: str, batch: int, seq: int, cps: list[int]) -> list[tuple[int, int, int]]:
     """[(cp, tokens per rank, max saved bytes per rank)], cp=1 first."""
+    from meshforge.launch import launch
+
     torch.set_num_threads(1)
     model, block = build_block(preset)
     rows = [(1, batch * seq, saved_bytes(block, _inputs(model.args, batch, seq), torch.arange(seq), model.args))]
-    ctx = mp.get_context("spawn")
-    for i, cp in enumerate(cps):
-        queue = ctx.Queue()
-        port = 29700 + (os.getpid() % 200) + i
-        procs = [ctx.Process(target=_cp_worker, args=(r, cp, preset, batch, seq, port, queue)) for r in range(cp)]
-        for p in procs:
-            p.start()
-        got = dict(queue.get(timeout=600) for _ in range(cp))
-        for p in procs:
-            p.join()
-            if p.exitcode:
-                raise RuntimeError(f"cp={cp} worker failed with exit code {p.exitcode}")
-        rows.append((cp, batch * seq // cp, max(got.values())))
+    for cp in cps:
+        res = launch(f"{Path(__file__).resolve()}:cp_rank_bytes", {"preset": preset, "batch": batch, "seq": seq},
+                     cp, timeout=600).check()
+        rows.append((cp, batch * seq // cp, max(res.ranks)))
     return rows
 
 

@@ -19,9 +19,9 @@ the sum over ranks matches it exactly.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 
 def parse(argv=None):
@@ -37,48 +37,48 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
-def worker(args) -> None:
+def measure(spec: dict) -> dict:
+    """Launch target: train, then gather every rank's dispatcher counters (rank 0's value is used)."""
     import torch
     import torch.distributed as dist
 
     from meshforge.config import load_config
-    from meshforge.distributed.env import init_distributed
+    from meshforge.distributed.env import destroy, init_distributed
     from meshforge.distributed.expert_parallel import dispatch_stats
-    from meshforge.models import resolve_model_args
-    from meshforge.training.trainer import _train
+    from meshforge.training.trainer import train
 
     info = init_distributed("cpu", timeout_minutes=5)
-    ov = [f"model.preset={args.preset}", "data.source=synthetic", f"training.max_steps={args.steps}",
-          f"training.seq_len={args.seq}", f"training.global_batch_size={args.global_batch}",
-          f"training.micro_batch_size={args.global_batch // info.world_size}", "training.device=cpu",
+    ov = [f"model.preset={spec['preset']}", "data.source=synthetic", f"training.max_steps={spec['steps']}",
+          f"training.seq_len={spec['seq']}", f"training.global_batch_size={spec['global_batch']}",
+          f"training.micro_batch_size={spec['global_batch'] // info.world_size}", "training.device=cpu",
           "training.precision=fp32", "logging.progress=none", "logging.jsonl=false", "checkpoint.resume=none",
-          f"distributed.ep_size={args.ep}", "run.output_dir=/tmp/meshforge_moe_bench"]
-    if args.ac:
+          f"distributed.ep_size={spec['ep']}", "run.output_dir=/tmp/meshforge_moe_bench"]
+    if spec["ac"]:
         ov.append("distributed.activation_checkpointing=full")
-    cfg = load_config(None, ov + list(args.overrides), world_size=info.world_size)
-    res = _train(cfg, info)
-    model = res.parallel_model.unwrapped_parts()[0]
+    res = train(load_config(None, ov + spec["overrides"], world_size=info.world_size), info)
+    pm = res.parallel_model
     mine = [{k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
-            for s in dispatch_stats(model)]
+            for s in dispatch_stats(pm.unwrapped_parts()[0])]
     everyone: list = [None] * info.world_size
-    dist.all_gather_object(everyone, {"rank": info.rank, "ep_rank": res.parallel_model.mesh_ctx.ep_rank,
-                                      "layers": mine})
-    if info.rank == 0:
-        a = resolve_model_args(cfg.model)
-        report(args, a, res.parallel_model.mesh_ctx, everyone)
-    dist.destroy_process_group()
+    dist.all_gather_object(everyone, {"rank": info.rank, "ep_rank": pm.mesh_ctx.ep_rank, "layers": mine})
+    m = pm.mesh_ctx
+    sizes = {"world_size": m.world_size, "dp_size": m.dp_size, "ep": m.size("ep"), "ep_shard": m.size("ep_shard")}
+    args = pm.unwrapped_parts()[0].args
+    destroy()
+    return {"everyone": everyone, "sizes": sizes, "model": {k: getattr(args, k) for k in
+                                                               ("n_experts", "top_k", "dim", "n_layers")}}
 
 
-def report(args, a, mesh_ctx, everyone) -> None:
+def report(args, a, sizes: dict, everyone) -> None:
     steps, ep, el = args.steps, args.ep, a.n_experts // args.ep
     elt = 4  # fp32 activations
-    local_tokens = args.global_batch // mesh_ctx.dp_size * args.seq
+    local_tokens = args.global_batch // sizes["dp_size"] * args.seq
     copies = local_tokens * a.top_k
     row = a.dim * elt
     phases = ("forward", "backward") + (("recompute",) if args.ac else ())
     exp_rank = {ph: a.n_layers * 2 * copies * row for ph in phases}  # balanced routing, per rank and step
-    print(f"MoE dispatch: preset={args.preset} world={mesh_ctx.world_size} ep={ep} ep_shard="
-          f"{mesh_ctx.size('ep_shard')} experts={a.n_experts} ({el}/rank) top_k={a.top_k} dim={a.dim} "
+    print(f"MoE dispatch: preset={args.preset} world={sizes['world_size']} ep={ep} ep_shard="
+          f"{sizes['ep_shard']} experts={a.n_experts} ({el}/rank) top_k={a.top_k} dim={a.dim} "
           f"layers={a.n_layers} local tokens/step={local_tokens} steps={steps}{' AC' if args.ac else ''}")
     print("\ntokens per expert per rank and step (token copies each rank's experts computed, summed over layers)")
     print(f"{'rank':>4} {'ep':>3}  " + " ".join(f"{'local' + str(j):>7}" for j in range(el)) + "   [global expert ids]")
@@ -86,7 +86,7 @@ def report(args, a, mesh_ctx, everyone) -> None:
         tok = [sum(layer["tokens_per_local_expert"][j] for layer in r["layers"]) / steps for j in range(el)]
         ids = " ".join(f"e{r['ep_rank'] * el + j}" for j in range(el))
         print(f"{r['rank']:>4} {r['ep_rank']:>3}  " + " ".join(f"{t:>7.1f}" for t in tok) + f"   [{ids}]")
-    balanced = copies * mesh_ctx.size("ep") / a.n_experts * a.n_layers
+    balanced = copies * sizes["ep"] / a.n_experts * a.n_layers
     print(f"balanced routing would give {balanced:.1f} per expert per rank\n")
     print("all-to-all bytes per rank and step (token rows; counts exchange not included)")
     print(f"{'rank':>4} " + " ".join(f"{ph + ' total':>16} {ph + ' remote':>17}" for ph in phases))
@@ -101,7 +101,7 @@ def report(args, a, mesh_ctx, everyone) -> None:
         print(f"{r['rank']:>4} " + " ".join(cells))
     print(f"{'exp.':>4} " + " ".join(f"{exp_rank[ph]:>16,.0f} {exp_rank[ph] * (ep - 1) / ep:>17,.0f}" for ph in phases)
           + "   (balanced routing)")
-    n = mesh_ctx.world_size
+    n = sizes["world_size"]
     for ph in phases:
         want = n * exp_rank[ph]
         print(f"sum over ranks, {ph}: measured {totals[ph]:,.0f} B, expected {want:,.0f} B "
@@ -109,13 +109,14 @@ def report(args, a, mesh_ctx, everyone) -> None:
 
 
 def main(argv=None) -> int:
+    from meshforge.launch import launch
+
     args = parse(argv)
-    if "RANK" in os.environ:
-        worker(args)
-        return 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.world}",
-           os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:])]
-    return subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    spec = {"preset": args.preset, "steps": args.steps, "seq": args.seq, "global_batch": args.global_batch,
+            "ep": args.ep, "ac": args.ac, "overrides": list(args.overrides)}
+    out = launch(f"{Path(__file__).resolve()}:measure", spec, args.world, timeout=1800).check().value
+    report(args, SimpleNamespace(**out["model"]), out["sizes"], out["everyone"])
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Pipeline bubble per schedule: the measured idle fraction of every pp rank beside the theoretical one.
 
-Launches `--pp` gloo CPU processes (one per stage group, dp = tp = 1), builds meshforge's pipeline model for
-each schedule (the same `build_pipeline_model` training uses) and times real schedule steps (forward +
+Launches `--pp` gloo CPU processes (one per stage group, dp = tp = 1; `meshforge.launch`), builds each
+schedule's run with `Trainer.build` (the pipeline model training uses) and times real schedule steps (forward +
 backward over `--microbatches` microbatches; the optimizer is left out, it is not part of the pipeline).
 Each stage's compute is timed by wrapping torch's stage methods (`forward_one_chunk`, `backward_one_chunk`,
 `backward_weight_one_chunk`); a rank's idle fraction is 1 - busy / step time, where the step time runs from
@@ -23,10 +23,9 @@ emulating device time that does not compete for CPUs, so the idle fraction is th
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import time
+from pathlib import Path
 
 ALL = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "dfs", "v_schedule", "zero_bubble")
 
@@ -69,15 +68,16 @@ def _timed(fn, acc: list, emulate_s: float = 0.0, kind: str = "F"):
     return wrapper
 
 
-def worker(args) -> None:
+def measure(spec: dict) -> list:
+    """Launch target: every schedule's idle fractions, gathered (rank 0's value is used)."""
     import torch
     import torch.distributed as dist
 
     from meshforge.config import load_config
-    from meshforge.distributed.env import init_distributed
-    from meshforge.distributed.mesh import MeshContext
-    from meshforge.distributed.pipeline import build_pipeline_model
+    from meshforge.distributed.env import destroy, init_distributed
+    from meshforge.training.trainer import Trainer
 
+    args = argparse.Namespace(**spec)
     info = init_distributed("cpu", timeout_minutes=5)
     torch.manual_seed(0)
     rows = []
@@ -88,9 +88,7 @@ def worker(args) -> None:
               f"training.global_batch_size={args.microbatches}", "training.micro_batch_size=1",
               "training.precision=fp32", f"distributed.pp_size={args.pp}",
               f"distributed.pipeline.pp_schedule={sched}", "distributed.pipeline.pp_microbatch_size=1"]
-        cfg = load_config(None, ov, world_size=info.world_size)
-        mesh_ctx = MeshContext.build(cfg.distributed, info.world_size, info.rank, "cpu")
-        pm = build_pipeline_model(cfg, mesh_ctx, info.device)
+        pm = Trainer.build(load_config(None, ov, world_size=info.world_size), info).pm
         busy = [0.0]
         for st in pm.stages:
             for name, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"),
@@ -118,9 +116,8 @@ def worker(args) -> None:
         rows.append((sched, pm.plan.stages_per_rank, everyone))
         del pm
         dist.barrier()
-    if info.rank == 0:
-        report(args, rows)
-    dist.destroy_process_group()
+    destroy()
+    return rows
 
 
 def report(args, rows) -> None:
@@ -141,13 +138,12 @@ def report(args, rows) -> None:
 
 
 def main(argv=None) -> int:
+    from meshforge.launch import launch
+
     args = parse(argv)
-    if "RANK" in os.environ:
-        worker(args)
-        return 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.pp}",
-           os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:])]
-    return subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    rows = launch(f"{Path(__file__).resolve()}:measure", vars(args), args.pp, timeout=1800).check().value
+    report(args, rows)
+    return 0
 
 
 if __name__ == "__main__":
