@@ -78,8 +78,9 @@ class _Launches:
 _LAUNCHES = _Launches()
 
 
+@pytest.hookimpl(trylast=True)  # after -m/-k deselection: launch only what the selected tests wait for
 def pytest_collection_modifyitems(config, items):
-    for module in dict.fromkeys(item.module for item in items):
+    for module in dict.fromkeys(item.module for item in items if "group" in item.fixturenames):
         for job in getattr(module, "GROUP_JOBS", ()):
             _LAUNCHES.add(job)
     # the tests that wait for the shared launches last, so everything else runs while they are under way
