@@ -110,6 +110,15 @@ def test_python_api_edits_validate_on_assignment_and_at_validate():
     cfg.checkpoint.ckpt_format = "torch_dist"
     with pytest.raises(ConfigError, match="fsdp_dtensor"):
         cfg.validate()
+    # a strategy's own keys by attribute, after choosing it; a key of the old strategy blocks a switch
+    cfg = meshforge.recipes.tiny_cpu_config()
+    cfg.distributed.strategy = "megatron_fsdp"
+    cfg.distributed.data_parallel_sharding_strategy = "optim"
+    assert cfg.validate().distributed.sharding_strategy == "optim"
+    with pytest.raises(ValueError, match="data_parallel_sharding_strategy belongs to strategy megatron_fsdp, not "
+                                         "to strategy 'ddp'"):
+        cfg.distributed.strategy = "ddp"
+    assert cfg.distributed.strategy == "megatron_fsdp"
     for fn in ("tiny_cpu_config", "llama3_2_1b_pretrain_config", "llama3_70b_pretrain_config"):
         assert getattr(meshforge.recipes, fn)().model.preset
 

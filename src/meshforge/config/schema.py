@@ -230,7 +230,16 @@ class DistributedConfig(Section):
         if name not in type(self).model_fields and name in type(self.options).model_fields:
             setattr(self.options, name, value)
             return
+        old = self.__dict__.get("strategy")
         super().__setattr__(name, value)
+        if name == "strategy" and not isinstance(self.options, self.spec.options):
+            stale = sorted(k for k in self.options.model_fields_set if getattr(self.options, k) is not None)
+            if stale:
+                new = self.strategy
+                super().__setattr__("strategy", old)
+                raise ValueError(f"distributed.{stale[0]} belongs to strategy {old}, not to strategy {new!r}: "
+                                 "unset it before switching strategies")
+            super().__setattr__("options", self.spec.options())
 
     # resolved values (the defaults meshforge applies when a key is unset)
     @property
