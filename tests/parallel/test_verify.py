@@ -46,6 +46,24 @@ def test_plugin_strategy_validates_like_a_built_in():
     assert "distributed.bucket_numel belongs to strategy allreduce_dp, not to strategy 'fsdp2'" in other.stderr
 
 
+def test_a_broken_or_clashing_plugin_is_one_line_not_a_traceback(tmp_path):
+    info = tmp_path / "broken-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken\nVersion: 0.1\n")
+    (tmp_path / "broken_strategy.py").write_text("raise RuntimeError('the plugin is broken')\n")
+    (tmp_path / "clash_strategy.py").write_text(
+        "from meshforge.config.strategies import StrategySpec\nSPEC = StrategySpec(name='ddp', runtime='x:Y')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    for only in ("broken", "clash"):
+        (info / "entry_points.txt").write_text(f"[meshforge.strategies]\n{only} = {only}_strategy:SPEC\n")
+        proc = subprocess.run([sys.executable, "-m", "meshforge", "validate", "examples/tiny_cpu.yaml"],
+                              capture_output=True, text=True, timeout=120, env=env)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"strategy plugin {only} (entry point meshforge.strategies" in lines[0], lines
+        assert ("the plugin is broken" if only == "broken" else "the name 'ddp' is taken") in lines[0]
+
+
 @pytest.mark.slow
 def test_verify_every_strategy_on_two_processes():
     proc = meshforge("verify", "--nproc-per-node", "2", "--steps", "3")

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from meshforge.errors import ConfigError
 from meshforge.planning.layout import inferred_dp
 
 if TYPE_CHECKING:
@@ -61,24 +62,38 @@ class StrategySpec:
 
 _SPECS: dict[str, StrategySpec] = {}
 _plugins_loaded = False
+_plugin_error: ConfigError | None = None
 
 
 def register_strategy(spec: StrategySpec) -> StrategySpec:
-    """Add a strategy (a second registration of the same name replaces the first)."""
+    """Add a strategy; a name (or alias) that is taken already is refused, never silently replaced."""
+    taken = {n: s.name for s in _SPECS.values() for n in (s.name, *s.aliases)}
+    clash = [n for n in (spec.name, *spec.aliases) if n in taken]
+    if clash:
+        raise ValueError(f"strategy {spec.name!r}: the name {clash[0]!r} is taken by strategy {taken[clash[0]]!r}")
     _SPECS[spec.name] = spec
     return spec
 
 
 def _load_plugins() -> None:
-    global _plugins_loaded
+    """Register the specs of the `meshforge.strategies` entry points; a broken plugin is one ConfigError line."""
+    global _plugins_loaded, _plugin_error
+    if _plugin_error is not None:
+        raise _plugin_error  # every time: a run must not go on as if the plugin did not exist
     if _plugins_loaded:
         return
     _plugins_loaded = True
     for ep in metadata.entry_points(group="meshforge.strategies"):
-        spec = ep.load()
-        if not isinstance(spec, StrategySpec):
-            raise TypeError(f"entry point meshforge.strategies:{ep.name} = {ep.value} is not a StrategySpec")
-        register_strategy(spec)
+        try:
+            spec = ep.load()
+            if not isinstance(spec, StrategySpec):
+                raise TypeError(f"{ep.value} is a {type(spec).__name__}, not a StrategySpec")
+            register_strategy(spec)
+        except Exception as err:  # noqa: BLE001 - whatever a plugin raises, the user gets one line
+            first = (str(err).strip().splitlines() or [""])[0]
+            _plugin_error = ConfigError(f"strategy plugin {ep.name} (entry point meshforge.strategies: {ep.value}) "
+                                        f"failed to load: {type(err).__name__}: {first}; fix or uninstall it")
+            raise _plugin_error from None
 
 
 def strategy_specs() -> dict[str, StrategySpec]:

@@ -102,5 +102,6 @@ def per_world(key: Any, make: Callable[[], Any]) -> Any:
 
 
 def destroy() -> None:
+    _PER_WORLD.clear()  # no mesh or side group of this process group outlives it
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
