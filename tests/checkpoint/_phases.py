@@ -17,6 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from meshforge.testing.group import failed_ranks
 from meshforge.testing.parity import config
 from meshforge.training.trainer import train
 
@@ -50,8 +51,6 @@ def phases_job(spec: dict, info) -> dict:
             os.environ.pop("MESHFORGE_FAULT", None)
         r.update(wall_s=time.perf_counter() - t0, stdout=out.getvalue(), stderr=err.getvalue())
         # every rank must agree on success/failure, or the next phase would deadlock
-        flags = [None] * info.world_size
-        dist.all_gather_object(flags, "error" in r)
-        r["ranks_failed"] = sum(bool(f) for f in flags)
+        r["ranks_failed"] = len(failed_ranks("error" in r, info))
         results[ph["name"]] = r
     return results

@@ -24,7 +24,6 @@ from pydantic import (
     model_validator,
 )
 
-from meshforge.config.validation import resolve
 from meshforge.config.strategies import (
     StrategyOptions,
     StrategySpec,
@@ -33,6 +32,8 @@ from meshforge.config.strategies import (
     option_owners,
     strategy_specs,
 )
+from meshforge.config.validation import resolve
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)

@@ -10,7 +10,7 @@ import dataclasses
 import zlib
 from typing import Any
 
-from meshforge.models.presets import PRESETS, ModelArgs, preset_is_moe, resolve_model_args
+from meshforge.models.presets import PRESETS, ModelArgs, resolve_model_args
 from meshforge.models.protocol import (
     ForeignModel,
     InitSpec,
@@ -25,7 +25,7 @@ from meshforge.models.protocol import (
 
 __all__ = ["PRESETS", "ForeignModel", "InitSpec", "ModelArgs", "ModelContract", "PipelineLayout",
            "StateDictAdapter", "args_from_hf_config", "blocks_of", "build_model", "contract_of", "init_weights",
-           "meta_modules", "param_init_tensor", "preset_is_moe", "resolve_model_args", "set_submodule",
+           "meta_modules", "param_init_tensor", "resolve_model_args", "set_submodule",
            "submodule_or_none"]
 
 

@@ -81,10 +81,3 @@ def resolve_model_args(model_cfg: Any) -> ModelArgs:
     known = {f.name for f in fields(ModelArgs)}
     overrides = {k: v for k, v in model_cfg.overrides().items() if k in known}
     return replace(PRESETS[model_cfg.preset], **overrides).validate()
-
-
-def preset_is_moe(model_cfg: Any) -> bool:
-    try:
-        return resolve_model_args(model_cfg).is_moe
-    except (KeyError, ValueError):
-        return False

@@ -19,7 +19,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
-from meshforge.distributed.env import destroy, init_distributed
+from meshforge.distributed.env import DistInfo, destroy, init_distributed
 from meshforge.launch import _resolve, launch
 
 
@@ -30,6 +30,14 @@ class Job:
     spec: Any = None
     nproc: int = 2
     prepare: Callable[[], None] | None = field(default=None, compare=False)  # run by the launching side first
+
+
+def failed_ranks(failed: bool, info: DistInfo) -> list[int]:
+    """The ranks whose part failed, agreed by every rank (so none goes on into a collective the others skip)."""
+    flags: list = [failed] * info.world_size
+    if info.world_size > 1:
+        dist.all_gather_object(flags, failed)
+    return [r for r, f in enumerate(flags) if f]
 
 
 def run_jobs(spec: dict) -> dict[str, dict]:
@@ -44,11 +52,9 @@ def run_jobs(spec: dict) -> dict[str, dict]:
             except (Exception, CheckpointException) as err:  # reported to the test that owns the job
                 out[job["name"]] = {"error": f"{type(err).__name__}: {err}\n{traceback.format_exc()}"}
             out[job["name"]]["wall_s"] = time.perf_counter() - t0
-            failed: list = ["error" in out[job["name"]]] * info.world_size
-            if info.world_size > 1:
-                dist.all_gather_object(failed, failed[0])
-            if any(failed) and "error" not in out[job["name"]]:
-                out[job["name"]] = {"error": f"failed on ranks {[r for r, f in enumerate(failed) if f]}"}
+            failed = failed_ranks("error" in out[job["name"]], info)
+            if failed and "error" not in out[job["name"]]:
+                out[job["name"]] = {"error": f"failed on ranks {failed}"}
     finally:
         destroy()
     return out

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from meshforge.config import load_config
 from meshforge.distributed.env import DistInfo
 from meshforge.testing.group import Job, launch_jobs
-from meshforge.training.trainer import TrainResult, train
+from meshforge.training.trainer import train
 
 
 def base_overrides(steps: int = 10) -> list[str]:
@@ -56,15 +56,15 @@ def run_single(overrides: list[str] = (), steps: int = 10, weights: bool = True)
     return RunResult(res.losses, res.grad_norms, res.parallel_model.full_state_dict() if weights else {})
 
 
-def run_in_group(overrides: list[str], steps: int, info: DistInfo, weights: bool = True) -> tuple[dict, TrainResult]:
-    """One config inside an existing process group: ({losses, grad_norms[, weights on rank 0]}, TrainResult)."""
+def run_in_group(overrides: list[str], steps: int, info: DistInfo, weights: bool = True) -> dict:
+    """One config inside an existing process group: {losses, grad_norms[, weights on rank 0]}."""
     res = train(config(overrides, steps, info.world_size), info)
     out: dict = {"losses": res.losses, "grad_norms": res.grad_norms}
     if weights:
         w = res.parallel_model.full_state_dict()  # every rank takes part in the gathers
         if info.rank == 0:
             out["weights"] = w
-    return out, res
+    return out
 
 
 def configs_job(spec: dict, info: DistInfo) -> dict[str, dict]:
@@ -73,7 +73,7 @@ def configs_job(spec: dict, info: DistInfo) -> dict[str, dict]:
     results = {}
     for name, overrides in spec["configs"].items():
         try:
-            results[name] = run_in_group(overrides, spec.get("steps", 10), info, spec.get("weights", True))[0]
+            results[name] = run_in_group(overrides, spec.get("steps", 10), info, spec.get("weights", True))
         except (Exception, CheckpointException) as err:  # reported to the test, which fails with it
             results[name] = {"error": f"{type(err).__name__}: {err}\n{traceback.format_exc()}"}
     return results
