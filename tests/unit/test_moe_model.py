@@ -121,7 +121,8 @@ def test_aux_loss_alone_reaches_every_router_and_is_in_the_training_loss():
     for with_aux in (True, False):
         m.zero_grad()
         o = m(tokens())
-        ce, a = lm_loss(o if with_aux else o[0], y)
+        lp = lm_loss(o if with_aux else o[0], y)
+        ce, a = lp.mean, lp.aux
         (ce if a is None else ce + a).backward()
         grads.append(m.layers["0"].feed_forward.router.gate.weight.grad.clone())
     assert (grads[0] - grads[1]).abs().max() > 1e-7

@@ -142,9 +142,10 @@ class PipelineParallelModel(ParallelModel):
         self.schedule = cls(self.stages[0], **kwargs) if plan.single_stage else cls(self.stages, **kwargs)
 
     def _loss_fn(self, output, target: torch.Tensor) -> torch.Tensor:
-        ce, aux = lm_loss(output, target)  # inside the loss context `forward_backward` opens
+        parts = lm_loss(output, target)  # inside the loss context `forward_backward` opens
+        ce = parts.mean
         self._ces.append(ce.detach().float())
-        loss = ce if aux is None else ce + aux
+        loss = ce if parts.aux is None else ce + parts.aux
         return loss if self.scale_in_schedule else loss / self.plan.n_microbatches
 
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

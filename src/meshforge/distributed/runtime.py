@@ -58,8 +58,9 @@ class ParallelModel:
                 with self.autocast():
                     out = model(x) if positions is None else model(x, positions)
                 with self.loss_context():
-                    ce, aux = lm_loss(out, y)
-                    loss = ce if aux is None else ce + aux
+                    parts = lm_loss(out, y)
+                    ce = parts.mean
+                    loss = ce if parts.aux is None else ce + parts.aux
                     (loss / n).backward()
             total += ce.detach().float()
         self.strategy.finish_grad_sync(model)
