@@ -116,10 +116,21 @@ def cmd_data(args) -> int:
     from meshforge.data.prepare import prepare
 
     try:
-        n, out = prepare(args.inputs, args.output, args.dtype)
+        n, out = prepare(args.inputs, args.output, args.dtype, args.tokenizer, args.text_field)
     except MeshforgeError as err:
         return _fail(err.problems, err.exit_code)
     print(f"wrote {n} tokens to {out}")
+    return 0
+
+
+def cmd_tokenizer_train(args) -> int:
+    from meshforge.data.tokenizer import train_tokenizer
+
+    try:
+        n, out = train_tokenizer(args.inputs, args.vocab_size, args.output)
+    except MeshforgeError as err:
+        return _fail(err.problems, err.exit_code)
+    print(f"wrote a {n}-token BPE tokenizer to {out}")
     return 0
 
 
@@ -147,11 +158,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("data", help="data tools")
     dsub = d.add_subparsers(dest="data_command", required=True)
-    prep = dsub.add_parser("prepare", help="text files -> byte-level token file (.npy)")
+    prep = dsub.add_parser("prepare", help="text or record files -> token file (.npy)")
     prep.add_argument("inputs", nargs="*", help="files or globs (default: the Python standard library sources)")
     prep.add_argument("--output", "-o", required=True)
     prep.add_argument("--dtype", choices=["uint16", "uint32"], default="uint16")
+    prep.add_argument("--tokenizer", default=None, help="a tokenizer.json or tokenizer folder (default: byte-level)")
+    prep.add_argument("--text-field", default="text", help="the text field of jsonl/parquet/arrow records")
     prep.set_defaults(fn=cmd_data)
+    tk = dsub.add_parser("tokenizer", help="tokenizer tools")
+    tksub = tk.add_subparsers(dest="tokenizer_command", required=True)
+    tkt = tksub.add_parser("train", help="train a byte-level BPE tokenizer on local text files")
+    tkt.add_argument("inputs", nargs="+", help="files or globs")
+    tkt.add_argument("--vocab-size", type=int, required=True)
+    tkt.add_argument("--output", "-o", required=True, help="the tokenizer folder to write")
+    tkt.set_defaults(fn=cmd_tokenizer_train)
 
     for name, (module, help_text) in SUBCOMMANDS.items():
         mod = importlib.import_module(module)

@@ -99,12 +99,22 @@ class ModelConfig(Section):
 
 # ---------------------------------------------------------------------------- data
 class DataConfig(Section):
-    source: Literal["synthetic", "text", "tokenized"] = "text"
-    # text: files or globs; empty = the Python standard library's own .py sources
+    # dataset: records from local jsonl/json, parquet, arrow files or `datasets` save_to_disk folders (data.paths)
+    source: Literal["synthetic", "text", "tokenized", "dataset"] = "text"
+    # text: files or globs; empty = the Python standard library's own .py sources. dataset: record files/folders
     paths: list[str] = Field(default_factory=list)
     # tokenized: a .npy token file (uint16 or uint32) made by `meshforge data prepare`
     path: str | None = None
     max_files: int | None = Field(None, gt=0)
+    # a local tokenizer.json or Hugging Face tokenizer folder; None = byte-level (vocab 256, documents end in NUL)
+    tokenizer: str | None = None
+    # dataset records: text (pre-training on `text_field`), chat ({messages}) or prompt_completion
+    format: Literal["text", "chat", "prompt_completion"] = "text"
+    text_field: str = "text"
+    # chat / prompt_completion: labels on the answers only (assistant turns; completion + EOS) or on every token
+    loss_on: Literal["answer", "all"] = "answer"
+    # chat / prompt_completion: an example over training.seq_len+1 tokens keeps its first seq_len+1, or is dropped
+    too_long: Literal["truncate", "drop"] = "truncate"
 
     @model_validator(mode="after")
     def _source_inputs(self) -> DataConfig:
@@ -113,8 +123,17 @@ class DataConfig(Section):
         if self.source != "tokenized" and self.path:
             raise ValueError(f"data.path is only read by data.source=tokenized (source is {self.source!r}); "
                              "use data.paths for text files")
-        if self.source != "text" and self.paths:
-            raise ValueError(f"data.paths is only read by data.source=text (source is {self.source!r})")
+        if self.source not in ("text", "dataset") and self.paths:
+            raise ValueError(f"data.paths is only read by data.source=text or dataset (source is {self.source!r})")
+        if self.source == "dataset" and not self.paths:
+            raise ValueError("data.source=dataset needs data.paths (jsonl/parquet/arrow files or a saved dataset)")
+        if self.source == "synthetic" and self.tokenizer:
+            raise ValueError("data.tokenizer is not read by data.source=synthetic")
+        unread = {"format": self.source != "dataset", "text_field": self.format != "text" or self.source != "dataset",
+                  "loss_on": self.format == "text", "too_long": self.format == "text"}
+        for key, not_read in unread.items():
+            if not_read and key in self.model_fields_set:
+                raise ValueError(f"data.{key} is not read with data.source={self.source} data.format={self.format}")
         return self
 
 

@@ -51,6 +51,10 @@ class ShardedBatchLoader:
         self.step += 1
         out = []
         for i in range(0, local, self.m):
+            if hasattr(self.source, "batch"):  # examples with label masks (SFT)
+                x, y = self.source.batch(mine[i:i + self.m])
+                out.append((torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(np.ascontiguousarray(y))))
+                continue
             seqs = torch.from_numpy(self.source.samples(mine[i:i + self.m]))
             out.append((seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()))
         return out

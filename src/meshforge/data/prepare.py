@@ -1,24 +1,91 @@
-"""`meshforge data prepare`: text files -> a byte-level token file (.npy, uint16 or uint32) for
-data.source=tokenized."""
+"""`meshforge data prepare`: text or record files -> a token file (.npy, uint16 or uint32) for
+data.source=tokenized, which memory-maps it (the path for data larger than memory).
+
+Byte-level by default. With `--tokenizer`, inputs stream through in chunks of documents (a record file's
+`--text-field`, or a text file's whole text), each encoded by `tokenizers`' `encode_batch`, which runs on all
+cores; tokens are appended to the output as they come, so memory holds one chunk, not the corpus.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from meshforge.data.sources import byte_tokens, expand_paths, stdlib_sources
+from meshforge.errors import DataError
+
+CHUNK_DOCS = 1024
 
 
-def prepare(inputs: list[str], output: str, dtype: str = "uint16") -> tuple[int, Path]:
+def _documents(files: list[Path], text_field: str) -> Iterator[str]:
+    from meshforge.data.records import RECORD_SUFFIXES, field, iter_records
+
+    for f in files:
+        if f.suffix in RECORD_SUFFIXES:
+            for where, rec in iter_records([f]):
+                yield field(rec, text_field, where)
+        else:
+            try:
+                yield f.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                raise DataError(f"data prepare: {f} is not UTF-8 text") from None
+
+
+def _write_npy(out: Path, chunks: Iterator[np.ndarray], dtype: np.dtype) -> int:
+    """Append chunks to a raw file, then write the .npy header in front (one pass over the data on disk)."""
+    raw = out.with_suffix(".npy.raw")
+    n = 0
+    with open(raw, "wb") as f:
+        for c in chunks:
+            c.astype(dtype).tofile(f)
+            n += len(c)
+    if n == 0:
+        raw.unlink()
+        raise DataError("data prepare: the inputs hold no text")
+    tmp = out.with_suffix(".npy.tmp")
+    arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(n,))
+    src = np.memmap(raw, dtype=dtype, mode="r")
+    step = 1 << 24
+    for i in range(0, n, step):
+        arr[i:i + step] = src[i:i + step]
+    arr.flush()
+    del arr, src
+    raw.unlink()
+    tmp.replace(out)
+    return n
+
+
+def prepare(inputs: list[str], output: str, dtype: str = "uint16", tokenizer: str | None = None,
+            text_field: str = "text") -> tuple[int, Path]:
     files = expand_paths(inputs) if inputs else stdlib_sources()
-    tokens = byte_tokens(files).astype(np.dtype(dtype))
     out = Path(output)
     if out.suffix != ".npy":
         out = out.with_suffix(".npy")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".npy.tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, tokens, allow_pickle=False)
-    tmp.replace(out)
-    return len(tokens), out
+    np_dtype = np.dtype(dtype)
+    if tokenizer is None:
+        return _write_npy(out, iter([byte_tokens(files)]), np_dtype), out
+
+    from meshforge.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer)
+    if tok.vocab_size > np.iinfo(np_dtype).max + 1:
+        raise DataError(f"data prepare: the tokenizer has {tok.vocab_size} tokens, too many for {dtype}: "
+                        "use --dtype uint32")
+
+    def chunks() -> Iterator[np.ndarray]:
+        batch: list[str] = []
+        for doc in _documents(files, text_field):
+            batch.append(doc)
+            if len(batch) == CHUNK_DOCS:
+                yield from _encode(batch)
+                batch = []
+        if batch:
+            yield from _encode(batch)
+
+    def _encode(batch: list[str]) -> Iterator[np.ndarray]:
+        yield np.concatenate([np.asarray(ids + [tok.eos_id], dtype=np.int64) for ids in tok.encode_batch(batch)])
+
+    return _write_npy(out, chunks(), np_dtype), out

@@ -117,17 +117,68 @@ def load_token_file(path: str) -> np.ndarray:
     return arr
 
 
+def expand_record_paths(patterns: list[str]) -> list[Path]:
+    """Files or globs for data.source=dataset; a folder counts (a `datasets` save_to_disk folder)."""
+    out: list[Path] = []
+    for pat in patterns:
+        hits = sorted(glob.glob(pat, recursive=True))
+        if not hits:
+            raise DataError(f"data.paths: {pat!r} matches no file")
+        out += [Path(h) for h in hits]
+    return out
+
+
+def text_tokens(files: list[Path], tokenizer) -> np.ndarray:
+    """Each file's text through the tokenizer, ended by the tokenizer's end-of-sequence token."""
+    ids: list[int] = []
+    for f in files:
+        try:
+            text = f.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise DataError(f"data.paths: {f} is not UTF-8 text (a tokenizer reads text)") from None
+        ids += tokenizer.encode(text) + [tokenizer.eos_id]
+    if not ids:
+        raise DataError("data: no text files to read")
+    return np.asarray(ids, dtype=np.int64)
+
+
+def record_tokens(paths: list[Path], tokenizer, text_field: str) -> np.ndarray:
+    """The `text_field` of every record, each ended by the end-of-sequence token, as one token stream."""
+    from meshforge.data.records import field, iter_records
+
+    ids: list[int] = []
+    for where, rec in iter_records(paths):
+        ids += tokenizer.encode(field(rec, text_field, where)) + [tokenizer.eos_id]
+    return np.asarray(ids, dtype=np.int64)
+
+
 def build_source(data_cfg, seq_len: int, vocab_size: int, seed: int):
+    from meshforge.data.tokenizer import check_vocab, load_tokenizer
+
     if data_cfg.source == "synthetic":
         return SyntheticSource(vocab_size, seq_len, seed)
+    tok = load_tokenizer(data_cfg.tokenizer)
+    check_vocab(tok, vocab_size)
     if data_cfg.source == "tokenized":
         src = TokenStreamSource(load_token_file(data_cfg.path), seq_len, data_cfg.path)
+    elif data_cfg.source == "dataset":
+        paths = expand_record_paths(data_cfg.paths)
+        if data_cfg.format == "text":
+            name = f"{tok.name}:" + ",".join(data_cfg.paths)
+            src = TokenStreamSource(record_tokens(paths, tok, data_cfg.text_field), seq_len, name)
+        else:
+            from meshforge.data.examples import ExampleSource
+
+            src = ExampleSource(paths, data_cfg.format, tok, seq_len, data_cfg.loss_on, data_cfg.too_long)
     else:
         files = expand_paths(data_cfg.paths) if data_cfg.paths else stdlib_sources(data_cfg.max_files)
         if data_cfg.max_files:
             files = files[:data_cfg.max_files]
         name = ",".join(data_cfg.paths) if data_cfg.paths else "python-stdlib"
-        src = TokenStreamSource(byte_tokens(files), seq_len, name)
+        if data_cfg.tokenizer:
+            src = TokenStreamSource(text_tokens(files, tok), seq_len, f"{tok.name}:{name}")
+        else:
+            src = TokenStreamSource(byte_tokens(files), seq_len, name)
     if src.max_token() >= vocab_size:
         raise DataError(f"data: token id {src.max_token()} in {src.name} is outside model.vocab_size={vocab_size}")
     return src

@@ -1,0 +1,96 @@
+"""Records from local files: jsonl/json, parquet, arrow (IPC file or stream) and `datasets.save_to_disk` folders.
+
+Every bad input is one DataError line naming the file (and record): a missing field, a wrong type, an empty
+file, an unknown extension. Records are read lazily, one file at a time (`iter_records`), so `data prepare`
+streams files larger than memory; the training sources hold the tokenized records.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from meshforge.errors import DataError
+
+RECORD_SUFFIXES = (".jsonl", ".json", ".parquet", ".arrow")
+
+
+def _arrow_batches(path: Path):
+    import pyarrow as pa
+
+    for opener in (pa.ipc.open_file, pa.ipc.open_stream):
+        try:
+            reader = opener(pa.memory_map(str(path)))
+        except pa.ArrowInvalid:
+            continue
+        if opener is pa.ipc.open_file:
+            return (reader.get_batch(i) for i in range(reader.num_record_batches))
+        return iter(reader)
+    raise DataError(f"data.paths: {path} is not an Arrow IPC file or stream")
+
+
+def _iter_file(path: Path) -> Iterator[dict]:
+    if path.is_dir():
+        if not (path / "dataset_info.json").is_file() and not (path / "dataset_dict.json").is_file():
+            raise DataError(f"data.paths: {path} is a folder but not a `datasets` save_to_disk folder")
+        try:
+            import datasets
+        except ImportError:
+            raise DataError("data.paths: reading a saved dataset needs `datasets`: pip install 'meshforge[data]'") \
+                from None
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            if "train" not in ds:
+                raise DataError(f"data.paths: {path} is a DatasetDict without a 'train' split "
+                                f"(splits: {', '.join(ds)}); point data.paths at one split's folder")
+            ds = ds["train"]
+        yield from ds
+    elif path.suffix in (".jsonl", ".json"):
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DataError(f"data.paths: {path} line {n} is not JSON ({err.msg}); expected one JSON "
+                                    "object per line") from None
+                if not isinstance(rec, dict):
+                    raise DataError(f"data.paths: {path} line {n} is a {type(rec).__name__}, not a JSON object")
+                yield rec
+    elif path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            pf = pq.ParquetFile(str(path))
+        except Exception as err:
+            raise DataError(f"data.paths: {path} is not a parquet file ({err})") from None
+        for batch in pf.iter_batches(batch_size=1024):
+            yield from batch.to_pylist()
+    elif path.suffix == ".arrow":
+        for batch in _arrow_batches(path):
+            yield from batch.to_pylist()
+    else:
+        raise DataError(f"data.paths: {path} has an unknown extension; data.source=dataset reads "
+                        f"{', '.join(RECORD_SUFFIXES)} files and `datasets` save_to_disk folders")
+
+
+def iter_records(paths: list[Path]) -> Iterator[tuple[str, dict]]:
+    """(where, record) for every record of every file, in order; `where` names the file and record for errors."""
+    for path in paths:
+        empty = True
+        for i, rec in enumerate(_iter_file(path)):
+            empty = False
+            yield f"{path} record {i}", rec
+        if empty:
+            raise DataError(f"data.paths: {path} holds no records")
+
+
+def field(rec: dict, name: str, where: str, kind: type = str):
+    if name not in rec:
+        raise DataError(f"data: {where} has no field {name!r} (fields: {', '.join(map(str, rec)) or 'none'})")
+    value = rec[name]
+    if not isinstance(value, kind):
+        raise DataError(f"data: {where} field {name!r} is a {type(value).__name__}, expected {kind.__name__}")
+    return value
