@@ -19,12 +19,13 @@ pp_size > 1) returns a `PipelineParallelModel`:
   microbatch but the reduce at the end of the schedule step.
 - One schedule step per optimizer step carries this rank's whole share of the
   global batch (the trainer's micro batches concatenated), split into
-  microbatches of `pp_microbatch_size`. The loss (cross-entropy mean of a
-  microbatch, on the last stage) is scaled by 1/n_microbatches either by the
-  schedule (`scale_grads_in_schedule: true`) or in the loss (false): the mean
-  over all microbatches equals the single-process mean over the global batch.
-- The logged loss is broadcast from the last stage's rank over the pp group,
-  then averaged over dp like any other run.
+  microbatches of `pp_microbatch_size`. The loss of a microbatch (on the last
+  stage) is its cross-entropy sum times (dp*cp) / the global batch's label
+  count (`ParallelModel.global_label_count`, taken before the step), as in a
+  non-PP run; under `scale_grads_in_schedule: true` the schedule divides by
+  n_microbatches, so the loss is multiplied by it first.
+- The logged loss (the cross-entropy sum) is broadcast from the last stage's
+  rank over the pp group, then summed over dp and divided by the count.
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ class PipelineParallelModel(ParallelModel):
         self.loss_context = parts[stage_ids.index(plan.num_stages - 1)].loss_context if self.has_last \
             else contextlib.nullcontext
         self._ces: list[torch.Tensor] = []
+        self._scale: torch.Tensor | None = None  # (dp*cp) / the step's global label count, set per step
         self._merged: nn.Module | None = None
         self._shell_factory = shell_factory
         cls = schedule_class(plan.schedule)
@@ -143,16 +145,20 @@ class PipelineParallelModel(ParallelModel):
 
     def _loss_fn(self, output, target: torch.Tensor) -> torch.Tensor:
         parts = lm_loss(output, target)  # inside the loss context `forward_backward` opens
-        ce = parts.mean
-        self._ces.append(ce.detach().float())
-        loss = ce if parts.aux is None else ce + parts.aux
-        return loss if self.scale_in_schedule else loss / self.plan.n_microbatches
+        self._ces.append(parts.ce_sum.detach().float())
+        n = self.plan.n_microbatches
+        loss = parts.ce_sum * self._scale  # what the gradients must see, after the schedule's own scaling
+        if parts.aux is not None:
+            loss = loss + parts.aux / n
+        return loss * n if self.scale_in_schedule else loss
 
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """One schedule step over this rank's whole batch; returns the mean cross-entropy (same on every rank)."""
         x = torch.cat([mb[0] for mb in micro_batches]).to(self.device, non_blocking=True)
         y = torch.cat([mb[1] for mb in micro_batches]).to(self.device, non_blocking=True)
         self._ces = []
+        count = self.global_label_count([y])
+        self._scale = self.mesh_ctx.size("dp_cp") / count
         args = (x,) if self.has_first else ()
         # the loss context (vocabulary-parallel loss under TP) must also cover the loss's backward, which the
         # schedule runs later, outside `_loss_fn`: it wraps the whole step (it only touches the loss ops)
@@ -164,11 +170,11 @@ class PipelineParallelModel(ParallelModel):
             n = self.plan.n_microbatches  # the first step also runs the loss once to infer stage metadata
             if len(self._ces) < n:
                 raise RuntimeError(f"pipeline computed {len(self._ces)} losses for {n} microbatches")
-            loss = torch.stack(self._ces[-n:]).mean().to(self.device)
+            loss = torch.stack(self._ces[-n:]).sum().to(self.device)
         else:
             loss = torch.zeros((), device=self.device)
         dist.broadcast(loss, group=self.pp_group, group_src=self.plan.last_stage_rank)
-        return self.reduce_loss(loss)
+        return self.reduce_loss(loss, count)
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         """The strategy's groups of every local stage, merged by hyperparameters (and DTensor or not, which

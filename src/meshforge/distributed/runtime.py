@@ -4,9 +4,13 @@
 and the forward/backward of one global batch, applying the batch transform and loss context that
 `parallelize_model` returned. Pipeline parallelism subclasses it (its schedule drives forward and backward).
 
-Loss normalisation: every micro batch has the same number of tokens on every rank (fixed-length sequences,
-equal cp chunks), so the mean of per-micro-batch means, averaged over the data-parallel ranks by the
-gradient reduction, is exactly the mean over all tokens of the global batch.
+Loss normalisation: the loss is the sum of token cross-entropies over the global batch divided by its count of
+label tokens (labels of -100 carry none), whatever the split into micro batches and ranks: micro batches may hold
+different numbers of label tokens (SFT masks, padding), so a mean of per-micro-batch means would be wrong. The
+count is taken once per step, before the forward, from this rank's labels, and summed over the dp and cp ranks
+by one all-reduce of a device tensor (no host sync). Each rank backpropagates ce_sum * (dp*cp) / count: the
+gradient reduction averages over the dp*cp ranks, which gives sum(ce) / count. An MoE's auxiliary loss keeps its
+per-micro-batch mean.
 
 Nothing here reads a tensor back to the host: the loss stays a device tensor (the trainer reads it on log
 steps only).
@@ -23,7 +27,7 @@ from torch import nn
 from meshforge.distributed.mesh import MeshContext
 from meshforge.distributed.parallelize import Parallelized
 from meshforge.distributed.strategy import Strategy
-from meshforge.models.loss import lm_loss
+from meshforge.models.loss import IGNORE_INDEX, lm_loss
 
 
 class ParallelModel:
@@ -45,12 +49,16 @@ class ParallelModel:
         return contextlib.nullcontext()
 
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Run every micro batch; returns the mean cross-entropy over the global batch (same on every rank)."""
+        """Run every micro batch; returns the mean cross-entropy over the global batch's label tokens (same on
+        every rank)."""
         model = self.model
         n = len(micro_batches)
+        micro_batches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+                         for x, y in micro_batches]
+        count = self.global_label_count([y for _, y in micro_batches])
+        scale = self.mesh_ctx.size("dp_cp") / count
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(micro_batches):
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             positions = None
             if self.batch_transform is not None:
                 x, y, positions = self.batch_transform(x, y)
@@ -59,19 +67,30 @@ class ParallelModel:
                     out = model(x) if positions is None else model(x, positions)
                 with self.loss_context():
                     parts = lm_loss(out, y)
-                    ce = parts.mean
-                    loss = ce if parts.aux is None else ce + parts.aux
-                    (loss / n).backward()
-            total += ce.detach().float()
+                    loss = parts.ce_sum * scale
+                    if parts.aux is not None:
+                        loss = loss + parts.aux / n
+                    loss.backward()
+            total += parts.ce_sum.detach().float()
         self.strategy.finish_grad_sync(model)
-        return self.reduce_loss(total / n)
+        return self.reduce_loss(total, count)
 
-    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """Average the logged loss over the ranks that saw different data (dp and cp), not over tp replicas."""
+    def global_label_count(self, labels: list[torch.Tensor]) -> torch.Tensor:
+        """The global batch's label tokens (fp32, at least 1), from this rank's full-length labels (before any
+        cp split): summed over the dp_cp ranks, where each dp rank's labels are held by its cp ranks."""
+        count = torch.stack([(y != IGNORE_INDEX).sum() for y in labels]).sum()
         if self.mesh_ctx.world_size > 1 and self.mesh_ctx.size("dp_cp") > 1:
-            loss = loss.clone()
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.mesh_ctx.group("dp_cp"))
-        return loss
+            dist.all_reduce(count, group=self.mesh_ctx.group("dp_cp"))
+            count = count // self.mesh_ctx.cp_size
+        return count.float().clamp(min=1)
+
+    def reduce_loss(self, ce_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """The logged loss: this rank's cross-entropy sum, summed over the ranks that saw different data (dp and
+        cp, not tp replicas), over the global count."""
+        if self.mesh_ctx.world_size > 1 and self.mesh_ctx.size("dp_cp") > 1:
+            ce_sum = ce_sum.clone()
+            dist.all_reduce(ce_sum, group=self.mesh_ctx.group("dp_cp"))
+        return ce_sum / count
 
     # --- thin forwards to the strategy, over every part -------------------------------------
     def param_groups(self, weight_decay: float) -> list[dict]:
