@@ -301,3 +301,14 @@ def warnings(cfg: Config, world_size: int | None = None) -> list[str]:
 def resolved_ckpt_format(cfg: Config) -> str:
     """The checkpoint format actually used: explicit, else the right one for the strategy."""
     return cfg.checkpoint.ckpt_format or cfg.distributed.spec.ckpt_formats[0]
+
+
+@rule
+def validation_data(cfg: Config, world_size: int) -> list[str]:
+    """training.val_every and data.validation go together: either alone would do nothing."""
+    every, val = cfg.training.val_every, cfg.data.validation
+    if every and val is None:
+        return [f"training.val_every={every} needs data.validation (paths: [files] or fraction: 0.05)"]
+    if val is not None and not every:
+        return ["data.validation is set but training.val_every=0, so it would never run: set training.val_every"]
+    return []

@@ -98,6 +98,20 @@ class ModelConfig(Section):
 
 
 # ---------------------------------------------------------------------------- data
+class ValidationDataConfig(Section):
+    """Held-out data for `training.val_every`: separate files read like the training data, or a fraction."""
+
+    paths: list[str] = Field(default_factory=list)  # files/globs of the training source's kind and format
+    fraction: float | None = Field(None, gt=0, lt=1)  # or: this share of the training samples (a fixed split)
+    batches: int = Field(4, gt=0)  # global batches per validation (the first ones, in order, unshuffled)
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> ValidationDataConfig:
+        if bool(self.paths) == (self.fraction is not None):
+            raise ValueError("data.validation needs exactly one of paths (files) or fraction (held out)")
+        return self
+
+
 class DataConfig(Section):
     # dataset: records from local jsonl/json, parquet, arrow files or `datasets` save_to_disk folders (data.paths)
     source: Literal["synthetic", "text", "tokenized", "dataset"] = "text"
@@ -115,6 +129,8 @@ class DataConfig(Section):
     loss_on: Literal["answer", "all"] = "answer"
     # chat / prompt_completion: an example over training.seq_len+1 tokens keeps its first seq_len+1, or is dropped
     too_long: Literal["truncate", "drop"] = "truncate"
+    # held-out data evaluated every training.val_every steps (val_loss, val_ppl)
+    validation: ValidationDataConfig | None = None
 
     @model_validator(mode="after")
     def _source_inputs(self) -> DataConfig:
@@ -127,8 +143,10 @@ class DataConfig(Section):
             raise ValueError(f"data.paths is only read by data.source=text or dataset (source is {self.source!r})")
         if self.source == "dataset" and not self.paths:
             raise ValueError("data.source=dataset needs data.paths (jsonl/parquet/arrow files or a saved dataset)")
-        if self.source == "synthetic" and self.tokenizer:
-            raise ValueError("data.tokenizer is not read by data.source=synthetic")
+        if self.source == "synthetic" and (self.tokenizer or self.validation):
+            raise ValueError("data.tokenizer and data.validation are not read by data.source=synthetic")
+        if self.source == "tokenized" and self.validation and len(self.validation.paths) > 1:
+            raise ValueError("data.validation.paths: data.source=tokenized reads one .npy file")
         unread = {"format": self.source != "dataset", "text_field": self.format != "text" or self.source != "dataset",
                   "loss_on": self.format == "text", "too_long": self.format == "text"}
         for key, not_read in unread.items():
@@ -308,6 +326,7 @@ class TrainingConfig(Section):
     compile: bool = False
     nonfinite: Literal["skip", "stop"] = "stop"
     max_skipped: int = Field(3, gt=0)
+    val_every: int = Field(0, ge=0)  # steps between validations (and at the last step) on data.validation; 0 = never
 
     @field_validator("precision", mode="before")
     @classmethod

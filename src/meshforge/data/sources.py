@@ -182,3 +182,52 @@ def build_source(data_cfg, seq_len: int, vocab_size: int, seed: int):
     if src.max_token() >= vocab_size:
         raise DataError(f"data: token id {src.max_token()} in {src.name} is outside model.vocab_size={vocab_size}")
     return src
+
+
+class SubsetSource:
+    """The samples `indices` of another source (a held-out split, or what remains for training)."""
+
+    def __init__(self, source, indices: np.ndarray, tag: str):
+        self.source, self.indices, self.tag = source, np.asarray(indices, dtype=np.int64), tag
+        self.num_samples, self.seq_len = len(self.indices), source.seq_len
+        self.name = f"{source.name}[{tag}]"
+        if hasattr(source, "batch"):
+            self.batch = lambda idx: source.batch(self._map(idx))
+
+    def _map(self, idx) -> list[int]:
+        return [int(self.indices[i % self.num_samples]) for i in idx]
+
+    def samples(self, idx) -> np.ndarray:
+        return self.source.samples(self._map(idx))
+
+    def max_token(self) -> int:
+        return self.source.max_token()
+
+    def digest(self) -> str:
+        h = hashlib.sha256(f"{self.source.digest()}:{self.tag}:{self.num_samples}".encode())
+        h.update(self.indices[:4096].tobytes())
+        return h.hexdigest()[:16]
+
+
+SPLIT_SEED = 0x5EED  # the held-out split is a property of the data, the same for every run.seed
+
+
+def split_validation(data_cfg, source, seq_len: int, vocab_size: int, seed: int):
+    """(training source, validation source or None) for data.validation: held-out `fraction` of the samples
+    (a fixed random split), or `paths` read like the training data."""
+    val = data_cfg.validation
+    if val is None:
+        return source, None
+    if val.fraction is not None:
+        n = source.num_samples
+        k = max(1, round(val.fraction * n))
+        if k >= n:
+            raise DataError(f"data.validation.fraction={val.fraction} of {n} samples leaves none to train on")
+        perm = np.random.default_rng(SPLIT_SEED).permutation(n)
+        return (SubsetSource(source, np.sort(perm[k:]), f"train-{val.fraction}"),
+                SubsetSource(source, np.sort(perm[:k]), f"validation-{val.fraction}"))
+    if data_cfg.source == "tokenized":
+        vcfg = data_cfg.model_copy(update={"path": val.paths[0], "validation": None})
+    else:
+        vcfg = data_cfg.model_copy(update={"paths": list(val.paths), "validation": None, "max_files": None})
+    return source, build_source(vcfg, seq_len, vocab_size, seed)

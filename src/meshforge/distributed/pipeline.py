@@ -176,6 +176,21 @@ class PipelineParallelModel(ParallelModel):
         dist.broadcast(loss, group=self.pp_group, group_src=self.plan.last_stage_rank)
         return self.reduce_loss(loss, count)
 
+    @torch.no_grad()
+    def evaluate(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward only through the schedule (`schedule.eval`): (cross-entropy sum, label count), every rank."""
+        x = torch.cat([mb[0] for mb in micro_batches]).to(self.device, non_blocking=True)
+        y = torch.cat([mb[1] for mb in micro_batches]).to(self.device, non_blocking=True)
+        count = self.global_label_count([y], clamp=False)
+        self._ces, self._scale = [], torch.ones((), device=self.device)
+        with self.autocast(), self.loss_context():
+            self.schedule.eval(*((x,) if self.has_first else ()), target=y if self.has_last else None)
+        n = self.plan.n_microbatches
+        total = torch.stack(self._ces[-n:]).sum().to(self.device) if self.has_last \
+            else torch.zeros((), device=self.device)
+        dist.broadcast(total, group=self.pp_group, group_src=self.plan.last_stage_rank)
+        return self.reduce_loss(total, torch.ones((), device=self.device)), count
+
     def param_groups(self, weight_decay: float) -> list[dict]:
         """The strategy's groups of every local stage, merged by hyperparameters (and DTensor or not, which
         foreach optimizers cannot mix): the same groups as a non-PP run, so optimizer checkpoints

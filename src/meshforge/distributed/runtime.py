@@ -75,14 +75,32 @@ class ParallelModel:
         self.strategy.finish_grad_sync(model)
         return self.reduce_loss(total, count)
 
-    def global_label_count(self, labels: list[torch.Tensor]) -> torch.Tensor:
+    @torch.no_grad()
+    def evaluate(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward only (validation): (cross-entropy sum, label count) of the global batch, the same on every
+        rank. Touches no gradient, optimizer or RNG state."""
+        micro_batches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+                         for x, y in micro_batches]
+        count = self.global_label_count([y for _, y in micro_batches], clamp=False)
+        total = torch.zeros((), device=self.device)
+        for x, y in micro_batches:
+            positions = None
+            if self.batch_transform is not None:
+                x, y, positions = self.batch_transform(x, y)
+            with self.autocast():
+                out = self.model(x) if positions is None else self.model(x, positions)
+            with self.loss_context():
+                total += lm_loss(out, y).ce_sum.detach().float()
+        return self.reduce_loss(total, torch.ones((), device=self.device)), count
+
+    def global_label_count(self, labels: list[torch.Tensor], clamp: bool = True) -> torch.Tensor:
         """The global batch's label tokens (fp32, at least 1), from this rank's full-length labels (before any
         cp split): summed over the dp_cp ranks, where each dp rank's labels are held by its cp ranks."""
         count = torch.stack([(y != IGNORE_INDEX).sum() for y in labels]).sum()
         if self.mesh_ctx.world_size > 1 and self.mesh_ctx.size("dp_cp") > 1:
             dist.all_reduce(count, group=self.mesh_ctx.group("dp_cp"))
             count = count // self.mesh_ctx.cp_size
-        return count.float().clamp(min=1)
+        return count.float().clamp(min=1) if clamp else count.float()
 
     def reduce_loss(self, ce_sum: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         """The logged loss: this rank's cross-entropy sum, summed over the ranks that saw different data (dp and

@@ -56,6 +56,9 @@ class MetricsLogger:
             for k, v in record.items():
                 if isinstance(v, (int, float)) and k != "step" and v is not None:
                     self.tb.add_scalar(k, v, record["step"])
+        if "val_loss" in record:  # a validation record (training/validation.py)
+            self.info(" ".join(f"{k}={_fmt(record.get(k))}" for k in ("step", "val_loss", "val_ppl")))
+            return
         line = " ".join(f"{k}={_fmt(record.get(k))}" for k in
                         ("step", "loss", "grad_norm", "lr", "tokens_per_s", "tflops", "mfu", "max_mem_gib"))
         if self.progress is not None:

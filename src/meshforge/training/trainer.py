@@ -31,6 +31,7 @@ from meshforge.checkpoint.manager import CheckpointManager
 from meshforge.config import rules as config_rules
 from meshforge.config.schema import Config
 from meshforge.data import ShardedBatchLoader, build_source
+from meshforge.data.sources import split_validation
 from meshforge.distributed.build import build_parallel_model
 from meshforge.distributed.env import (
     DistInfo,
@@ -49,6 +50,7 @@ from meshforge.training.metrics import device_peak_tflops, max_memory_gib, throu
 from meshforge.training.nonfinite import NonFinitePolicy
 from meshforge.training.optim import build_optimizer, build_scheduler
 from meshforge.training.signals import StopSignal
+from meshforge.training.validation import Validation
 
 
 @dataclass
@@ -58,6 +60,7 @@ class TrainResult:
     start_step: int = 0
     final_step: int = 0
     skipped_steps: int = 0
+    validations: list[dict] = field(default_factory=list)  # {step, val_loss, val_ppl} per validation run
     stopped_by_signal: bool = False
     parallel_model: ParallelModel | None = None
     optimizer: torch.optim.Optimizer | None = None
@@ -79,6 +82,7 @@ class Trainer:
         self.after_backward: list[Callable[[int, torch.Tensor], torch.Tensor]] = []  # (step, loss) -> loss
         self.after_step: list[Callable[[int], None]] = []  # (step) -> None
         self.before_commit: Callable[[int], None] | None = None  # handed to the checkpoint manager
+        self.validation: Validation | None = None  # set by build() when training.val_every > 0
         faults.install(self)
 
     @classmethod
@@ -96,11 +100,15 @@ class Trainer:
         optimizer = build_optimizer(pm.param_groups(cfg.optimizer.weight_decay), cfg.optimizer)
         scheduler = build_scheduler(optimizer, cfg.scheduler, cfg.training.max_steps)
         t = cfg.training
-        source = build_source(cfg.data, t.seq_len, resolve_model_args(cfg.model).vocab_size, cfg.run.seed)
+        vocab = resolve_model_args(cfg.model).vocab_size
+        source, val_source = split_validation(cfg.data, build_source(cfg.data, t.seq_len, vocab, cfg.run.seed),
+                                              t.seq_len, vocab, cfg.run.seed)
         loader = ShardedBatchLoader(source, t.global_batch_size, t.micro_batch_size, dp_rank=mesh_ctx.dp_rank,
                                     dp_size=mesh_ctx.dp_size, seed=cfg.run.seed)
         pm.train()
-        return cls(cfg, info, mesh_ctx, pm, optimizer, scheduler, loader)
+        trainer = cls(cfg, info, mesh_ctx, pm, optimizer, scheduler, loader)
+        trainer.validation = Validation.build(cfg, mesh_ctx, pm, val_source)
+        return trainer
 
     # ------------------------------------------------------------------ one step
     def train_step(self, clock: Callable[[str], None] | None = None,
@@ -166,6 +174,9 @@ class Trainer:
                     window.read()  # before a save too: nothing is saved for a step the non-finite policy stops at
                 if log_now:
                     metrics.log(result)
+                if self.validation is not None and self.validation.due(self.step):
+                    result.validations.append(self.validation.run(self.step))
+                    log.log(result.validations[-1])
                 if save:
                     ckpt.maybe_save(self.step, self.pm, self.optimizer, self.scheduler, self.loader, final=final)
                 if signals.poll():

@@ -1,0 +1,47 @@
+"""Validation every `training.val_every` steps (and at the last step): the mean cross-entropy over the label tokens
+of the first `data.validation.batches` global batches of the validation data (unshuffled), and its perplexity.
+
+The batches come from a loader of their own, rebuilt at each validation, so the training loader's position is
+untouched; the forward runs under `torch.no_grad` with the RNG forked, so the training RNG is untouched too:
+exact resume holds with validation on. The numbers are the same at any world size and parallelism (the global
+batches are, and `ParallelModel.evaluate` sums over dp/cp ranks and pipeline microbatches).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from meshforge.data import ShardedBatchLoader
+
+
+class Validation:
+    def __init__(self, cfg, mesh_ctx, pm, source):
+        t = cfg.training
+        self.pm, self.source, self.every, self.max_steps = pm, source, t.val_every, t.max_steps
+        self.G, self.m, self.seed = t.global_batch_size, t.micro_batch_size, cfg.run.seed
+        self.dp_rank, self.dp_size = mesh_ctx.dp_rank, mesh_ctx.dp_size
+        # the first `batches` global batches; at least one (a smaller set is repeated to fill it)
+        self.batches = min(cfg.data.validation.batches, max(1, source.num_samples // self.G))
+        self.device = pm.device
+
+    @classmethod
+    def build(cls, cfg, mesh_ctx, pm, source) -> Validation | None:
+        return None if source is None or not cfg.training.val_every else cls(cfg, mesh_ctx, pm, source)
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0 or step == self.max_steps
+
+    def run(self, step: int) -> dict:
+        loader = ShardedBatchLoader(self.source, self.G, self.m, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                                    seed=self.seed, shuffle=False)
+        ce = torch.zeros((), device=self.device)
+        count = torch.zeros((), device=self.device)
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            for _ in range(self.batches):
+                c, n = self.pm.evaluate(loader.next_batch())
+                ce, count = ce + c, count + n
+        loss = (ce / count.clamp(min=1)).item()
+        return {"step": step, "val_loss": loss, "val_ppl": math.exp(min(loss, 700.0))}
