@@ -1,6 +1,6 @@
 """The loss is normalised by the global batch's label-token count: with uneven label masks (prompt/completion
 examples whose prompts carry no loss, truncated at seq_len, some with no label at all) every parallel layout
-reproduces the single-process losses, grad norms and weights (fp32, 4 steps; tolerances as the dp parity tests).
+reproduces the single-process losses, grad norms and weights (fp32, 3 steps; tolerances as the dp parity tests).
 
 A mean of per-micro-batch means would differ here (each micro batch holds a different number of label tokens):
 `test_accumulation_does_not_change_the_loss` shows the single process itself agrees at micro batch 1 and 8.
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.dist
 
 DATA = Path(__file__).resolve().parents[2] / "examples" / "data" / "prompt_completion_tiny.jsonl"
 SFT = ["data.source=dataset", f"data.paths=[{DATA}]", "data.format=prompt_completion", "training.seq_len=32"]
-STEPS, LOSS_RTOL, WEIGHT_ATOL = 4, 1e-5, 5e-5
+STEPS, LOSS_RTOL, WEIGHT_ATOL = 3, 1e-5, 5e-5
 PP = ["model.n_layers=4", "distributed.pp_size=2", "distributed.pipeline.pp_microbatch_size=2"]
 
 N2 = {
