@@ -1,6 +1,6 @@
 """The loss is normalised by the global batch's label-token count: with uneven label masks (prompt/completion
 examples whose prompts carry no loss, truncated at seq_len, some with no label at all) every parallel layout
-reproduces the single-process losses, grad norms and weights (fp32, 3 steps; tolerances as the dp parity tests).
+(and packed sequences under ddp and TP+SP) reproduces the single-process losses, grad norms and weights (fp32, 3 steps; tolerances as the dp parity tests).
 
 A mean of per-micro-batch means would differ here (each micro batch holds a different number of label tokens):
 `test_accumulation_does_not_change_the_loss` shows the single process itself agrees at micro batch 1 and 8.
@@ -19,6 +19,7 @@ pytestmark = pytest.mark.dist
 DATA = Path(__file__).resolve().parents[2] / "examples" / "data" / "prompt_completion_tiny.jsonl"
 SFT = ["data.source=dataset", f"data.paths=[{DATA}]", "data.format=prompt_completion", "training.seq_len=32"]
 STEPS, LOSS_RTOL, WEIGHT_ATOL = 3, 1e-5, 5e-5
+PACKED = ["data.packing=true", "training.seq_len=64"]
 PP = ["model.n_layers=4", "distributed.pp_size=2", "distributed.pipeline.pp_microbatch_size=2"]
 
 N2 = {
@@ -30,6 +31,9 @@ N2 = {
     "cp2": ["distributed.cp_size=2"],
     "pp2": PP,
     "pp2 scale_grads_in_schedule": PP + ["distributed.pipeline.scale_grads_in_schedule=true"],
+    # packed sequences (document masks; seq_len 64): data parallel and tensor + sequence parallel
+    "packed ddp accum": PACKED + ["distributed.strategy=ddp", "training.micro_batch_size=1"],
+    "packed tp2+sp": PACKED + ["distributed.tp_size=2", "distributed.sequence_parallel=true"],
 }
 N4 = {
     "fsdp2 n4": ["distributed.strategy=fsdp2", "training.micro_batch_size=1"],
@@ -44,7 +48,8 @@ GROUP_JOBS = [Job(f"loss normalisation n{n}", "meshforge.testing.parity:configs_
 
 
 def _reference(reference, name):
-    return reference(SFT + (["model.n_layers=4"] if name.startswith("pp2") else []), steps=STEPS)
+    extra = ["model.n_layers=4"] if name.startswith("pp2") else PACKED if name.startswith("packed") else []
+    return reference(SFT + extra, steps=STEPS)
 
 
 @pytest.mark.parametrize("nproc,configs", [(2, N2), (4, N4)], ids=["N2", "N4"])

@@ -312,3 +312,20 @@ def validation_data(cfg: Config, world_size: int) -> list[str]:
     if val is not None and not every:
         return ["data.validation is set but training.val_every=0, so it would never run: set training.val_every"]
     return []
+
+
+@rule
+def packing_support(cfg: Config, world_size: int) -> list[str]:
+    """Packed sequences need the document mask in every attention: the dense model's, without cp or pp (the
+    context-parallel attention and the pipeline stages do not carry it yet)."""
+    if not cfg.data.packing:
+        return []
+    d, out = cfg.distributed, []
+    if d.cp_size > 1:
+        out.append(f"data.packing=true with distributed.cp_size={d.cp_size} is not supported yet: set cp_size 1")
+    if d.pp_size > 1:
+        out.append(f"data.packing=true with distributed.pp_size={d.pp_size} is not supported yet: set pp_size 1")
+    args = _model_args(cfg)
+    if args is not None and args.is_moe:
+        out.append("data.packing=true with a mixture-of-experts model is not supported yet")
+    return out

@@ -129,6 +129,8 @@ class DataConfig(Section):
     loss_on: Literal["answer", "all"] = "answer"
     # chat / prompt_completion: an example over training.seq_len+1 tokens keeps its first seq_len+1, or is dropped
     too_long: Literal["truncate", "drop"] = "truncate"
+    # chat / prompt_completion: pack several examples per sequence; attention stays within each, positions restart
+    packing: bool = False
     # held-out data evaluated every training.val_every steps (val_loss, val_ppl)
     validation: ValidationDataConfig | None = None
 
@@ -148,7 +150,8 @@ class DataConfig(Section):
         if self.source == "tokenized" and self.validation and len(self.validation.paths) > 1:
             raise ValueError("data.validation.paths: data.source=tokenized reads one .npy file")
         unread = {"format": self.source != "dataset", "text_field": self.format != "text" or self.source != "dataset",
-                  "loss_on": self.format == "text", "too_long": self.format == "text"}
+                  "loss_on": self.format == "text", "too_long": self.format == "text",
+                  "packing": self.format == "text"}
         for key, not_read in unread.items():
             if not_read and key in self.model_fields_set:
                 raise ValueError(f"data.{key} is not read with data.source={self.source} data.format={self.format}")

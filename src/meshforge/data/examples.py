@@ -10,6 +10,12 @@
 A sequence longer than `seq_len + 1` tokens is cut to its first `seq_len + 1` tokens (`too_long: truncate`) or
 left out of the data set (`drop`); shorter ones are padded with labels of -100. Each example is one sample, so
 the loader's guarantees (global batch k the same at any world size, exact resume) hold unchanged.
+
+`packing`: examples are packed, in data order, into rows of `seq_len + 1` tokens (an example that does not fit in
+what is left of a row starts the next one); a row is then one sample, with document ids (padding is a document of
+its own). The last token of a document gets no label (it would predict the next document), so a packed row's
+labels are exactly its examples' unpacked labels; the model's document mask and restarting positions make the
+logits equal too.
 """
 
 from __future__ import annotations
@@ -59,13 +65,15 @@ FORMATS = {"prompt_completion": prompt_completion, "chat": chat}
 
 
 class ExampleSource:
-    """Fixed-length samples of (inputs, labels) built from examples; `labels` is -100 where there is no loss."""
+    """Fixed-length samples of (inputs, labels[, document ids]) built from examples; labels are -100 where there
+    is no loss."""
 
-    def __init__(self, paths, fmt: str, tok, seq_len: int, loss_on: str, too_long: str):
-        self.seq_len, self.name = seq_len, f"{fmt}:" + ",".join(str(p) for p in paths)
+    def __init__(self, paths, fmt: str, tok, seq_len: int, loss_on: str, too_long: str, packing: bool = False):
+        self.seq_len, self.name, self.packing = seq_len, f"{fmt}:" + ",".join(str(p) for p in paths), packing
         n = seq_len + 1
-        tokens, masks, h = [], [], hashlib.sha256(f"{fmt}:{loss_on}:{too_long}:{seq_len}".encode())
+        h = hashlib.sha256(f"{fmt}:{loss_on}:{too_long}:{seq_len}:{packing}".encode())
         self.dropped = 0
+        examples = []
         for where, rec in iter_records(paths):
             ids, mask = FORMATS[fmt](rec, where, tok, loss_on)
             if len(ids) > n:
@@ -73,26 +81,41 @@ class ExampleSource:
                     self.dropped += 1
                     continue
                 ids, mask = ids[:n], mask[:n]
-            row = np.full(n, tok.pad_id, dtype=np.int64)
-            row[:len(ids)] = ids
-            m = np.zeros(n, dtype=bool)
-            m[:len(mask)] = mask
-            tokens.append(row)
-            masks.append(m)
-            h.update(row.tobytes() + m.tobytes())
-        if not tokens:
+            examples.append((ids, mask))
+        if not examples:
             raise DataError(f"data: no example fits training.seq_len+1={n} tokens ({self.dropped} dropped by "
                             "data.too_long=drop); raise training.seq_len or use data.too_long=truncate")
-        self.tokens, self.masks = np.stack(tokens), np.stack(masks)
-        self.num_samples = len(tokens)
+        rows = [[e] for e in examples]
+        if packing:
+            rows, used = [], n
+            for e in examples:
+                if used + len(e[0]) > n:
+                    rows.append([])
+                    used = 0
+                rows[-1].append(e)
+                used += len(e[0])
+        self.tokens = np.full((len(rows), n), tok.pad_id, dtype=np.int64)
+        self.masks = np.zeros((len(rows), n), dtype=bool)
+        self.docs = np.zeros((len(rows), n), dtype=np.int64)
+        for r, row in enumerate(rows):
+            at = 0
+            for d, (ids, mask) in enumerate(row):
+                self.tokens[r, at:at + len(ids)], self.masks[r, at:at + len(ids)] = ids, mask
+                self.docs[r, at:at + len(ids)] = d
+                at += len(ids)
+            self.docs[r, at:] = len(row)  # padding: a document of its own
+        h.update(self.tokens.tobytes() + self.masks.tobytes() + self.docs.tobytes())
+        self.num_samples = len(rows)
         self._digest = h.hexdigest()[:16]
 
-    def batch(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """(inputs, labels), each (len(indices), seq_len): labels are the next token where it carries loss."""
+    def batch(self, indices: list[int]) -> tuple[np.ndarray, ...]:
+        """(inputs, labels[, document ids]), each (len(indices), seq_len): a label is the next token where it
+        carries loss and belongs to the same document."""
         idx = np.asarray(indices) % self.num_samples
-        toks, masks = self.tokens[idx], self.masks[idx]
-        labels = np.where(masks[:, 1:], toks[:, 1:], IGNORE_INDEX)
-        return toks[:, :-1], labels
+        toks, masks, docs = self.tokens[idx], self.masks[idx], self.docs[idx]
+        keep = masks[:, 1:] & (docs[:, 1:] == docs[:, :-1])
+        labels = np.where(keep, toks[:, 1:], IGNORE_INDEX)
+        return (toks[:, :-1], labels, docs[:, :-1]) if self.packing else (toks[:, :-1], labels)
 
     def max_token(self) -> int:
         return int(self.tokens.max())

@@ -44,16 +44,17 @@ class ShardedBatchLoader:
         return [self._index(k * self.G + j) for j in range(self.G)]
 
     def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's micro batches of the next global batch, as (inputs, labels) int64 tensors."""
+        """This rank's micro batches of the next global batch, as (inputs, labels) int64 tensors (plus document
+        ids for packed sequences)."""
         idx = self.global_batch_indices(self.step)
         local = self.G // self.dp_size
         mine = idx[self.dp_rank * local:(self.dp_rank + 1) * local]
         self.step += 1
         out = []
         for i in range(0, local, self.m):
-            if hasattr(self.source, "batch"):  # examples with label masks (SFT)
-                x, y = self.source.batch(mine[i:i + self.m])
-                out.append((torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(np.ascontiguousarray(y))))
+            if hasattr(self.source, "batch"):  # examples with label masks (SFT): (x, y[, document ids])
+                arrays = self.source.batch(mine[i:i + self.m])
+                out.append(tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))
                 continue
             seqs = torch.from_numpy(self.source.samples(mine[i:i + self.m]))
             out.append((seqs[:, :-1].contiguous(), seqs[:, 1:].contiguous()))

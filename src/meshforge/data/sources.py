@@ -169,7 +169,8 @@ def build_source(data_cfg, seq_len: int, vocab_size: int, seed: int):
         else:
             from meshforge.data.examples import ExampleSource
 
-            src = ExampleSource(paths, data_cfg.format, tok, seq_len, data_cfg.loss_on, data_cfg.too_long)
+            src = ExampleSource(paths, data_cfg.format, tok, seq_len, data_cfg.loss_on, data_cfg.too_long,
+                                data_cfg.packing)
     else:
         files = expand_paths(data_cfg.paths) if data_cfg.paths else stdlib_sources(data_cfg.max_files)
         if data_cfg.max_files:

@@ -30,6 +30,14 @@ from meshforge.distributed.strategy import Strategy
 from meshforge.models.loss import IGNORE_INDEX, lm_loss
 
 
+def packed_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """(B, S) document ids -> positions counted from each document's first token."""
+    idx = torch.arange(document_ids.shape[1], device=document_ids.device).expand_as(document_ids)
+    first = torch.ones_like(document_ids[:, :1], dtype=torch.bool)
+    starts = torch.cat([first, document_ids[:, 1:] != document_ids[:, :-1]], dim=1)
+    return idx - torch.where(starts, idx, 0).cummax(dim=1).values
+
+
 class ParallelModel:
     def __init__(self, parts: list[Parallelized], mesh_ctx: MeshContext, device: torch.device,
                  precision: str = "fp32"):
@@ -53,18 +61,17 @@ class ParallelModel:
         every rank)."""
         model = self.model
         n = len(micro_batches)
-        micro_batches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
-                         for x, y in micro_batches]
-        count = self.global_label_count([y for _, y in micro_batches])
+        micro_batches = [tuple(t.to(self.device, non_blocking=True) for t in mb) for mb in micro_batches]
+        count = self.global_label_count([mb[1] for mb in micro_batches])
         scale = self.mesh_ctx.size("dp_cp") / count
         total = torch.zeros((), device=self.device)
-        for i, (x, y) in enumerate(micro_batches):
+        for i, (x, y, *docs) in enumerate(micro_batches):
             positions = None
             if self.batch_transform is not None:
                 x, y, positions = self.batch_transform(x, y)
             with self.strategy.micro_step(model, is_last=i == n - 1):
                 with self.autocast():
-                    out = model(x) if positions is None else model(x, positions)
+                    out = self._forward(model, x, positions, docs)
                 with self.loss_context():
                     parts = lm_loss(out, y)
                     loss = parts.ce_sum * scale
@@ -79,19 +86,26 @@ class ParallelModel:
     def evaluate(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward only (validation): (cross-entropy sum, label count) of the global batch, the same on every
         rank. Touches no gradient, optimizer or RNG state."""
-        micro_batches = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
-                         for x, y in micro_batches]
-        count = self.global_label_count([y for _, y in micro_batches], clamp=False)
+        micro_batches = [tuple(t.to(self.device, non_blocking=True) for t in mb) for mb in micro_batches]
+        count = self.global_label_count([mb[1] for mb in micro_batches], clamp=False)
         total = torch.zeros((), device=self.device)
-        for x, y in micro_batches:
+        for x, y, *docs in micro_batches:
             positions = None
             if self.batch_transform is not None:
                 x, y, positions = self.batch_transform(x, y)
             with self.autocast():
-                out = self.model(x) if positions is None else self.model(x, positions)
+                out = self._forward(self.model, x, positions, docs)
             with self.loss_context():
                 total += lm_loss(out, y).ce_sum.detach().float()
         return self.reduce_loss(total, torch.ones((), device=self.device)), count
+
+    @staticmethod
+    def _forward(model, x, positions, docs):
+        """The model on one micro batch; packed sequences (`docs`: their document ids) get positions that restart
+        per document and a document mask (config rules refuse packing with cp and pp)."""
+        if docs:
+            return model(x, packed_positions(docs[0]), docs[0])
+        return model(x) if positions is None else model(x, positions)
 
     def global_label_count(self, labels: list[torch.Tensor], clamp: bool = True) -> torch.Tensor:
         """The global batch's label tokens (fp32, at least 1), from this rank's full-length labels (before any

@@ -53,10 +53,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
-class CoreAttention(nn.Module):
-    """Causal scaled-dot-product attention on (B, H, S, D); context parallelism swaps this module."""
+def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """(B, S) document ids of packed sequences -> (B, 1, S, S) boolean attention mask: causal, within a document."""
+    s = document_ids.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
+    return (document_ids[:, :, None] == document_ids[:, None, :]).logical_and(causal)[:, None]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+
+class CoreAttention(nn.Module):
+    """Causal scaled-dot-product attention on (B, H, S, D); context parallelism swaps this module. `mask` (packed
+    sequences, `document_mask`) replaces the causal mask: a dense boolean mask, which SDPA's CPU kernel takes."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        if mask is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
@@ -70,14 +81,16 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.core = CoreAttention()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+                ) -> torch.Tensor:
         b, s, _ = x.shape
         # -1 instead of n_heads: under tensor parallelism each rank holds a slice of the heads
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -102,8 +115,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = feed_forward if feed_forward is not None else FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -123,14 +137,17 @@ class Llama(nn.Module):
     def make_block(self, index: int) -> nn.Module:
         return TransformerBlock(self.args)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens: (B, S) ids on the first stage, (B, S, dim) hidden states on later pipeline stages."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: (B, S) ids on the first stage, (B, S, dim) hidden states on later pipeline stages.
+        document_ids: (B, S), for packed sequences: attention stays within a document (`positions` restart)."""
         if positions is None:  # from the input: a sequence-parallel embedding returns a sequence shard
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin = rope_cos_sin(positions, self.args.hd, self.args.rope_theta)
+        mask = None if document_ids is None else document_mask(document_ids)
         for block in self.layers.values():
-            h = block(h, cos, sin)
+            h = block(h, cos, sin) if mask is None else block(h, cos, sin, mask)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
