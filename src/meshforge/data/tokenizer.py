@@ -134,11 +134,11 @@ def check_vocab(tokenizer, vocab_size: int) -> None:
 def train_tokenizer(patterns: list[str], vocab_size: int, output: str) -> tuple[int, Path]:
     """Train a byte-level BPE on local text files; writes a Hugging Face tokenizer folder (tokenizer.json,
     tokenizer_config.json with a ChatML chat template) loadable by `data.tokenizer` and by transformers."""
-    from meshforge.data.sources import expand_paths
+    import glob
 
-    files = [str(f) for f in expand_paths(patterns)]
+    files = sorted(f for pat in patterns for f in glob.glob(pat, recursive=True) if Path(f).is_file())
     if not files:
-        raise DataError(f"data tokenizer train: {patterns} matches no file")
+        raise DataError(f"data tokenizer train: {' '.join(patterns)} matches no file")
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise DataError(f"--vocab-size {vocab_size} is too small: a byte-level BPE needs at least "
                         f"{256 + len(SPECIAL_TOKENS)} (256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
