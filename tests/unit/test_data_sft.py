@@ -196,6 +196,9 @@ def test_bad_sft_data_and_templates_are_one_line(tmp_path, capsys):
     with pytest.raises(DataError, match="string 'role' and 'content'"):
         build_source(DataConfig(source="dataset", paths=[str(bad)], tokenizer=str(TOKENIZER), format="chat"),
                      16, 320, 0)
+    (tmp_path / "u.jsonl").write_bytes(b"\xff\xfe\n")
+    with pytest.raises(DataError, match="is not UTF-8 text"):
+        build_source(DataConfig(source="dataset", paths=[str(tmp_path / "u.jsonl")]), 16, 256, 0)
     (tmp_path / "j.jsonl").write_text("{not json\n")
     with pytest.raises(DataError, match="line 1 is not JSON"):
         build_source(DataConfig(source="dataset", paths=[str(tmp_path / "j.jsonl")]), 16, 256, 0)

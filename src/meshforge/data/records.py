@@ -30,6 +30,15 @@ def _arrow_batches(path: Path):
     raise DataError(f"data.paths: {path} is not an Arrow IPC file or stream")
 
 
+def _utf8_lines(f, path: Path) -> Iterator[str]:
+    n = 0
+    try:
+        for n, line in enumerate(f, 1):  # noqa: B007 - n names the line a decoding error is on
+            yield line
+    except UnicodeDecodeError:
+        raise DataError(f"data.paths: {path} is not UTF-8 text (near line {n + 1})") from None
+
+
 def _iter_file(path: Path) -> Iterator[dict]:
     if path.is_dir():
         if not (path / "dataset_info.json").is_file() and not (path / "dataset_dict.json").is_file():
@@ -39,7 +48,11 @@ def _iter_file(path: Path) -> Iterator[dict]:
         except ImportError:
             raise DataError("data.paths: reading a saved dataset needs `datasets`: pip install 'meshforge[data]'") \
                 from None
-        ds = datasets.load_from_disk(str(path))
+        try:
+            ds = datasets.load_from_disk(str(path))
+        except Exception as err:
+            raise DataError(f"data.paths: cannot load the saved dataset {path}: {type(err).__name__}: "
+                            f"{str(err).splitlines()[0] if str(err) else ''}") from None
         if isinstance(ds, datasets.DatasetDict):
             if "train" not in ds:
                 raise DataError(f"data.paths: {path} is a DatasetDict without a 'train' split "
@@ -48,7 +61,7 @@ def _iter_file(path: Path) -> Iterator[dict]:
         yield from ds
     elif path.suffix in (".jsonl", ".json"):
         with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
+            for n, line in enumerate(_utf8_lines(f, path), 1):
                 if not line.strip():
                     continue
                 try:
@@ -66,8 +79,11 @@ def _iter_file(path: Path) -> Iterator[dict]:
             pf = pq.ParquetFile(str(path))
         except Exception as err:
             raise DataError(f"data.paths: {path} is not a parquet file ({err})") from None
-        for batch in pf.iter_batches(batch_size=1024):
-            yield from batch.to_pylist()
+        try:
+            for batch in pf.iter_batches(batch_size=1024):
+                yield from batch.to_pylist()
+        except OSError as err:
+            raise DataError(f"data.paths: {path}: cannot read the parquet data ({err})") from None
     elif path.suffix == ".arrow":
         for batch in _arrow_batches(path):
             yield from batch.to_pylist()

@@ -175,8 +175,7 @@ class Trainer:
                 if log_now:
                     metrics.log(result)
                 if self.validation is not None and self.validation.due(self.step):
-                    result.validations.append(self.validation.run(self.step))
-                    log.log(result.validations[-1])
+                    metrics.t0 += self.validation(self.step, result, log)
                 if save:
                     ckpt.maybe_save(self.step, self.pm, self.optimizer, self.scheduler, self.loader, final=final)
                 if signals.poll():

@@ -10,6 +10,7 @@ batches are, and `ParallelModel.evaluate` sums over dp/cp ranks and pipeline mic
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -32,6 +33,14 @@ class Validation:
 
     def due(self, step: int) -> bool:
         return step % self.every == 0 or step == self.max_steps
+
+    def __call__(self, step: int, result, log) -> float:
+        """Validate, record in `result.validations` and the log; returns the seconds it took (not training time,
+        so the throughput window leaves it out)."""
+        t0 = time.perf_counter()
+        result.validations.append(self.run(step))
+        log.log(result.validations[-1])
+        return time.perf_counter() - t0
 
     def run(self, step: int) -> dict:
         loader = ShardedBatchLoader(self.source, self.G, self.m, dp_rank=self.dp_rank, dp_size=self.dp_size,
