@@ -158,7 +158,7 @@ def build_source(data_cfg, seq_len: int, vocab_size: int, seed: int):
     if data_cfg.source == "synthetic":
         return SyntheticSource(vocab_size, seq_len, seed)
     tok = load_tokenizer(data_cfg.tokenizer)
-    if data_cfg.tokenizer or data_cfg.source != "tokenized":  # a token file's own ids are checked below
+    if data_cfg.tokenizer:  # byte-level data and token files are checked by the ids they hold, below
         check_vocab(tok, vocab_size)
     if data_cfg.source == "tokenized":
         src = TokenStreamSource(load_token_file(data_cfg.path), seq_len, data_cfg.path)
