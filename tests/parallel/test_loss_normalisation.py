@@ -37,7 +37,6 @@ N2 = {
 }
 N4 = {
     "fsdp2 n4": ["distributed.strategy=fsdp2", "training.micro_batch_size=1"],
-    "ddp n4": ["distributed.strategy=ddp"],
     "megatron_fsdp n4": ["distributed.strategy=megatron_fsdp", "training.micro_batch_size=1"],
     "fsdp2 2 x cp2": ["distributed.cp_size=2"],
     "pp2 x fsdp2 2": PP,
