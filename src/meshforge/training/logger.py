@@ -1,11 +1,11 @@
-"""Where metrics go: a rich progress bar (TTY) or plain lines, metrics.jsonl, and optional TensorBoard."""
+"""Where metrics go: a rich progress bar (TTY) or plain lines, and the sinks of `logging.loggers` (loggers.py)."""
 
 from __future__ import annotations
 
-import json
 import math
 import sys
-from pathlib import Path
+
+from meshforge.training.loggers import build_loggers, check_extras, run_metadata
 
 
 def _fmt(v) -> str:
@@ -17,10 +17,11 @@ def _fmt(v) -> str:
 
 
 class MetricsLogger:
-    def __init__(self, output_dir: str | None, lcfg, max_steps: int, enabled: bool, start_step: int = 0):
+    def __init__(self, output_dir: str, lcfg, max_steps: int, enabled: bool, start_step: int = 0,
+                 run_name: str = "meshforge"):
+        check_extras(lcfg.loggers)  # on every rank: the same one line everywhere
         self.enabled = enabled
-        self.jsonl = None
-        self.tb = None
+        self.sinks = []
         self.progress = None
         if not enabled:
             return
@@ -28,16 +29,7 @@ class MetricsLogger:
         if mode == "auto":
             mode = "rich" if sys.stdout.isatty() else "plain"
         self.mode = mode
-        if output_dir and lcfg.jsonl:
-            Path(output_dir).mkdir(parents=True, exist_ok=True)
-            self.jsonl = open(Path(output_dir) / "metrics.jsonl", "a" if start_step else "w")
-        if lcfg.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as err:
-                raise RuntimeError("logging.tensorboard=true needs the tensorboard extra: "
-                                   "pip install 'meshforge[tensorboard]'") from err
-            self.tb = SummaryWriter(str(Path(output_dir) / "tensorboard"))
+        self.sinks = build_loggers(lcfg, output_dir, run_name, resume=start_step > 0)
         if mode == "rich":
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -49,19 +41,23 @@ class MetricsLogger:
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
-        if self.jsonl:
-            self.jsonl.write(json.dumps(record) + "\n")
-            self.jsonl.flush()
-        if self.tb:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "step" and v is not None:
-                    self.tb.add_scalar(k, v, record["step"])
+        for sink in self.sinks:
+            sink.log(record)
         line = " ".join(f"{k}={_fmt(record.get(k))}" for k in
                         ("step", "loss", "grad_norm", "lr", "tokens_per_s", "tflops", "mfu", "max_mem_gib"))
         if self.progress is not None:
             self.progress.update(self.task, completed=record["step"], info=f"loss {record['loss']:.4f}")
         elif self.mode == "plain":
             print(line, flush=True)
+
+    def start(self, cfg, **world) -> None:
+        """The resolved config and the run's metadata (with `world`: its size, layout, device), once (rank 0)."""
+        if not self.sinks:
+            return
+        config = cfg.model_dump(mode="json", exclude={"dist", "ddp"})
+        meta = run_metadata({"strategy": cfg.distributed.strategy, **world})
+        for sink in self.sinks:
+            sink.start(config, meta)
 
     def info(self, msg: str) -> None:
         if self.enabled:
@@ -73,7 +69,5 @@ class MetricsLogger:
     def close(self) -> None:
         if self.progress is not None:
             self.progress.stop()
-        if self.jsonl:
-            self.jsonl.close()
-        if self.tb:
-            self.tb.close()
+        for sink in self.sinks:
+            sink.close()

@@ -48,6 +48,7 @@ from meshforge.training.logger import MetricsLogger
 from meshforge.training.metrics import device_peak_tflops, max_memory_gib, throughput
 from meshforge.training.nonfinite import NonFinitePolicy
 from meshforge.training.optim import build_optimizer, build_scheduler
+from meshforge.training.profiling import StepProfiler
 from meshforge.training.signals import StopSignal
 
 
@@ -145,7 +146,9 @@ class Trainer:
             self.step = ckpt.resume(self.pm, self.optimizer, self.scheduler, self.loader)
         result = TrainResult(start_step=self.step, parallel_model=self.pm, optimizer=self.optimizer)
         log = MetricsLogger(cfg.run.output_dir, cfg.logging, t.max_steps, enabled=info.is_main,
-                            start_step=self.step)
+                            start_step=self.step, run_name=cfg.run.name)
+        log.start(cfg, world_size=info.world_size, layout=self.mesh_ctx.layout.named_shape(), device=str(info.device))
+        profiler = StepProfiler(cfg.profiling, cfg.run.output_dir, info.rank, info.device, note=log.info)
         for w in config_rules.warnings(cfg, info.world_size):
             log.info(f"warning: {w}")
         log.info(f"meshforge: {cfg.run.name} | strategy={cfg.distributed.strategy} world={info.world_size} "
@@ -156,7 +159,8 @@ class Trainer:
         signals.install()
         try:
             while self.step < t.max_steps:
-                window.add(self.step + 1, *self.train_step())
+                with profiler.step(self.step + 1):
+                    window.add(self.step + 1, *self.train_step())
                 for hook in self.after_step:
                     hook(self.step)
                 final = self.step == t.max_steps
@@ -177,6 +181,7 @@ class Trainer:
                     break
         finally:
             signals.close()
+            profiler.close()
             if ckpt is not None:
                 ckpt.close()
             log.close()
