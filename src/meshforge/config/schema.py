@@ -359,7 +359,8 @@ LOGGER_NAMES = ("jsonl", "tensorboard", "wandb", "mlflow")
 
 class LoggingConfig(Section):
     """Where metrics go (rank 0 only; see training/loggers.py). The old booleans `jsonl: BOOL` and
-    `tensorboard: BOOL` are still read, mapped exactly onto `loggers` (true adds the name, false removes it)."""
+    `tensorboard: BOOL` are still read, mapped exactly onto `loggers` (true adds the name, false removes it;
+    false for a name `loggers` lists is refused as a contradiction)."""
 
     log_every: int = Field(10, gt=0)
     progress: Literal["auto", "rich", "plain", "none"] = "auto"
@@ -375,14 +376,21 @@ class LoggingConfig(Section):
         if not isinstance(data, dict) or not ({"jsonl", "tensorboard"} & set(data)):
             return data
         data = dict(data)
-        loggers = list(data.get("loggers") or (["jsonl"] if "loggers" not in data else []))
+        given = data.get("loggers")
+        loggers = list(given or (["jsonl"] if given is None else []))
         for name in ("jsonl", "tensorboard"):
             if name not in data:
                 continue
             on = data.pop(name)
             if not isinstance(on, bool):
                 raise ValueError(f"logging.{name} must be true or false (it maps onto logging.loggers)")
-            loggers = [x for x in loggers if x != name] + ([name] if on else [])
+            if not on and given is not None and name in given:
+                raise ValueError(f"logging.{name}=false contradicts logging.loggers={list(given)}: drop "
+                                 f"logging.{name} (the old spelling) and list the loggers you want")
+            if on and name not in loggers:
+                loggers.append(name)
+            elif not on:
+                loggers = [x for x in loggers if x != name]
         data["loggers"] = loggers
         return data
 

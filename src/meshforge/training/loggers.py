@@ -11,7 +11,8 @@ is the same one line on every rank (exit 2) rather than rank 0 dying while the o
   where there is no network (W&B's own variables are honoured).
 - mlflow: experiment `logging.project`, run `run.name`; params = the flattened config, tags = the metadata,
   `config.json` as an artifact; the store is `logging.mlflow_tracking_uri`, else `$MLFLOW_TRACKING_URI`, else
-  the local file store `<output_dir>/mlruns`.
+  the local file store `<output_dir>/mlruns` (MLflow 3 wants `MLFLOW_ALLOW_FILE_STORE=true` for a file store:
+  meshforge sets it unless you did).
 """
 
 from __future__ import annotations
@@ -146,12 +147,20 @@ class MLflowLogger(RunLogger):
 
         uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or \
             Path(output_dir, "mlruns").resolve().as_uri()
-        self.client, self.project, self.name, self.run_id = MlflowClient(uri), project, name, None
+        if "://" not in uri or uri.startswith("file:"):
+            # MLflow 3 keeps its file store only behind this switch; a local file store is what we document
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.uri, self.client, self.project, self.name, self.run_id = uri, MlflowClient(uri), project, name, None
 
     def start(self, config: dict, meta: dict) -> None:
         from mlflow.entities import Param, RunTag
+        from mlflow.exceptions import MlflowException
 
-        exp = self.client.get_experiment_by_name(self.project)
+        try:
+            exp = self.client.get_experiment_by_name(self.project)
+        except MlflowException as err:
+            raise ConfigError([f"logging.loggers includes mlflow but its store {self.uri} cannot be opened: "
+                               f"{str(err).splitlines()[0][:200]}"]) from None
         exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(self.project)
         self.run_id = self.client.create_run(exp_id, run_name=self.name).info.run_id
         params = [Param(k, v[:6000]) for k, v in _flatten(config).items()]

@@ -145,10 +145,10 @@ class Trainer:
         if ckpt is not None:
             self.step = ckpt.resume(self.pm, self.optimizer, self.scheduler, self.loader)
         result = TrainResult(start_step=self.step, parallel_model=self.pm, optimizer=self.optimizer)
+        profiler = StepProfiler(cfg.profiling, cfg.run.output_dir, info.rank, info.device, note=lambda m: log.info(m))
         log = MetricsLogger(cfg.run.output_dir, cfg.logging, t.max_steps, enabled=info.is_main,
                             start_step=self.step, run_name=cfg.run.name)
         log.start(cfg, world_size=info.world_size, layout=self.mesh_ctx.layout.named_shape(), device=str(info.device))
-        profiler = StepProfiler(cfg.profiling, cfg.run.output_dir, info.rank, info.device, note=log.info)
         for w in config_rules.warnings(cfg, info.world_size):
             log.info(f"warning: {w}")
         log.info(f"meshforge: {cfg.run.name} | strategy={cfg.distributed.strategy} world={info.world_size} "
