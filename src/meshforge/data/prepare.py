@@ -8,11 +8,12 @@ from pathlib import Path
 import numpy as np
 
 from meshforge.data.sources import byte_tokens, expand_paths, stdlib_sources
+from meshforge.progress import track
 
 
 def prepare(inputs: list[str], output: str, dtype: str = "uint16") -> tuple[int, Path]:
     files = expand_paths(inputs) if inputs else stdlib_sources()
-    tokens = byte_tokens(files).astype(np.dtype(dtype))
+    tokens = byte_tokens(track(files, "data prepare: files read")).astype(np.dtype(dtype))
     out = Path(output)
     if out.suffix != ".npy":
         out = out.with_suffix(".npy")
