@@ -46,16 +46,20 @@ def check_extras(names: list[str]) -> None:
 def run_metadata(world: dict[str, Any]) -> dict[str, Any]:
     """What a run was: git commit (of the working directory, if it is a repository), versions, host, and the
     `world` the caller describes (world size, layout, strategy, device)."""
+    import importlib.metadata
+
     import torch
 
-    from meshforge import __version__
-
+    try:
+        version = importlib.metadata.version("meshforge")
+    except importlib.metadata.PackageNotFoundError:  # running from a source tree that is not installed
+        version = None
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
                                 check=True).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
-    return {"git_commit": commit, "meshforge_version": __version__, "torch_version": torch.__version__,
+    return {"git_commit": commit, "meshforge_version": version, "torch_version": torch.__version__,
             "python_version": platform.python_version(), "cuda_version": torch.version.cuda,
             "hostname": platform.node(), "nnodes": int(os.environ.get("GROUP_WORLD_SIZE", os.environ.get(
                 "SLURM_NNODES", 1))),
