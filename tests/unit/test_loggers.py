@@ -178,3 +178,24 @@ def test_memory_snapshot_needs_cuda(tmp_path):
         load_config(None, ["profiling.enabled=true", "profiling.steps=[4,2]"])
     with pytest.raises(ConfigError, match="ends after training.max_steps"):
         load_config(None, ["profiling.enabled=true", "profiling.steps=[4,20]", "training.max_steps=10"])
+
+
+def test_a_logger_that_cannot_start_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "false")  # MLflow 3 then refuses its file store
+    cfg = load_config(None, base_overrides(2) + [f"run.output_dir={tmp_path}", "logging.loggers=[mlflow]"],
+                      world_size=1)
+    with pytest.raises(ConfigError) as err:
+        train(cfg, single_info())
+    assert len(err.value.problems) == 1 and "logging.loggers includes mlflow but its store" in err.value.problems[0]
+
+
+def test_tracking_keys_nothing_reads_are_warned():
+    from meshforge.config.rules import warnings
+
+    cfg = load_config(None, ["profiling.steps=[1,2]", "logging.project=x", "logging.mlflow_tracking_uri=file:/m"])
+    assert warnings(cfg, 1) == ["profiling.steps is ignored because profiling.enabled=false",
+                                "logging.project is ignored: logging.loggers ['jsonl'] has no mlflow or wandb",
+                                "logging.mlflow_tracking_uri is ignored: logging.loggers ['jsonl'] has no mlflow"]
+    cfg = load_config(None, ["profiling.enabled=true", "profiling.steps=[1,2]", "logging.loggers=[mlflow]",
+                             "logging.project=x", "logging.mlflow_tracking_uri=file:/m"])
+    assert warnings(cfg, 1) == []

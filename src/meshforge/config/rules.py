@@ -308,10 +308,23 @@ def warnings(cfg: Config, world_size: int | None = None) -> list[str]:
         out.append("distributed.moe is ignored because ep_size=1")
     for fn in d.spec.warnings:
         out += fn(cfg, ws)
+    out += _ignored_tracking_keys(cfg)
     set_options = sorted(d.options.model_fields_set)
     if ws == 1 and set_options:
         out.append(f"world size 1: strategy {d.strategy} options ({', '.join(set_options)}) have nothing to shard "
                    "or reduce")
+    return out
+
+
+def _ignored_tracking_keys(cfg: Config) -> list[str]:
+    """Profiling and logger keys set where nothing reads them."""
+    p, lg = cfg.profiling, cfg.logging
+    out = [f"profiling.{k} is ignored because profiling.enabled=false"
+           for k in sorted(p.model_fields_set - {"enabled"}) if not p.enabled]
+    for key, readers in (("project", {"wandb", "mlflow"}), ("mlflow_tracking_uri", {"mlflow"})):
+        if key in lg.model_fields_set and not readers & set(lg.loggers):
+            out.append(f"logging.{key} is ignored: logging.loggers {lg.loggers} has no "
+                       f"{' or '.join(sorted(readers))}")
     return out
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import math
 import sys
 
+import torch.distributed as dist
+
+from meshforge.errors import ConfigError
 from meshforge.training.loggers import build_loggers, check_extras, run_metadata
 
 
@@ -29,7 +32,7 @@ class MetricsLogger:
         if mode == "auto":
             mode = "rich" if sys.stdout.isatty() else "plain"
         self.mode = mode
-        self.sinks = build_loggers(lcfg, output_dir, run_name, resume=start_step > 0)
+        self.sink_args = (lcfg, output_dir, run_name, start_step > 0)  # the sinks are built by `start`
         if mode == "rich":
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -51,13 +54,30 @@ class MetricsLogger:
             print(line, flush=True)
 
     def start(self, cfg, **world) -> None:
-        """The resolved config and the run's metadata (with `world`: its size, layout, device), once (rank 0)."""
-        if not self.sinks:
-            return
-        config = cfg.model_dump(mode="json", exclude={"dist", "ddp"})
-        meta = run_metadata({"strategy": cfg.distributed.strategy, **world})
-        for sink in self.sinks:
-            sink.start(config, meta)
+        """Build the sinks (rank 0) and give them the resolved config and the run's metadata (with `world`: its
+        size, layout, device) once. Every rank learns whether that worked, so a sink that cannot start (W&B not
+        logged in, an MLflow store that refuses) is one line on every rank, not rank 0 dying while the others
+        wait in a collective."""
+        error = None
+        if self.enabled:
+            try:
+                self.sinks = build_loggers(*self.sink_args)
+                config = cfg.model_dump(mode="json", exclude={"dist", "ddp"})
+                meta = run_metadata({"strategy": cfg.distributed.strategy, **world}) if self.sinks else {}
+                for sink in self.sinks:
+                    sink.start(config, meta)
+            except ConfigError as err:
+                error = "; ".join(err.problems)
+            except Exception as err:  # noqa: BLE001 - any library's failure becomes the one line below
+                first = (str(err).strip().splitlines() or [""])[0][:200]
+                error = f"logging.loggers: a logger could not start ({type(err).__name__}: {first})"
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            errors: list = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+            error = next((e for e in errors if e), None)
+        if error:
+            self.close()
+            raise ConfigError([error])
 
     def info(self, msg: str) -> None:
         if self.enabled:

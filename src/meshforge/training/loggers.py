@@ -147,20 +147,20 @@ class WandbLogger(RunLogger):
 
 class MLflowLogger(RunLogger):
     def __init__(self, output_dir: str, project: str, name: str, tracking_uri: str | None):
-        from mlflow.tracking import MlflowClient
-
         uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or \
             Path(output_dir, "mlruns").resolve().as_uri()
         if "://" not in uri or uri.startswith("file:"):
             # MLflow 3 keeps its file store only behind this switch; a local file store is what we document
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        self.uri, self.client, self.project, self.name, self.run_id = uri, MlflowClient(uri), project, name, None
+        self.uri, self.client, self.project, self.name, self.run_id = uri, None, project, name, None
 
     def start(self, config: dict, meta: dict) -> None:
         from mlflow.entities import Param, RunTag
         from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
 
         try:
+            self.client = MlflowClient(self.uri)
             exp = self.client.get_experiment_by_name(self.project)
         except MlflowException as err:
             raise ConfigError([f"logging.loggers includes mlflow but its store {self.uri} cannot be opened: "
