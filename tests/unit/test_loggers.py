@@ -51,8 +51,7 @@ def tracked_run(tmp_path_factory):
     mp.setenv("WANDB_MODE", "offline")
     mp.setenv("WANDB_SILENT", "true")
     mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-    base = [o for o in base_overrides(STEPS) if not o.startswith("logging.jsonl")]
-    cfg = load_config(None, base + [
+    cfg = load_config(None, base_overrides(STEPS) + [
         f"run.output_dir={out}", "run.name=tracked", "logging.log_every=1", "logging.project=mf-test",
         "logging.loggers=[jsonl,tensorboard,wandb,mlflow]", "profiling.enabled=true", "profiling.steps=[2,3]"],
         world_size=1)
