@@ -119,14 +119,14 @@ def cmd_validate(args) -> int:
     except ConfigError as err:
         return _fail(err.problems)
     world = args.world_size or default_world_size(cfg)
+    gpn = args.gpus_per_node
+    if gpn is not None and (gpn < 1 or world % gpn):
+        return _fail(f"--gpus-per-node={gpn} must be positive and divide the world size {world}")
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
     console.print(dump_yaml(cfg), end="", markup=False, highlight=False)
-    gpn = args.gpus_per_node
-    if gpn is not None and (gpn < 1 or world % gpn):
-        return _fail(f"--gpus-per-node={gpn} must be positive and divide the world size {world}")
     layout = layout_of(cfg, world)
     spans = layout.nodes_spanned(gpn) if gpn else {}
     nodes = f", {world // gpn} nodes of {gpn}" if gpn else ""
