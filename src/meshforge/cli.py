@@ -87,8 +87,10 @@ def cmd_train(args) -> int:
 
 def run_training(cfg) -> int:
     from meshforge.config.loader import write_yaml
+    from meshforge.distributed.env import apply_slurm_env
     from meshforge.training.trainer import train
 
+    apply_slurm_env()  # under srun: RANK before it is read here
     rank = int(os.environ.get("RANK", 0))
     try:
         if rank == 0:

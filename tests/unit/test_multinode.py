@@ -4,6 +4,8 @@ flag errors, and `meshforge validate --gpus-per-node` naming the axes whose grou
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from meshforge.cli import main
@@ -106,3 +108,23 @@ def test_validate_shows_axes_crossing_nodes(capsys, overrides, world, gpn, cross
 def test_validate_gpus_per_node_must_divide_world(capsys):
     assert main(["validate", *VALID, "--world-size", "12", "--gpus-per-node", "5"]) == 2
     assert "must be positive and divide the world size 12" in capsys.readouterr().err
+
+
+def test_srun_task_1_does_no_rank0_work(tmp_path, monkeypatch, capsys):
+    """Started by srun directly, task 1 must know it is rank 1 before the CLI's rank-0 work (config.yaml,
+    the closing line): RANK comes from SLURM before anything reads it."""
+    from types import SimpleNamespace
+
+    from meshforge import cli
+    from meshforge.config import load_config
+    from meshforge.training import trainer
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in {**SLURM_2x4, "SLURM_PROCID": "1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(trainer, "train", lambda cfg: SimpleNamespace(losses=[1.0], start_step=0, final_step=1))
+    cfg = load_config(None, [f"run.output_dir={tmp_path}", "training.global_batch_size=16"], world_size=8)
+    assert cli.run_training(cfg) == 0
+    assert not (tmp_path / "config.yaml").exists() and "done:" not in capsys.readouterr().out
+    assert os.environ["RANK"] == "1" and os.environ["MASTER_ADDR"] == "gpu-07"

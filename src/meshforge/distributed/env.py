@@ -96,8 +96,9 @@ def slurm_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in out.items() if k not in env}
 
 
-def _slurm_to_torch_env() -> None:
-    """Map srun's variables onto torch's when meshforge is started by `srun` directly."""
+def apply_slurm_env() -> None:
+    """Map srun's variables onto torch's when meshforge is started by `srun` directly (idempotent). Call it
+    before anything reads RANK: rank-0-only work done earlier would run on every task."""
     os.environ.update(slurm_env(os.environ))
 
 
@@ -127,7 +128,7 @@ def choose_cuda_device_max_connections(dcfg, world_size: int, cuda: bool) -> str
 
 
 def init_distributed(device: str = "auto", timeout_minutes: float = 10.0) -> DistInfo:
-    _slurm_to_torch_env()
+    apply_slurm_env()
     world = env_world_size()
     dev = pick_device(device)
     if dev.type == "cuda":

@@ -34,6 +34,7 @@ from meshforge.data import ShardedBatchLoader, build_source
 from meshforge.distributed.build import build_parallel_model
 from meshforge.distributed.env import (
     DistInfo,
+    apply_slurm_env,
     choose_cuda_device_max_connections,
     destroy,
     env_world_size,
@@ -249,6 +250,7 @@ def train(cfg: Config, info: DistInfo | None = None) -> TrainResult:
     down the process group it made; a group the caller made is theirs to destroy."""
     if info is not None:
         return Trainer.build(cfg, info).fit()
+    apply_slurm_env()  # under srun: RANK before it is read below
     cuda = cfg.training.device != "cpu" and torch.cuda.is_available()
     note = choose_cuda_device_max_connections(cfg.distributed, env_world_size(), cuda)  # before CUDA starts
     if note and int(os.environ.get("RANK", 0)) == 0:
