@@ -18,6 +18,7 @@ from meshforge.errors import MeshforgeError
 SUBCOMMANDS = {
     "checkpoint": ("meshforge.checkpoint.cli", "inspect, export and import checkpoints"),
     "bench": ("meshforge.bench.cli", "measure throughput, memory and communication; compare configurations"),
+    "plot": ("meshforge.plot", "draw loss, lr, grad norm, tokens/s and memory of runs against step (overlaid)"),
 }
 
 
@@ -32,27 +33,64 @@ def _under_launcher() -> bool:
 
 
 # ------------------------------------------------------------------------------ train
+def _nodes(args):
+    """`--nnodes/--node-rank/--rdzv-endpoint/--rdzv-id` -> this node's part of a multi-node launch (None when
+    none is given); a flag that cannot work is one line each."""
+    from meshforge.launch import Nodes
+
+    given = [f for f in ("node_rank", "rdzv_endpoint", "rdzv_id") if getattr(args, f) is not None]
+    if args.nnodes is None:
+        return ["--" + given[0].replace("_", "-") + " needs --nnodes"] if given else None
+    problems = []
+    if args.nnodes < 1:
+        problems.append(f"--nnodes={args.nnodes} must be at least 1")
+    if not args.nproc_per_node:
+        problems.append("--nnodes needs --nproc-per-node (processes per node, usually its GPU count)")
+    if args.node_rank is not None and not 0 <= args.node_rank < max(args.nnodes, 1):
+        problems.append(f"--node-rank={args.node_rank} must be in [0, {args.nnodes - 1}] for --nnodes={args.nnodes}")
+    endpoint = args.rdzv_endpoint
+    if endpoint is None:
+        if args.nnodes > 1:
+            problems.append(f"--nnodes={args.nnodes} needs --rdzv-endpoint HOST:PORT (an address of node 0 "
+                            "that every node can reach)")
+        endpoint = "127.0.0.1:29500"
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        problems.append(f"--rdzv-endpoint={endpoint!r} is not HOST:PORT")
+    if args.rdzv_id is not None and args.node_rank is not None:
+        problems.append("--rdzv-id is for the c10d rendezvous (no --node-rank); with --node-rank the static "
+                        "rendezvous needs none: drop one of them")
+    return problems or Nodes(args.nnodes, endpoint, args.node_rank, args.rdzv_id or "meshforge")
+
+
 def cmd_train(args) -> int:
     from meshforge.config import ConfigError, load_config
 
-    world = args.nproc_per_node if args.nproc_per_node and not _under_launcher() else None
+    nodes = _nodes(args)
+    if isinstance(nodes, list):
+        return _fail(nodes)
+    # with --nnodes this process is its node's launcher, even inside an `srun` task
+    world = args.nproc_per_node if args.nproc_per_node and (nodes or not _under_launcher()) else None
     try:
         from meshforge.distributed.env import env_world_size
 
-        cfg = load_config(args.config, args.overrides, world_size=world or env_world_size())
+        cfg = load_config(args.config, args.overrides, world_size=world * (nodes.nnodes if nodes else 1)
+                          if world else env_world_size())
     except ConfigError as err:
         return _fail(err.problems)
-    if world and world > 1:
+    if nodes or (world and world > 1):
         from meshforge.launch import run_cli
 
-        return run_cli(world, ["train", args.config, *args.overrides])
+        return run_cli(world, ["train", args.config, *args.overrides], nodes)
     return run_training(cfg)
 
 
 def run_training(cfg) -> int:
     from meshforge.config.loader import write_yaml
+    from meshforge.distributed.env import apply_slurm_env
     from meshforge.training.trainer import train
 
+    apply_slurm_env()  # under srun: RANK before it is read here
     rank = int(os.environ.get("RANK", 0))
     try:
         if rank == 0:
@@ -83,22 +121,29 @@ def cmd_validate(args) -> int:
     except ConfigError as err:
         return _fail(err.problems)
     world = args.world_size or default_world_size(cfg)
+    gpn = args.gpus_per_node
+    if gpn is not None and (gpn < 1 or world % gpn):
+        return _fail(f"--gpus-per-node={gpn} must be positive and divide the world size {world}")
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
     console.print(dump_yaml(cfg), end="", markup=False, highlight=False)
     layout = layout_of(cfg, world)
-    table = Table(title=f"rank layout, world size {world} (strategy {cfg.distributed.strategy})")
-    for col in ("axis", "size", "groups (global ranks)"):
+    spans = layout.nodes_spanned(gpn) if gpn else {}
+    nodes = f", {world // gpn} nodes of {gpn}" if gpn else ""
+    table = Table(title=f"rank layout, world size {world}{nodes} (strategy {cfg.distributed.strategy})")
+    for col in ("axis", "size", *(["nodes per group"] if gpn else []), "groups (global ranks)"):
         table.add_column(col)
     for axis, size, groups in layout.table():
-        table.add_row(axis, str(size), groups)
+        table.add_row(axis, str(size), *([str(spans[axis])] if gpn else []), groups)
     console.print(table)
     notes = warnings(cfg, world)
-    if args.gpus_per_node and cfg.distributed.tp_size > args.gpus_per_node:
-        notes.append(f"distributed.tp_size={cfg.distributed.tp_size} exceeds --gpus-per-node={args.gpus_per_node}: "
-                     "TP groups would cross nodes, which destroys throughput; keep TP inside a node")
+    for axis in ("tp", "cp"):  # per-layer collectives on the critical path: they want NVLink, not the network
+        if spans.get(axis, 1) > 1:
+            notes.append(f"{axis.upper()} groups span {spans[axis]} nodes (distributed.{axis}_size="
+                         f"{layout.size(axis)}, --gpus-per-node={gpn}): their per-layer collectives would cross "
+                         f"the network; keep {axis}_size a divisor of the GPUs per node")
     for w in notes:
         print(f"warning: {w}", file=sys.stderr)
     return 0
@@ -142,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("config")
     t.add_argument("overrides", nargs="*", help="key.path=value edits")
     t.add_argument("--nproc-per-node", type=int, default=None, help="start N local processes (gloo on CPU)")
+    t.add_argument("--nnodes", type=int, default=None, help="nodes of a multi-node launch (this is one of them)")
+    t.add_argument("--node-rank", type=int, default=None, help="this node's rank (static rendezvous); "
+                   "omit it for the c10d rendezvous, which assigns node ranks")
+    t.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of node 0 that every node reaches")
+    t.add_argument("--rdzv-id", default=None, help="c10d rendezvous: the job id every node passes (default meshforge)")
     t.set_defaults(fn=cmd_train)
 
     v = sub.add_parser("validate", help="check a config (and its layout for a world size) without running")

@@ -1,7 +1,8 @@
 """The one launcher of local process groups: torch's elastic launcher (torchrun), a spec in, per-rank results out.
 
-- `run_cli(nproc, argv)`: `python -m meshforge ARGV` on N processes in the foreground, output streamed, as
-  `meshforge train --nproc-per-node N` does; a failure is one line naming how many ranks failed.
+- `run_cli(nproc, argv, nodes)`: `python -m meshforge ARGV` on N processes in the foreground, output streamed, as
+  `meshforge train --nproc-per-node N` does (with `nodes`: as one node of `--nnodes M`); a failure is one line
+  naming how many ranks failed.
 - `launch(target, spec, nproc)`: call `target(spec)` in each of N fresh processes (one plain process at N=1)
   and collect every rank's return value. `target` is "package.module:function" or "path/to/file.py:function".
   A return value is anything `torch.save` writes and `torch.load(weights_only=True)` reads back (tensors,
@@ -33,16 +34,38 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
                "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE")
 
 
-def torchrun_args(nproc: int, entry: list[str]) -> list[str]:
-    """torchrun's arguments for `nproc` local processes running `entry` (["-m", module, ...] or [script, ...])."""
-    return ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", *entry]
+@dataclass(frozen=True)
+class Nodes:
+    """This machine's part of a multi-node launch (`meshforge train --nnodes ...`). With `node_rank`, torch's
+    static rendezvous at `rdzv_endpoint` (node 0's HOST:PORT, where its agent serves the store); without it,
+    the c10d rendezvous assigns node ranks (every node runs the same command, the same `rdzv_id`)."""
+
+    nnodes: int
+    rdzv_endpoint: str
+    node_rank: int | None = None
+    rdzv_id: str = "meshforge"
 
 
-def run_cli(nproc: int, argv: list[str]) -> int:
-    """`python -m meshforge ARGV` on `nproc` local processes, in the foreground (this process is the agent)."""
+def torchrun_args(nproc: int, entry: list[str], nodes: Nodes | None = None) -> list[str]:
+    """torchrun's arguments for `nproc` processes per node running `entry` (["-m", module, ...] or
+    [script, ...]): on this machine alone, or as one node of `nodes`."""
+    if nodes is None:
+        where = ["--standalone"]
+    elif nodes.node_rank is not None:
+        where = [f"--nnodes={nodes.nnodes}", f"--node-rank={nodes.node_rank}", "--rdzv-backend=static",
+                 f"--rdzv-endpoint={nodes.rdzv_endpoint}"]
+    else:
+        where = [f"--nnodes={nodes.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={nodes.rdzv_endpoint}",
+                 f"--rdzv-id={nodes.rdzv_id}"]
+    return [*where, f"--nproc-per-node={nproc}", "--max-restarts=0", *entry]
+
+
+def run_cli(nproc: int, argv: list[str], nodes: Nodes | None = None) -> int:
+    """`python -m meshforge ARGV` on `nproc` local processes, in the foreground (this process is the agent);
+    with `nodes`, as one node of a multi-node launch."""
     from torch.distributed.run import get_args_parser, run
 
-    largs = get_args_parser().parse_args(torchrun_args(nproc, ["-m", "meshforge", *argv]))
+    largs = get_args_parser().parse_args(torchrun_args(nproc, ["-m", "meshforge", *argv], nodes))
     try:
         run(largs)
     except Exception as err:  # noqa: BLE001 - ChildFailedError carries the failing ranks' exit codes

@@ -4,7 +4,7 @@ process-free validation.
 Layers (a package may import only packages of its own layer or below; every import counts, function-local
 ones too, except under `if TYPE_CHECKING:`):
 
-    errors, launch                      leaves: the error classes, the process launcher
+    errors, launch, progress            leaves: the error classes, the process launcher, progress bars
     models, data                        plain models behind one contract; token sources and the loader
     config, planning, recipes           process-free: schema, strategy specs, rules, layout, plans
     distributed                         meshes, strategies, parallelisms, the parallel model runtime
@@ -25,13 +25,13 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "meshforge"
 LAYERS = [
-    {"errors", "launch"},
+    {"errors", "launch", "progress"},
     {"models", "data"},
     {"config", "planning", "recipes"},
     {"distributed"},
     {"checkpoint"},
     {"training"},
-    {"testing", "bench", "verify", "cli", "__init__", "__main__"},
+    {"testing", "bench", "verify", "plot", "cli", "__init__", "__main__"},
 ]
 LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 # what a model is made of: names no code outside models/ may spell (the model contract says it instead)

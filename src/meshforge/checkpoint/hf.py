@@ -35,6 +35,7 @@ from meshforge.checkpoint.files import (
 )
 from meshforge.errors import CheckpointError
 from meshforge.models import ModelArgs, args_from_hf_config, build_model, contract_of
+from meshforge.progress import track
 
 
 def _adapter(model, where: Path):
@@ -73,7 +74,7 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, shard_mb: int =
     tmp.mkdir(parents=True)
     n = len(shards)
     weight_map = {}
-    for i, group in enumerate(shards):
+    for i, group in enumerate(track(shards, "export: safetensors files")):
         fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
         state = {f"model.{k}": torch.empty(shapes[f"model.{k}"][0], dtype=shapes[f"model.{k}"][1]) for k in group}
         try:
@@ -117,7 +118,7 @@ def _hf_tensor_files(hf_dir: Path) -> dict[str, Path]:
 
 
 @torch.no_grad()
-def load_hf_into(model, hf_dir: str | Path) -> None:
+def load_hf_into(model, hf_dir: str | Path, progress: bool = False) -> None:
     """Copy HF safetensors into a meshforge model (plain or with DTensor parameters), tensor by tensor.
 
     A pipeline stage holds only some of the model: it reads only the tensors of its own parameters.
@@ -128,7 +129,8 @@ def load_hf_into(model, hf_dir: str | Path) -> None:
     adapter = _adapter(model, hf_dir)
     files = _hf_tensor_files(hf_dir)
     handles: dict[Path, object] = {}
-    for ours, p in model.named_parameters(remove_duplicate=False):
+    params = list(model.named_parameters(remove_duplicate=False))
+    for ours, p in track(params, "import: tensors", enabled=progress):
         try:
             theirs = adapter.hf_names(ours)
         except KeyError as err:
@@ -184,6 +186,6 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
         raise CheckpointError(f"{cfg_file}: missing")
     overrides = args_from_hf_config(json.loads(cfg_file.read_text()))
     model = build_model(ModelArgs(**overrides).validate())
-    load_hf_into(model, hf_dir)
+    load_hf_into(model, hf_dir, progress=True)
     final = save_weights_only(model, out_dir, str(hf_dir))
     return {"dir": str(final), "model_overrides": overrides}

@@ -269,6 +269,23 @@ def tensor_parallel_plan(cfg: Config, world_size: int) -> list[str]:
     return config_plan_problems(cfg.model, d.tp_size, d.sequence_parallel, d.tp_plan)
 
 
+@rule
+def schedule_and_profiling_steps(cfg: Config, world_size: int) -> list[str]:
+    """wsd's phases and the profiled steps must fit inside training.max_steps; a memory snapshot needs CUDA."""
+    s, p, t = cfg.scheduler, cfg.profiling, cfg.training
+    out = []
+    if s.name == "wsd" and s.warmup_steps + s.decay_steps > t.max_steps:
+        out.append(f"scheduler.warmup_steps + decay_steps = {s.warmup_steps}+{s.decay_steps} exceeds "
+                   f"training.max_steps={t.max_steps}: shorten the decay or the warmup")
+    if p.enabled and p.steps[1] > t.max_steps:
+        out.append(f"profiling.steps={list(p.steps)} ends after training.max_steps={t.max_steps}: profile steps "
+                   f"inside the run")
+    if p.enabled and p.memory_snapshot and t.device == "cpu":
+        out.append("profiling.memory_snapshot=true needs CUDA (training.device=cpu): set it false; the trace "
+                   "works on CPU")
+    return out
+
+
 def check(cfg: Config, world_size: int | None = None) -> list[str]:
     """Every violation, one line each (empty when the config is valid for this world size)."""
     ws = world_size if world_size is not None else default_world_size(cfg)
@@ -291,10 +308,23 @@ def warnings(cfg: Config, world_size: int | None = None) -> list[str]:
         out.append("distributed.moe is ignored because ep_size=1")
     for fn in d.spec.warnings:
         out += fn(cfg, ws)
+    out += _ignored_tracking_keys(cfg)
     set_options = sorted(d.options.model_fields_set)
     if ws == 1 and set_options:
         out.append(f"world size 1: strategy {d.strategy} options ({', '.join(set_options)}) have nothing to shard "
                    "or reduce")
+    return out
+
+
+def _ignored_tracking_keys(cfg: Config) -> list[str]:
+    """Profiling and logger keys set where nothing reads them."""
+    p, lg = cfg.profiling, cfg.logging
+    out = [f"profiling.{k} is ignored because profiling.enabled=false"
+           for k in sorted(p.model_fields_set - {"enabled"}) if not p.enabled]
+    for key, readers in (("project", {"wandb", "mlflow"}), ("mlflow_tracking_uri", {"mlflow"})):
+        if key in lg.model_fields_set and not readers & set(lg.loggers):
+            out.append(f"logging.{key} is ignored: logging.loggers {lg.loggers} has no "
+                       f"{' or '.join(sorted(readers))}")
     return out
 
 

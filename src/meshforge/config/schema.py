@@ -311,10 +311,26 @@ class OptimizerConfig(Section):
 
 
 class SchedulerConfig(Section):
-    name: Literal["cosine", "linear", "constant"] = "cosine"
+    """Linear warmup, then: cosine/linear decay to min_lr_ratio, constant, or wsd (warmup-stable-decay: the
+    peak lr until the last `decay_steps` steps of training.max_steps, then `decay_style` down to min_lr_ratio)."""
+
+    name: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
     warmup_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    decay_steps: int | None = Field(None, gt=0)  # None = training.max_steps - warmup
+    # cosine/linear: steps of decay after warmup (None = training.max_steps - warmup);
+    # wsd: length of the final decay phase (required)
+    decay_steps: int | None = Field(None, gt=0)
+    decay_style: Literal["linear", "cosine", "sqrt"] | None = None  # wsd only; None = linear
+
+    @model_validator(mode="after")
+    def _wsd_keys(self) -> SchedulerConfig:
+        if self.name != "wsd" and self.decay_style is not None:
+            raise ValueError(f"scheduler.decay_style is only read by scheduler.name=wsd (name is {self.name!r}): "
+                             "remove it or set scheduler.name=wsd")
+        if self.name == "wsd" and self.decay_steps is None:
+            raise ValueError("scheduler.name=wsd needs scheduler.decay_steps (the length of the final decay "
+                             "phase, e.g. 10-20% of training.max_steps)")
+        return self
 
 
 # ------------------------------------------------------------------------- training
@@ -379,17 +395,72 @@ class CheckpointConfig(Section):
 
 
 # -------------------------------------------------------------------------- logging
+LOGGER_NAMES = ("jsonl", "tensorboard", "wandb", "mlflow")
+
+
 class LoggingConfig(Section):
+    """Where metrics go (rank 0 only; see training/loggers.py). The old booleans `jsonl: BOOL` and
+    `tensorboard: BOOL` are still read, mapped exactly onto `loggers` (true adds the name, false removes it;
+    false for a name `loggers` lists is refused as a contradiction)."""
+
     log_every: int = Field(10, gt=0)
     progress: Literal["auto", "rich", "plain", "none"] = "auto"
-    jsonl: bool = True
-    tensorboard: bool = False
+    # metric sinks: jsonl (<output_dir>/metrics.jsonl), tensorboard, wandb, mlflow (the last three are extras)
+    loggers: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(default_factory=lambda: ["jsonl"])
+    project: str = "meshforge"  # the W&B project / MLflow experiment; the run is named run.name
+    mlflow_tracking_uri: str | None = None  # None = $MLFLOW_TRACKING_URI, else file:<output_dir>/mlruns
     peak_tflops: float | None = Field(None, gt=0)  # override of the device table for MFU
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_logger_flags(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not ({"jsonl", "tensorboard"} & set(data)):
+            return data
+        data = dict(data)
+        given = data.get("loggers")
+        loggers = list(given or (["jsonl"] if given is None else []))
+        for name in ("jsonl", "tensorboard"):
+            if name not in data:
+                continue
+            on = data.pop(name)
+            if not isinstance(on, bool):
+                raise ValueError(f"logging.{name} must be true or false (it maps onto logging.loggers)")
+            if not on and given is not None and name in given:
+                raise ValueError(f"logging.{name}=false contradicts logging.loggers={list(given)}: drop "
+                                 f"logging.{name} (the old spelling) and list the loggers you want")
+            if on and name not in loggers:
+                loggers.append(name)
+            elif not on:
+                loggers = [x for x in loggers if x != name]
+        data["loggers"] = loggers
+        return data
+
+    @field_validator("loggers")
+    @classmethod
+    def _unique(cls, v: list[str]) -> list[str]:
+        return list(dict.fromkeys(v))
 
     @field_validator("progress", mode="before")
     @classmethod
     def _progress_none(cls, v: Any) -> Any:
         return "none" if v is None or v is False else v
+
+
+# ------------------------------------------------------------------------ profiling
+class ProfilingConfig(Section):
+    """A torch.profiler trace of a few steps (training/profiling.py)."""
+
+    enabled: bool = False
+    steps: tuple[int, int] = (5, 8)  # first and last optimizer step profiled (1-based, inclusive)
+    dir: str | None = None  # None = <run.output_dir>/profile; trace_rank<R>.json per rank
+    memory_snapshot: bool = False  # CUDA only: a memory-history snapshot (pytorch.org/memory_viz) per rank
+
+    @field_validator("steps")
+    @classmethod
+    def _ordered(cls, v: tuple[int, int]) -> tuple[int, int]:
+        if not 1 <= v[0] <= v[1]:
+            raise ValueError(f"profiling.steps={list(v)} must be [first, last] with 1 <= first <= last")
+        return v
 
 
 # -------------------------------------------------- Megatron-Bridge style spellings
@@ -423,6 +494,7 @@ class Config(Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    profiling: ProfilingConfig = Field(default_factory=ProfilingConfig)
     dist: BridgeDistConfig = Field(default_factory=BridgeDistConfig)
     ddp: BridgeDDPConfig = Field(default_factory=BridgeDDPConfig)
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from meshforge.data.sources import byte_tokens, expand_paths, stdlib_sources
 from meshforge.errors import DataError
+from meshforge.progress import track
 
 CHUNK_DOCS = 1024
 
@@ -66,7 +67,7 @@ def prepare(inputs: list[str], output: str, dtype: str = "uint16", tokenizer: st
     out.parent.mkdir(parents=True, exist_ok=True)
     np_dtype = np.dtype(dtype)
     if tokenizer is None:
-        return _write_npy(out, iter([byte_tokens(files)]), np_dtype), out
+        return _write_npy(out, iter([byte_tokens(track(files, "data prepare: files read"))]), np_dtype), out
 
     from meshforge.data.tokenizer import load_tokenizer
 
@@ -77,7 +78,7 @@ def prepare(inputs: list[str], output: str, dtype: str = "uint16", tokenizer: st
 
     def chunks() -> Iterator[np.ndarray]:
         batch: list[str] = []
-        for doc in _documents(files, text_field):
+        for doc in _documents(track(files, "data prepare: files tokenized"), text_field):
             batch.append(doc)
             if len(batch) == CHUNK_DOCS:
                 yield from _encode(batch)

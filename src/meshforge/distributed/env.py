@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,17 +35,71 @@ def env_world_size() -> int:
     return 1
 
 
-def _slurm_to_torch_env() -> None:
-    """Map srun's variables onto torch's when meshforge is started by `srun` directly."""
-    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
-        return
-    os.environ["RANK"] = os.environ["SLURM_PROCID"]
-    os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
-    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
-    os.environ.setdefault("MASTER_PORT", "29500")
-    if "MASTER_ADDR" not in os.environ:
-        nodes = os.environ.get("SLURM_JOB_NODELIST", "127.0.0.1")
-        os.environ["MASTER_ADDR"] = nodes.split(",")[0].split("[")[0]
+def expand_nodelist(nodelist: str) -> list[str]:
+    """SLURM's compressed host list -> host names, in order: "gpu-[07-09,12],login1" ->
+    gpu-07 gpu-08 gpu-09 gpu-12 login1 (zero padding kept; several bracket groups in one name expand as a
+    product, "r[1-2]n[1-2]" -> r1n1 r1n2 r2n1 r2n2)."""
+    names, depth, start = [], 0, 0
+    for i, ch in enumerate(nodelist + ","):
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            if nodelist[start:i].strip():
+                names.append(nodelist[start:i].strip())
+            start = i + 1
+    out = []
+    for name in names:
+        parts = re.split(r"\[([^\]]*)\]", name)  # text, ranges, text, ranges, ..., text
+        hosts = [""]
+        for k, part in enumerate(parts):
+            if k % 2 == 0:
+                hosts = [h + part for h in hosts]
+                continue
+            items = []
+            for rng in part.split(","):
+                lo, _, hi = rng.partition("-")
+                items += [str(n).zfill(len(lo)) for n in range(int(lo), int(hi or lo) + 1)]
+            hosts = [h + item for h in hosts for item in items]
+        out += hosts
+    return out
+
+
+def _tasks_on_node(tasks_per_node: str, node_id: int) -> int | None:
+    """SLURM_TASKS_PER_NODE ("4(x2),3": 4 on nodes 0-1, 3 on node 2) -> the count on `node_id`."""
+    counts = []
+    for item in tasks_per_node.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
+        if m is None:
+            return None
+        counts += [int(m[1])] * int(m[2] or 1)
+    return counts[node_id] if node_id < len(counts) else None
+
+
+def slurm_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The torch.distributed variables of one `srun` task (one task per process), derived from SLURM's:
+    RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (node), GROUP_WORLD_SIZE (nodes), and
+    MASTER_ADDR = the first host of the step (block distribution puts rank 0 there), MASTER_PORT = a port
+    every task of the job derives alike from SLURM_JOB_ID (two jobs sharing a node get different ports).
+    Variables already set win; {} when not inside an srun task or under torchrun."""
+    if "RANK" in env or "SLURM_PROCID" not in env:
+        return {}
+    node_id = int(env.get("SLURM_NODEID", 0))
+    out = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env.get("SLURM_NTASKS", "1"),
+           "LOCAL_RANK": env.get("SLURM_LOCALID", "0"), "GROUP_RANK": str(node_id),
+           "GROUP_WORLD_SIZE": env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES", "1"))}
+    local = _tasks_on_node(env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "")), node_id)
+    if local is not None:
+        out["LOCAL_WORLD_SIZE"] = str(local)
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    out["MASTER_ADDR"] = expand_nodelist(nodelist)[0] if nodelist else "127.0.0.1"
+    job = env.get("SLURM_JOB_ID", "")
+    out["MASTER_PORT"] = str(20000 + int(job) % 20000) if job.isdigit() else "29500"
+    return {k: v for k, v in out.items() if k not in env}
+
+
+def apply_slurm_env() -> None:
+    """Map srun's variables onto torch's when meshforge is started by `srun` directly (idempotent). Call it
+    before anything reads RANK: rank-0-only work done earlier would run on every task."""
+    os.environ.update(slurm_env(os.environ))
 
 
 def pick_device(requested: str = "auto") -> torch.device:
@@ -73,7 +128,7 @@ def choose_cuda_device_max_connections(dcfg, world_size: int, cuda: bool) -> str
 
 
 def init_distributed(device: str = "auto", timeout_minutes: float = 10.0) -> DistInfo:
-    _slurm_to_torch_env()
+    apply_slurm_env()
     world = env_world_size()
     dev = pick_device(device)
     if dev.type == "cuda":

@@ -147,6 +147,12 @@ class Layout:
             out.append(group)
         return out
 
+    def nodes_spanned(self, gpus_per_node: int) -> dict[str, int]:
+        """{axis: the most nodes one of its groups spans}, ranks filling nodes in order (rank // gpus_per_node:
+        what torchrun and srun's block distribution do). >1 means that axis's collectives cross the network."""
+        return {axis: max(len({r // gpus_per_node for r in g}) for g in self.groups(axis))
+                for axis, _, _ in self.table()}
+
     def table(self) -> list[tuple[str, int, str]]:
         """(axis, size, groups) rows for the validate command."""
         rows = []

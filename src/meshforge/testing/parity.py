@@ -27,7 +27,7 @@ from meshforge.training.trainer import train
 def base_overrides(steps: int = 10) -> list[str]:
     return ["model.preset=tiny", "data.source=synthetic", f"training.max_steps={steps}", "training.seq_len=32",
             "training.global_batch_size=8", "training.micro_batch_size=2", "training.device=cpu",
-            "training.precision=fp32", "logging.progress=none", "logging.jsonl=false", "checkpoint.resume=none",
+            "training.precision=fp32", "logging.progress=none", "logging.loggers=[]", "checkpoint.resume=none",
             "optimizer.lr=1e-2", "scheduler.warmup_steps=2", "run.seed=7"]
 
 

@@ -1,11 +1,14 @@
-"""Where metrics go: a rich progress bar (TTY) or plain lines, metrics.jsonl, and optional TensorBoard."""
+"""Where metrics go: a rich progress bar (TTY) or plain lines, and the sinks of `logging.loggers` (loggers.py)."""
 
 from __future__ import annotations
 
-import json
 import math
 import sys
-from pathlib import Path
+
+import torch.distributed as dist
+
+from meshforge.errors import ConfigError
+from meshforge.training.loggers import build_loggers, check_extras, run_metadata
 
 
 def _fmt(v) -> str:
@@ -17,10 +20,11 @@ def _fmt(v) -> str:
 
 
 class MetricsLogger:
-    def __init__(self, output_dir: str | None, lcfg, max_steps: int, enabled: bool, start_step: int = 0):
+    def __init__(self, output_dir: str, lcfg, max_steps: int, enabled: bool, start_step: int = 0,
+                 run_name: str = "meshforge"):
+        check_extras(lcfg.loggers)  # on every rank: the same one line everywhere
         self.enabled = enabled
-        self.jsonl = None
-        self.tb = None
+        self.sinks = []
         self.progress = None
         if not enabled:
             return
@@ -28,16 +32,7 @@ class MetricsLogger:
         if mode == "auto":
             mode = "rich" if sys.stdout.isatty() else "plain"
         self.mode = mode
-        if output_dir and lcfg.jsonl:
-            Path(output_dir).mkdir(parents=True, exist_ok=True)
-            self.jsonl = open(Path(output_dir) / "metrics.jsonl", "a" if start_step else "w")
-        if lcfg.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as err:
-                raise RuntimeError("logging.tensorboard=true needs the tensorboard extra: "
-                                   "pip install 'meshforge[tensorboard]'") from err
-            self.tb = SummaryWriter(str(Path(output_dir) / "tensorboard"))
+        self.sink_args = (lcfg, output_dir, run_name, start_step > 0)  # the sinks are built by `start`
         if mode == "rich":
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -49,13 +44,8 @@ class MetricsLogger:
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
-        if self.jsonl:
-            self.jsonl.write(json.dumps(record) + "\n")
-            self.jsonl.flush()
-        if self.tb:
-            for k, v in record.items():
-                if isinstance(v, (int, float)) and k != "step" and v is not None:
-                    self.tb.add_scalar(k, v, record["step"])
+        for sink in self.sinks:
+            sink.log(record)
         if "val_loss" in record:  # a validation record (training/validation.py)
             self.info(" ".join(f"{k}={_fmt(record.get(k))}" for k in ("step", "val_loss", "val_ppl")))
             return
@@ -65,6 +55,32 @@ class MetricsLogger:
             self.progress.update(self.task, completed=record["step"], info=f"loss {record['loss']:.4f}")
         elif self.mode == "plain":
             print(line, flush=True)
+
+    def start(self, cfg, **world) -> None:
+        """Build the sinks (rank 0) and give them the resolved config and the run's metadata (with `world`: its
+        size, layout, device) once. Every rank learns whether that worked, so a sink that cannot start (W&B not
+        logged in, an MLflow store that refuses) is one line on every rank, not rank 0 dying while the others
+        wait in a collective."""
+        error = None
+        if self.enabled:
+            try:
+                self.sinks = build_loggers(*self.sink_args)
+                config = cfg.model_dump(mode="json", exclude={"dist", "ddp"})
+                meta = run_metadata({"strategy": cfg.distributed.strategy, **world}) if self.sinks else {}
+                for sink in self.sinks:
+                    sink.start(config, meta)
+            except ConfigError as err:
+                error = "; ".join(err.problems)
+            except Exception as err:  # noqa: BLE001 - any library's failure becomes the one line below
+                first = (str(err).strip().splitlines() or [""])[0][:200]
+                error = f"logging.loggers: a logger could not start ({type(err).__name__}: {first})"
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            errors: list = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+            error = next((e for e in errors if e), None)
+        if error:
+            self.close()
+            raise ConfigError([error])
 
     def info(self, msg: str) -> None:
         if self.enabled:
@@ -76,7 +92,5 @@ class MetricsLogger:
     def close(self) -> None:
         if self.progress is not None:
             self.progress.stop()
-        if self.jsonl:
-            self.jsonl.close()
-        if self.tb:
-            self.tb.close()
+        for sink in self.sinks:
+            sink.close()

@@ -1,4 +1,10 @@
-"""AdamW and the learning-rate schedule (linear warmup, then cosine, linear or constant)."""
+"""AdamW and the learning-rate schedule: linear warmup, then cosine, linear or constant, or WSD.
+
+WSD (warmup-stable-decay, as in MiniCPM, torchtitan, Megatron-Bridge): the peak lr after warmup until the
+last `decay_steps` steps, which decay to `min_lr_ratio` along `decay_style` (linear, cosine, or sqrt:
+1 - sqrt(t)). The stable phase can be stopped anywhere and decayed later, which is why people want it.
+Muon is not offered: its Newton-Schulz update needs whole matrices, which fsdp2 and megatron_fsdp shard
+(an exact sharded Muon needs a gather per matrix per step; not built, so not exposed)."""
 
 from __future__ import annotations
 
@@ -26,12 +32,26 @@ def lr_factor(step: int, scfg, max_steps: int) -> float:
         return (step + 1) / scfg.warmup_steps
     if scfg.name == "constant":
         return 1.0
+    lo = scfg.min_lr_ratio
+    if scfg.name == "wsd":
+        start = max_steps - scfg.decay_steps  # the first step of the decay phase
+        if step < start:
+            return 1.0
+        # the decay phase's last step (max_steps - 1) lands exactly on min_lr_ratio
+        t = min(1.0, (step - start + 1) / scfg.decay_steps)
+        return lo + (1.0 - lo) * _decay_shape(scfg.decay_style or "linear", t)
     decay = scfg.decay_steps or max(1, max_steps - scfg.warmup_steps)
     t = min(1.0, (step - scfg.warmup_steps) / decay)
-    lo = scfg.min_lr_ratio
-    if scfg.name == "linear":
-        return 1.0 - (1.0 - lo) * t
-    return lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * t))
+    return lo + (1.0 - lo) * _decay_shape("linear" if scfg.name == "linear" else "cosine", t)
+
+
+def _decay_shape(style: str, t: float) -> float:
+    """1 at t=0 falling to 0 at t=1."""
+    if style == "linear":
+        return 1.0 - t
+    if style == "sqrt":
+        return 1.0 - math.sqrt(t)
+    return 0.5 * (1.0 + math.cos(math.pi * t))
 
 
 def build_scheduler(optimizer, scfg, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:

@@ -35,6 +35,7 @@ from meshforge.data.sources import split_validation
 from meshforge.distributed.build import build_parallel_model
 from meshforge.distributed.env import (
     DistInfo,
+    apply_slurm_env,
     choose_cuda_device_max_connections,
     destroy,
     env_world_size,
@@ -49,6 +50,7 @@ from meshforge.training.logger import MetricsLogger
 from meshforge.training.metrics import device_peak_tflops, max_memory_gib, throughput
 from meshforge.training.nonfinite import NonFinitePolicy
 from meshforge.training.optim import build_optimizer, build_scheduler
+from meshforge.training.profiling import StepProfiler
 from meshforge.training.signals import StopSignal
 from meshforge.training.validation import Validation
 
@@ -152,8 +154,10 @@ class Trainer:
         if ckpt is not None:
             self.step = ckpt.resume(self.pm, self.optimizer, self.scheduler, self.loader)
         result = TrainResult(start_step=self.step, parallel_model=self.pm, optimizer=self.optimizer)
+        profiler = StepProfiler(cfg.profiling, cfg.run.output_dir, info.rank, info.device, note=lambda m: log.info(m))
         log = MetricsLogger(cfg.run.output_dir, cfg.logging, t.max_steps, enabled=info.is_main,
-                            start_step=self.step)
+                            start_step=self.step, run_name=cfg.run.name)
+        log.start(cfg, world_size=info.world_size, layout=self.mesh_ctx.layout.named_shape(), device=str(info.device))
         for w in config_rules.warnings(cfg, info.world_size):
             log.info(f"warning: {w}")
         log.info(f"meshforge: {cfg.run.name} | strategy={cfg.distributed.strategy} world={info.world_size} "
@@ -164,7 +168,8 @@ class Trainer:
         signals.install()
         try:
             while self.step < t.max_steps:
-                window.add(self.step + 1, *self.train_step())
+                with profiler.step(self.step + 1):
+                    window.add(self.step + 1, *self.train_step())
                 for hook in self.after_step:
                     hook(self.step)
                 final = self.step == t.max_steps
@@ -187,6 +192,7 @@ class Trainer:
                     break
         finally:
             signals.close()
+            profiler.close()
             if ckpt is not None:
                 ckpt.close()
             log.close()
@@ -254,6 +260,7 @@ def train(cfg: Config, info: DistInfo | None = None) -> TrainResult:
     down the process group it made; a group the caller made is theirs to destroy."""
     if info is not None:
         return Trainer.build(cfg, info).fit()
+    apply_slurm_env()  # under srun: RANK before it is read below
     cuda = cfg.training.device != "cpu" and torch.cuda.is_available()
     note = choose_cuda_device_max_connections(cfg.distributed, env_world_size(), cuda)  # before CUDA starts
     if note and int(os.environ.get("RANK", 0)) == 0:
