@@ -35,6 +35,7 @@ from meshforge.checkpoint.files import (
 )
 from meshforge.errors import CheckpointError
 from meshforge.models import ModelArgs, args_from_hf_config, build_model, contract_of
+from meshforge.models.lora import is_adapter_param
 
 
 def _adapter(model, where: Path):
@@ -129,6 +130,8 @@ def load_hf_into(model, hf_dir: str | Path) -> None:
     files = _hf_tensor_files(hf_dir)
     handles: dict[Path, object] = {}
     for ours, p in model.named_parameters(remove_duplicate=False):
+        if is_adapter_param(ours):
+            continue  # LoRA adapters are not base weights (`peft.init_from` loads them)
         try:
             theirs = adapter.hf_names(ours)
         except KeyError as err:

@@ -269,6 +269,38 @@ def tensor_parallel_plan(cfg: Config, world_size: int) -> list[str]:
     return config_plan_problems(cfg.model, d.tp_size, d.sequence_parallel, d.tp_plan)
 
 
+_PEFT_STRATEGIES = ("ddp", "fsdp2")
+
+
+@rule
+def peft_composes(cfg: Config, world_size: int) -> list[str]:
+    """LoRA runs on ddp and fsdp2 (with HSDP, CP, activation checkpointing) on a model that declares an adapter
+    layout; what is not built yet is refused here, never run half-right."""
+    p, d = cfg.peft, cfg.distributed
+    if p is None:
+        return []
+    out = []
+    if d.strategy not in _PEFT_STRATEGIES:
+        out.append(f"peft (LoRA) with distributed.strategy={d.strategy} is not supported yet (frozen base weights "
+                   f"would still take gradient and optimizer memory): use strategy {' or '.join(_PEFT_STRATEGIES)}")
+    for key in ("tp_size", "pp_size", "ep_size"):
+        if getattr(d, key) > 1:
+            out.append(f"peft (LoRA) with distributed.{key}={getattr(d, key)} is not supported yet (adapters are not "
+                       f"split or staged with their base layers): set {key}=1 and use data parallelism")
+    if cfg.checkpoint.save_consolidated:
+        out.append("checkpoint.save_consolidated with peft: a LoRA checkpoint holds the adapters only; leave it off "
+                   "and run `meshforge checkpoint export --adapter` (PEFT format) or `--merge` (merged HF weights)")
+    if _model_args(cfg) is not None:
+        from meshforge.models import meta_modules
+        from meshforge.models.lora import layout_of, resolve_roles
+
+        try:
+            resolve_roles(layout_of(meta_modules(cfg.model)[0]), p.target_modules)
+        except ValueError as err:
+            out.append(str(err))
+    return out
+
+
 def check(cfg: Config, world_size: int | None = None) -> list[str]:
     """Every violation, one line each (empty when the config is valid for this world size)."""
     ws = world_size if world_size is not None else default_world_size(cfg)
