@@ -1,0 +1,53 @@
+"""LoRA parity: ddp and fsdp2 (meta init, CP, activation checkpointing, trained norms) at N=2 reproduce the
+single-process LoRA run; the frozen base stays bitwise equal to it; an N=2 adapter checkpoint resumes in one
+process (resharded) on the same trajectory.
+
+fp32, the parity harness's tiny model and batch, 10 steps; tolerances as the dense dp parity tests (relative
+loss <= 1e-5 per step, final weights within 5e-5). Runs inside the shared N=2 launch (`conftest.group`).
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshforge.testing.group import Job
+from meshforge.testing.parity import compare, results_of, run_single
+
+pytestmark = pytest.mark.dist
+
+LOSS_RTOL, WEIGHT_ATOL = 1e-5, 5e-5
+LORA = ["peft.rank=4", "peft.target_modules=[q_proj,v_proj,o_proj,gate_proj,down_proj]"]
+NORMS = [*LORA, "peft.freeze=[embeddings]"]
+CKPT_DIR = Path(os.environ.get("MESHFORGE_TEST_SHARED", "/tmp")) / "lora_n2"
+
+N2 = {
+    "lora_ddp": [*LORA, "distributed.strategy=ddp"],
+    "lora_fsdp2": [*LORA, "distributed.strategy=fsdp2"],
+    "lora_fsdp2_meta_ac": [*LORA, "model.init_device=meta", "distributed.activation_checkpointing=full"],
+    "lora_fsdp2_cp2": [*LORA, "distributed.cp_size=2"],
+    "lora_fsdp2_norms": [*NORMS, "distributed.strategy=fsdp2"],
+    "lora_fsdp2_ckpt": [*LORA, "checkpoint.interval=5", f"run.output_dir={CKPT_DIR}"],
+}
+REFERENCE = {name: NORMS if "norms" in name else LORA for name in N2}
+
+GROUP_JOBS = [Job("lora parity n2", "meshforge.testing.parity:configs_job", {"configs": N2}, 2)]
+
+
+@pytest.mark.parametrize("name", list(N2))
+def test_lora_parity_n2(reference, group, name):
+    ref, got = reference(REFERENCE[name]), results_of(group("lora parity n2"))[name]
+    compare(ref, got, name, LOSS_RTOL, WEIGHT_ATOL)
+    frozen = [k for k in ref.weights if ".lora_" not in k and not (name.endswith("norms") and "norm" in k)]
+    assert frozen and all(torch.equal(ref.weights[k], got.weights[k]) for k in frozen), \
+        f"{name}: a frozen base weight differs from the single-process run's (its initial value)"
+
+
+def test_n2_adapter_checkpoint_resumes_in_one_process(reference, group):
+    assert "error" not in group("lora parity n2")["lora_fsdp2_ckpt"]
+    got = run_single([*LORA, f"checkpoint.resume={CKPT_DIR / 'checkpoints' / 'step_5'}",
+                      f"run.output_dir={CKPT_DIR}_resumed"])
+    ref = reference(LORA)
+    tail = type(ref)(ref.losses[5:], ref.grad_norms[5:], ref.weights)
+    compare(tail, got, "lora resume n2 -> 1", LOSS_RTOL, WEIGHT_ATOL)
