@@ -95,3 +95,22 @@ def test_freeze_policy_trains_the_norms_it_does_not_list():
     assert params["norm.weight"].requires_grad and not torch.equal(params["norm.weight"], init["norm.weight"])
     assert not params["tok_embeddings.weight"].requires_grad
     assert torch.equal(params["tok_embeddings.weight"], init["tok_embeddings.weight"])
+
+
+@pytest.mark.parametrize("overrides", [["peft.rank=16"], []])
+def test_state_bytes_accounting_equals_the_bench_measurement(overrides):
+    """The accounting `benchmarks/lora_memory.py` prints for the 1B preset, checked here against the bench's
+    measured storages (after an optimizer step, before zero_grad) on the tiny preset."""
+    from meshforge.bench.measure import state_bytes as measured_state_bytes
+    from meshforge.bench.peft_memory import state_bytes
+
+    cfg = config(overrides, steps=1, world_size=1)
+    tr = Trainer.build(cfg, single_info())
+    got: dict = {}
+    tr.train_step(clock=lambda part: part == "schedule" and got.update(
+        measured_state_bytes(tr.pm.parts, tr.optimizer, tr.pm.strategy)))
+    want = state_bytes(cfg.model, cfg.peft)
+    assert {k: got[k] for k in ("params", "grads", "optimizer", "total")} == \
+        {k: want[k] for k in ("params", "grads", "optimizer", "total")}
+    if cfg.peft is not None:
+        assert want["grads"] < want["params"] / 5
