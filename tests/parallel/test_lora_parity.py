@@ -1,4 +1,4 @@
-"""LoRA parity: ddp and fsdp2 (meta init, CP, activation checkpointing, trained norms) at N=2 reproduce the
+"""LoRA parity: ddp, fsdp2 (meta init, CP, activation checkpointing, trained norms) and PP2 at N=2 reproduce the
 single-process LoRA run; the frozen base stays bitwise equal to it; an N=2 adapter checkpoint resumes in one
 process (resharded) on the same trajectory.
 
@@ -20,6 +20,7 @@ pytestmark = pytest.mark.dist
 LOSS_RTOL, WEIGHT_ATOL = 1e-5, 5e-5
 LORA = ["peft.rank=4", "peft.target_modules=[q_proj,v_proj,o_proj,gate_proj,down_proj]"]
 NORMS = [*LORA, "peft.freeze=[embeddings]"]
+PP_MODEL = [*LORA, "model.n_layers=4", "distributed.pipeline.pp_microbatch_size=2"]
 CKPT_DIR = Path(os.environ.get("MESHFORGE_TEST_SHARED", "/tmp")) / "lora_n2"
 
 N2 = {
@@ -29,8 +30,15 @@ N2 = {
     "lora_fsdp2_cp2": [*LORA, "distributed.cp_size=2"],
     "lora_fsdp2_norms": [*NORMS, "distributed.strategy=fsdp2"],
     "lora_fsdp2_ckpt": [*LORA, "checkpoint.interval=5", f"run.output_dir={CKPT_DIR}"],
+    "lora_pp2_1f1b": [*PP_MODEL, "distributed.pp_size=2"],
+    "lora_pp2_interleaved": [*PP_MODEL, "distributed.pp_size=2", "distributed.pipeline.pp_schedule=interleaved_1f1b"],
 }
-REFERENCE = {name: NORMS if "norms" in name else LORA for name in N2}
+REFERENCE = {name: NORMS if "norms" in name else [*LORA, "model.n_layers=4"] if "pp2" in name else LORA
+             for name in N2}
+# PP: the schedule sums microbatch gradients in another order; AdamW turns the ~1e-7 differences of the
+# near-zero gradients of A (B starts at zero) into ~lr-sized steps, so grad norms drift to ~2e-3 relative
+# and weights to ~2e-4 over 10 steps (measured) while the per-step losses stay within 1e-5 (as dense PP)
+PP_GRAD_NORM_RTOL, PP_WEIGHT_ATOL = 5e-3, 1e-3
 
 GROUP_JOBS = [Job("lora parity n2", "meshforge.testing.parity:configs_job", {"configs": N2}, 2)]
 
@@ -38,7 +46,10 @@ GROUP_JOBS = [Job("lora parity n2", "meshforge.testing.parity:configs_job", {"co
 @pytest.mark.parametrize("name", list(N2))
 def test_lora_parity_n2(reference, group, name):
     ref, got = reference(REFERENCE[name]), results_of(group("lora parity n2"))[name]
-    compare(ref, got, name, LOSS_RTOL, WEIGHT_ATOL)
+    if "pp2" in name:
+        compare(ref, got, name, LOSS_RTOL, PP_WEIGHT_ATOL, grad_norm_rtol=PP_GRAD_NORM_RTOL)
+    else:
+        compare(ref, got, name, LOSS_RTOL, WEIGHT_ATOL)
     frozen = [k for k in ref.weights if ".lora_" not in k and not (name.endswith("norms") and "norm" in k)]
     assert frozen and all(torch.equal(ref.weights[k], got.weights[k]) for k in frozen), \
         f"{name}: a frozen base weight differs from the single-process run's (its initial value)"
