@@ -392,7 +392,6 @@ class BridgeDDPConfig(Section):
 class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
-    peft: PeftConfig | None = None  # None = full fine-tuning
     data: DataConfig = Field(default_factory=DataConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
@@ -400,6 +399,7 @@ class Config(Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    peft: PeftConfig | None = None  # None = full fine-tuning (applied right after the model is built)
     dist: BridgeDistConfig = Field(default_factory=BridgeDistConfig)
     ddp: BridgeDDPConfig = Field(default_factory=BridgeDDPConfig)
 
