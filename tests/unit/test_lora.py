@@ -34,7 +34,8 @@ def test_targets_resolve_by_role_and_pattern():
     (["peft.target_modules=[q_proj,qkv]"], "peft.target_modules: 'qkv' matches none"),
     (["peft.rank=4", "distributed.strategy=megatron_fsdp", "distributed.reshard_after_forward=null",
       "distributed.defer_fsdp_grad_sync=null"], "strategy=megatron_fsdp is not supported yet"),
-    (["peft.rank=4", "distributed.tp_size=2"], "distributed.tp_size=2 is not supported yet"),
+    (["peft.rank=4", "distributed.tp_size=2", "distributed.sequence_parallel=true"],
+     "distributed.sequence_parallel=true is not supported yet"),
     (["peft.rank=4", "distributed.ep_size=2"], "distributed.ep_size=2 is not supported yet"),
     (["peft.rank=4", "model.preset=tiny_moe"], "declares no adapter layout"),
     (["peft.rank=4", "checkpoint.save_consolidated=final"], "export --adapter"),
@@ -43,7 +44,7 @@ def test_what_is_not_built_is_refused_in_one_line(overrides, needle):
     try:
         problems = _problems(*overrides)
     except Exception as err:  # noqa: BLE001 - a schema-level refusal is as good
-        problems = [str(err)]
+        problems = str(err).splitlines()
     hits = [p for p in problems if needle in p]
     assert hits and all("\n" not in p for p in hits), problems
 

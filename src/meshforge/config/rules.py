@@ -274,7 +274,7 @@ _PEFT_STRATEGIES = ("ddp", "fsdp2")
 
 @rule
 def peft_composes(cfg: Config, world_size: int) -> list[str]:
-    """LoRA runs on ddp and fsdp2 (with HSDP, CP, PP, activation checkpointing) on a model that declares an adapter
+    """LoRA runs on ddp and fsdp2 (with HSDP, TP, CP, PP, activation checkpointing) on a model that declares an adapter
     layout; what is not built yet is refused here, never run half-right."""
     p, d = cfg.peft, cfg.distributed
     if p is None:
@@ -283,10 +283,12 @@ def peft_composes(cfg: Config, world_size: int) -> list[str]:
     if d.strategy not in _PEFT_STRATEGIES:
         out.append(f"peft (LoRA) with distributed.strategy={d.strategy} is not supported yet (frozen base weights "
                    f"would still take gradient and optimizer memory): use strategy {' or '.join(_PEFT_STRATEGIES)}")
-    for key in ("tp_size", "ep_size"):
-        if getattr(d, key) > 1:
-            out.append(f"peft (LoRA) with distributed.{key}={getattr(d, key)} is not supported yet (adapters are not "
-                       f"split or staged with their base layers): set {key}=1 and use data parallelism")
+    if d.ep_size > 1:
+        out.append(f"peft (LoRA) with distributed.ep_size={d.ep_size} is not supported yet (no per-expert adapters): "
+                   "set ep_size=1")
+    if d.sequence_parallel and d.tp_size > 1:
+        out.append("peft (LoRA) with distributed.sequence_parallel=true is not supported yet (its adapter gradients "
+                   "do not match one process): set sequence_parallel=false (tensor parallelism without it works)")
     if cfg.checkpoint.save_consolidated:
         out.append("checkpoint.save_consolidated with peft: a LoRA checkpoint holds the adapters only; leave it off "
                    "and run `meshforge checkpoint export --adapter` (PEFT format) or `--merge` (merged HF weights)")
