@@ -1,4 +1,4 @@
-"""LoRA parity: ddp, fsdp2 (meta init, CP, activation checkpointing, trained norms), TP2 and PP2 at N=2 reproduce the
+"""LoRA parity: ddp, fsdp2 (meta init, CP, activation checkpointing, trained norms), TP2 and PP2 at N=2, HSDP 2x2 at N=4, reproduce the
 single-process LoRA run; the frozen base stays bitwise equal to it; an N=2 adapter checkpoint resumes in one
 process (resharded) on the same trajectory.
 
@@ -42,7 +42,10 @@ REFERENCE = {name: NORMS if "norms" in name else [*LORA, "model.n_layers=4"] if 
 # and weights to ~2e-4 over 10 steps (measured) while the per-step losses stay within 1e-5 (as dense PP)
 PP_GRAD_NORM_RTOL, PP_WEIGHT_ATOL = 5e-3, 1e-3
 
-GROUP_JOBS = [Job("lora parity n2", "meshforge.testing.parity:configs_job", {"configs": N2}, 2)]
+N4 = {"lora_hsdp_2x2": [*LORA, "distributed.dp_replicate_size=2"]}
+
+GROUP_JOBS = [Job("lora parity n2", "meshforge.testing.parity:configs_job", {"configs": N2}, 2),
+              Job("lora parity n4", "meshforge.testing.parity:configs_job", {"configs": N4}, 4)]
 
 
 @pytest.mark.parametrize("name", list(N2))
@@ -55,6 +58,13 @@ def test_lora_parity_n2(reference, group, name):
     frozen = [k for k in ref.weights if ".lora_" not in k and not (name.endswith("norms") and "norm" in k)]
     assert frozen and all(torch.equal(ref.weights[k], got.weights[k]) for k in frozen), \
         f"{name}: a frozen base weight differs from the single-process run's (its initial value)"
+
+
+def test_lora_hsdp_n4(reference, group):
+    ref, got = reference(LORA), results_of(group("lora parity n4"))["lora_hsdp_2x2"]
+    compare(ref, got, "lora_hsdp_2x2", LOSS_RTOL, WEIGHT_ATOL)
+    frozen = [k for k in ref.weights if ".lora_" not in k]
+    assert all(torch.equal(ref.weights[k], got.weights[k]) for k in frozen)
 
 
 def test_n2_adapter_checkpoint_resumes_in_one_process(reference, group):
