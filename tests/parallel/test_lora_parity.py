@@ -1,9 +1,9 @@
-"""LoRA parity: ddp, fsdp2 (meta init, CP, activation checkpointing, trained norms), TP2 and PP2 at N=2, HSDP 2x2 at N=4, reproduce the
-single-process LoRA run; the frozen base stays bitwise equal to it; an N=2 adapter checkpoint resumes in one
-process (resharded) on the same trajectory.
+"""LoRA parity: ddp, fsdp2 (meta init, CP, activation checkpointing, trained norms), TP2 and PP2 at N=2, and
+HSDP 2x2 at N=4, reproduce the single-process LoRA run; the frozen base stays bitwise equal to it; an N=2
+adapter checkpoint resumes in one process (resharded) on the same trajectory.
 
 fp32, the parity harness's tiny model and batch, 10 steps; tolerances as the dense dp parity tests (relative
-loss <= 1e-5 per step, final weights within 5e-5). Runs inside the shared N=2 launch (`conftest.group`).
+loss <= 1e-5 per step, final weights within 5e-5). Runs inside the shared launches (`conftest.group`).
 """
 
 import os
