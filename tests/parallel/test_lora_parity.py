@@ -1,4 +1,4 @@
-"""LoRA parity: ddp, fsdp2 (meta init, CP, activation checkpointing, trained norms), TP2 and PP2 at N=2, and
+"""LoRA parity: ddp, fsdp2 (meta init, CP, activation checkpointing, trained norms), TP2 (and SP) and PP2 at N=2, and
 HSDP 2x2 at N=4, reproduce the single-process LoRA run; the frozen base stays bitwise equal to it; an N=2
 adapter checkpoint resumes in one process (resharded) on the same trajectory.
 
@@ -31,7 +31,8 @@ N2 = {
     "lora_fsdp2_norms": [*NORMS, "distributed.strategy=fsdp2"],
     "lora_fsdp2_ckpt": [*LORA, "checkpoint.interval=5", f"run.output_dir={CKPT_DIR}"],
     "lora_tp2": [*LORA, "distributed.tp_size=2"],
-    "lora_tp2_meta": [*LORA, "distributed.tp_size=2", "model.init_device=meta"],
+    "lora_tp2_sp_meta": [*LORA, "distributed.tp_size=2", "distributed.sequence_parallel=true",
+                         "model.init_device=meta"],
     "lora_pp2_1f1b": [*PP_MODEL, "distributed.pp_size=2"],
     "lora_pp2_interleaved": [*PP_MODEL, "distributed.pp_size=2", "distributed.pipeline.pp_schedule=interleaved_1f1b"],
 }

@@ -34,8 +34,6 @@ def test_targets_resolve_by_role_and_pattern():
     (["peft.target_modules=[q_proj,qkv]"], "peft.target_modules: 'qkv' matches none"),
     (["peft.rank=4", "distributed.strategy=megatron_fsdp", "distributed.reshard_after_forward=null",
       "distributed.defer_fsdp_grad_sync=null"], "strategy=megatron_fsdp is not supported yet"),
-    (["peft.rank=4", "distributed.tp_size=2", "distributed.sequence_parallel=true"],
-     "distributed.sequence_parallel=true is not supported yet"),
     (["peft.rank=4", "distributed.ep_size=2"], "distributed.ep_size=2 is not supported yet"),
     (["peft.rank=4", "model.preset=tiny_moe"], "declares no adapter layout"),
     (["peft.rank=4", "checkpoint.save_consolidated=final"], "export --adapter"),

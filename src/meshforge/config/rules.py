@@ -274,8 +274,8 @@ _PEFT_STRATEGIES = ("ddp", "fsdp2")
 
 @rule
 def peft_composes(cfg: Config, world_size: int) -> list[str]:
-    """LoRA runs on ddp and fsdp2 (with HSDP, TP, CP, PP, activation checkpointing) on a model that declares an adapter
-    layout; what is not built yet is refused here, never run half-right."""
+    """LoRA runs on ddp and fsdp2 (with HSDP, TP/SP, CP, PP, activation checkpointing) on a model that declares
+    an adapter layout; what is not built yet is refused here, never run half-right."""
     p, d = cfg.peft, cfg.distributed
     if p is None:
         return []
@@ -286,9 +286,6 @@ def peft_composes(cfg: Config, world_size: int) -> list[str]:
     if d.ep_size > 1:
         out.append(f"peft (LoRA) with distributed.ep_size={d.ep_size} is not supported yet (no per-expert adapters): "
                    "set ep_size=1")
-    if d.sequence_parallel and d.tp_size > 1:
-        out.append("peft (LoRA) with distributed.sequence_parallel=true is not supported yet (its adapter gradients "
-                   "do not match one process): set sequence_parallel=false (tensor parallelism without it works)")
     if cfg.checkpoint.save_consolidated:
         out.append("checkpoint.save_consolidated with peft: a LoRA checkpoint holds the adapters only; leave it off "
                    "and run `meshforge checkpoint export --adapter` (PEFT format) or `--merge` (merged HF weights)")

@@ -110,10 +110,15 @@ def apply_tp(model: nn.Module, mesh_ctx, dcfg) -> Callable[[], AbstractContextMa
         plan[name] = styles[style]
     ties = tied_parameters(model)
     adapters = _adapter_weights(model, resolved)
+    # SequenceParallel re-creates parameters as trainable: frozen ones (LoRA's base) must stay frozen
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     if plan:
         parallelize_module(model, mesh_ctx.mesh("tp"), plan)
     _retie(model, ties)
     _split_adapters(model, adapters, mesh_ctx.mesh("tp"))
+    for n, p in model.named_parameters():
+        if n in frozen:
+            p.requires_grad_(False)
     return loss_parallel if "vocab_output" in resolved.values() else None
 
 
