@@ -174,7 +174,8 @@ class CheckpointManager:
             for part in parts:
                 msd.update(s.model_state_dict(part, full=True))
         if self.cfg.peft is not None:  # adapter-only: the frozen base comes from peft_base, not the checkpoint
-            msd = {k: v for k, v in msd.items() if k in trainable_names(pm)}
+            trainable = trainable_names(pm)
+            msd = {k: v for k, v in msd.items() if k in trainable}
         return {"model": msd, "optim": s.optimizer_state_dict(parts, optimizer, full=full)}
 
     def _load_app_state(self, pm, optimizer, state: dict) -> None:

@@ -129,8 +129,8 @@ _ADAPTER_PLACEMENTS = {"colwise": ([Replicate()], [Shard(0)]), "rowwise": ([Shar
 
 
 def _adapter_weights(model: nn.Module, resolved: dict[str, str]) -> dict[str, tuple]:
-    """{LoRA module name: (style, A, B, dropout)}, the adapter taken out of their module while the styles distribute it
-    (ColwiseParallel would shard every parameter under the module by rows, A included)."""
+    """{LoRA module name: (style, A, B, dropout)}: the adapter's parts, taken out of the module while the styles
+    distribute it (ColwiseParallel would shard every parameter under the module by rows, A included)."""
     out = {}
     for name, style in resolved.items():
         m = model.get_submodule(name)
