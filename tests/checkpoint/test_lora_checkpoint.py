@@ -112,3 +112,21 @@ def test_training_continues_from_a_peft_folder(flow):
     bad = [o for o in ov if not o.startswith("peft.alpha")] + ["peft.alpha=2", f"peft.init_from={tmp / 'adapter'}"]
     with pytest.raises(CheckpointError, match="lora_alpha=8.0 but this run needs 2.0"):
         Trainer.build(config(bad, steps=1, world_size=1), single_info())
+
+
+def test_training_starts_from_an_adapter_the_peft_library_saved(flow, tmp_path):
+    tmp, _, tokens, _ = flow
+    base = transformers.LlamaForCausalLM.from_pretrained(tmp / "base")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,  # random B: the adapter changes the logits
+                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    torch.manual_seed(5)
+    theirs = peft.get_peft_model(base, cfg).eval()
+    theirs.save_pretrained(tmp_path / "saved_by_peft")
+    ov = [o for o in _overrides(tmp, "from_peft") if not o.startswith("checkpoint")]
+    tr = Trainer.build(config([*ov, f"peft.init_from={tmp_path / 'saved_by_peft'}"], steps=1, world_size=1),
+                       single_info())
+    with torch.no_grad():
+        want = theirs(tokens).logits
+        with theirs.disable_adapter():
+            assert (want - theirs(tokens).logits).abs().max() > 1e-3
+        assert (tr.pm.model.eval()(tokens) - want).abs().max() < 1e-4
