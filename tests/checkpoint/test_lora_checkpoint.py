@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from meshforge.checkpoint.files import dcp_tensor_shapes
 from meshforge.cli import main as cli_main
@@ -130,3 +131,20 @@ def test_training_starts_from_an_adapter_the_peft_library_saved(flow, tmp_path):
         with theirs.disable_adapter():
             assert (want - theirs(tokens).logits).abs().max() > 1e-3
         assert (tr.pm.model.eval()(tokens) - want).abs().max() < 1e-4
+
+
+def test_peft_export_keeps_trained_norms_as_modules_to_save(flow):
+    tmp, _, tokens, _ = flow
+    tr = _train(_overrides(tmp, "norms", "peft.freeze=[embeddings]", "checkpoint.resume=none"), steps=2)
+    with torch.no_grad():
+        ours = tr.pm.model.eval()(tokens)
+    ck = tmp / "norms" / "checkpoints" / "step_2"
+    assert cli_main(["checkpoint", "export", str(ck), "--to", str(tmp / "norms_adapter"), "--adapter"]) == 0
+    cfg = json.loads((tmp / "norms_adapter" / "adapter_config.json").read_text())
+    assert cfg["modules_to_save"] == ["input_layernorm", "norm", "post_attention_layernorm"]
+    base = transformers.LlamaForCausalLM.from_pretrained(tmp / "base").eval()
+    trained = load_file(str(tmp / "norms_adapter" / "adapter_model.safetensors"))["base_model.model.model.norm.weight"]
+    assert (trained - base.model.norm.weight).abs().max() > 1e-3  # the norms did train: PEFT must load them
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(base, tmp / "norms_adapter").eval()(tokens).logits
+    assert (theirs - ours).abs().max() < 1e-4

@@ -11,7 +11,9 @@ PEFT format (`export_adapter`): `adapter_config.json` + `adapter_model.safetenso
 adapter (`hf_names` of the base weight). B is mapped with the base weight's own `to_hf` (a row permutation
 such as Llama's q/k RoPE layout acts on the output side, i.e. on B); A is unchanged. That is exact only for
 maps acting on rows, so every export checks `to_hf(B A) == to_hf(B) A` and refuses a model whose map is not.
-`export_merged` rebuilds the base, folds the adapters in and writes full HF safetensors + config.json.
+Trained norms/embeddings (`peft.freeze` without them) are PEFT's `modules_to_save`: written under their HF
+names, as PEFT saves them. `export_merged` rebuilds the base, folds the adapters in and writes full HF
+safetensors + config.json.
 `load_peft_adapter` (`peft.init_from`) reads a PEFT folder back, every key and setting checked.
 """
 
@@ -32,7 +34,7 @@ from meshforge.checkpoint.files import DCP_ERRORS, MANIFEST, dcp_error_line, dcp
 from meshforge.checkpoint.hf import _adapter, load_hf_into
 from meshforge.errors import CheckpointError
 from meshforge.models import ModelArgs, build_model, init_weights, resolve_model_args
-from meshforge.models.lora import adapter_modules, apply_lora, merge_lora
+from meshforge.models.lora import adapter_modules, apply_lora, is_adapter_param, merge_lora
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _PEFT_KEYS = ("method", "rank", "alpha", "target_modules", "freeze")  # must match to resume (dropout may change)
@@ -155,27 +157,28 @@ def export_adapter(ckpt_dir: str | Path, out_dir: str | Path) -> dict:
     model, pcfg = _peft_model(manifest, ckpt_dir)
     adapter = _adapter(model, ckpt_dir)
     apply_lora(model, pcfg)
-    if set(pcfg.freeze) != {"embeddings", "norms"}:
-        raise CheckpointError(f"{ckpt_dir}: peft.freeze={list(pcfg.freeze)} trains whole base modules, which the "
-                              "PEFT export does not write (modules_to_save): use --merge")
+    if "embeddings" not in pcfg.freeze and model.args.tie_embeddings:
+        raise CheckpointError(f"{ckpt_dir}: trained tied embeddings would be untied by PEFT's modules_to_save copy "
+                              "of embed_tokens: use --merge")
     modules = adapter_modules(model)
-    targets = {}
-    for name, m in modules.items():
-        for part in ("lora_A", "lora_B"):
-            w = getattr(m, part).weight
-            targets[f"{name}.{part}.weight"] = torch.empty(w.shape, dtype=w.dtype)
+    whole = [n for n, p in model.named_parameters() if p.requires_grad and not is_adapter_param(n)]
+    targets = {n: torch.empty(p.shape, dtype=p.dtype) for n, p in model.named_parameters() if p.requires_grad}
     _load_tensors(ckpt_dir, targets)
-    tensors, roles = {}, set()
+    tensors, roles, saved = {}, set(), set()
     for name in modules:
         hf = _hf_module(adapter, name)
         a, b = targets[f"{name}.lora_A.weight"], targets[f"{name}.lora_B.weight"]
         tensors[f"base_model.model.{hf}.lora_A.weight"] = a.contiguous()
         tensors[f"base_model.model.{hf}.lora_B.weight"] = _b_to_hf(adapter, name, a, b).contiguous()
         roles.add(hf.rpartition(".")[2])
+    for name in whole:  # trained norms/embeddings: PEFT's modules_to_save, stored under their HF names
+        for hf_name, t in adapter.to_hf(name, targets[name]).items():
+            tensors[f"base_model.model.{hf_name}"] = t
+            saved.add(hf_name.rpartition(".")[0].rpartition(".")[2])
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": pcfg.rank, "lora_alpha": pcfg.alpha,
               "lora_dropout": pcfg.dropout, "target_modules": sorted(roles), "bias": "none",
               "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
-              "inference_mode": True, "modules_to_save": None, "base_model_name_or_path": None}
+              "inference_mode": True, "modules_to_save": sorted(saved) or None, "base_model_name_or_path": None}
     _write_dir(out_dir, {ADAPTER_CONFIG: json.dumps(config, indent=2), ADAPTER_WEIGHTS: tensors})
     return {"dir": str(out_dir), "tensors": len(tensors), "modules": len(modules),
             "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
