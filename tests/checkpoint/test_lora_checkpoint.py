@@ -148,3 +148,10 @@ def test_peft_export_keeps_trained_norms_as_modules_to_save(flow):
     with torch.no_grad():
         theirs = peft.PeftModel.from_pretrained(base, tmp / "norms_adapter").eval()(tokens).logits
     assert (theirs - ours).abs().max() < 1e-4
+    ov = [o for o in _overrides(tmp, "norms_in") if not o.startswith("checkpoint")]
+    back = Trainer.build(config([*ov, "peft.freeze=[embeddings]", f"peft.init_from={tmp / 'norms_adapter'}"],
+                                steps=1, world_size=1), single_info())
+    with torch.no_grad():
+        assert (back.pm.model.eval()(tokens) - ours).abs().max() < 1e-5
+    with pytest.raises(CheckpointError, match="modules_to_save=.* set peft.freeze to match"):
+        Trainer.build(config([*ov, f"peft.init_from={tmp / 'norms_adapter'}"], steps=1, world_size=1), single_info())

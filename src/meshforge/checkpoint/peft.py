@@ -217,17 +217,29 @@ def _expect(cfg: dict, key: str, want, where: Path) -> None:
         raise CheckpointError(f"{where / ADAPTER_CONFIG}: {key}={cfg.get(key)!r} but this run needs {want!r} ({fix})")
 
 
+def _copy_into(p: torch.Tensor, t: torch.Tensor, key: str, name: str, where: Path) -> None:
+    if tuple(t.shape) != tuple(p.shape):
+        raise CheckpointError(f"{where / ADAPTER_WEIGHTS}: {key} has shape {tuple(t.shape)} but {name} has "
+                              f"{tuple(p.shape)}")
+    if isinstance(p, DTensor):
+        local = distribute_tensor(t.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
+        p.to_local().copy_(local.to_local())
+    else:
+        p.copy_(t.to(device=p.device, dtype=p.dtype))
+
+
 @torch.no_grad()
 def load_peft_adapter(model: nn.Module, pcfg) -> None:
-    """Copy a PEFT adapter folder into an adapted model (plain or DTensor parameters), every key checked."""
+    """Copy a PEFT adapter folder into an adapted model (plain or DTensor parameters), every key checked; its
+    `modules_to_save` must be the modules this run's freeze policy trains."""
     where = Path(pcfg.init_from)
     if not (where / ADAPTER_CONFIG).is_file() or not (where / ADAPTER_WEIGHTS).is_file():
         raise CheckpointError(f"peft.init_from: {where} has no {ADAPTER_CONFIG} + {ADAPTER_WEIGHTS}")
     cfg = json.loads((where / ADAPTER_CONFIG).read_text())
     _expect(cfg, "peft_type", "LORA", where)
     for key, want in (("r", pcfg.rank), ("lora_alpha", pcfg.alpha), ("use_dora", False), ("use_rslora", False),
-                      ("bias", "none"), ("fan_in_fan_out", False), ("modules_to_save", None),
-                      ("layers_to_transform", None), ("rank_pattern", {}), ("alpha_pattern", {})):
+                      ("bias", "none"), ("fan_in_fan_out", False), ("layers_to_transform", None),
+                      ("rank_pattern", {}), ("alpha_pattern", {})):
         _expect(cfg, key, want, where)
     adapter = _adapter(model, where)
     modules = adapter_modules(model)
@@ -237,26 +249,33 @@ def load_peft_adapter(model: nn.Module, pcfg) -> None:
     if sorted([theirs] if isinstance(theirs, str) else theirs or []) != roles:
         raise CheckpointError(f"{where / ADAPTER_CONFIG}: target_modules={theirs} but this run adapts {roles}: set "
                               "peft.target_modules to match")
+    # whole trained parameters (norms/embeddings the freeze policy trains) <-> PEFT's modules_to_save
+    whole = {n: p for n, p in model.named_parameters() if p.requires_grad and not is_adapter_param(n)}
+    whole_hf = {n: adapter.hf_names(n) for n in whole}
+    saved = sorted({h.rpartition(".")[0].rpartition(".")[2] for names in whole_hf.values() for h in names})
+    if sorted(cfg.get("modules_to_save") or []) != saved:
+        raise CheckpointError(f"{where / ADAPTER_CONFIG}: modules_to_save={cfg.get('modules_to_save')} but this run "
+                              f"trains {saved or 'none'} besides the adapters: set peft.freeze to match")
     with safe_open(str(where / ADAPTER_WEIGHTS), framework="pt") as sf:
         left = set(sf.keys())
+
+        def take(key: str, name: str) -> torch.Tensor:
+            if key not in left:
+                raise CheckpointError(f"{where / ADAPTER_WEIGHTS}: tensor {key} (for {name}) is missing")
+            left.discard(key)
+            return sf.get_tensor(key)
+
         for name, m in modules.items():
             for part in ("lora_A", "lora_B"):
                 key = f"base_model.model.{hf[name]}.{part}.weight"
-                if key not in left:
-                    raise CheckpointError(f"{where / ADAPTER_WEIGHTS}: tensor {key} (for {name}) is missing")
-                left.discard(key)
-                t = sf.get_tensor(key)
+                t = take(key, name)
                 if part == "lora_B":
                     t = adapter.from_hf(f"{name}.weight", {f"{hf[name]}.weight": t})
-                p = getattr(m, part).weight
-                if tuple(t.shape) != tuple(p.shape):
-                    raise CheckpointError(f"{where / ADAPTER_WEIGHTS}: {key} has shape {tuple(t.shape)} but {name}."
-                                          f"{part}.weight has {tuple(p.shape)}")
-                if isinstance(p, DTensor):
-                    local = distribute_tensor(t.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
-                    p.to_local().copy_(local.to_local())
-                else:
-                    p.copy_(t.to(device=p.device, dtype=p.dtype))
+                _copy_into(getattr(m, part).weight, t, key, f"{name}.{part}.weight", where)
+        for name, p in whole.items():
+            if whole_hf[name]:  # a tied head loads through the embedding it shares
+                t = adapter.from_hf(name, {h: take(f"base_model.model.{h}", name) for h in whole_hf[name]})
+                _copy_into(p, t, f"base_model.model.{whole_hf[name][0]}", name, where)
     if left:
         raise CheckpointError(f"{where / ADAPTER_WEIGHTS}: tensor {sorted(left)[0]} matches no adapter of this model "
                               f"({len(left)} unused)")
