@@ -2,7 +2,8 @@
 
 - `inspect DIR`: the manifest (step, strategy, format, world layout, digests), the files' integrity, and
   the model tensors with shapes and sizes. DIR is a checkpoint, a checkpoints dir or a run dir (LATEST).
-- `export RUN_DIR/step_N --to DIR [--shard-mb M]`: Hugging Face safetensors + config.json (verified first).
+- `export RUN_DIR/step_N --to DIR [--shard-mb M]`: Hugging Face safetensors + config.json (verified first);
+  of a LoRA checkpoint, `--adapter` writes the PEFT format and `--merge` the base with adapters merged.
 - `import HF_DIR --to DIR`: a weights-only meshforge checkpoint `DIR/step_0` (+ LATEST) from HF Llama
   safetensors; prints the `model.*` overrides to train it with `checkpoint.resume=DIR`.
 """
@@ -25,6 +26,11 @@ def add_arguments(parser) -> None:
     e.add_argument("dir", help="a checkpoint (RUN_DIR/checkpoints/step_N) or a run/checkpoints dir (LATEST)")
     e.add_argument("--to", required=True)
     e.add_argument("--shard-mb", type=int, default=2048, help="largest safetensors file (MiB) before sharding")
+    lora = e.add_mutually_exclusive_group()
+    lora.add_argument("--adapter", action="store_true",
+                      help="a LoRA checkpoint -> Hugging Face PEFT (adapter_config.json + adapter_model.safetensors)")
+    lora.add_argument("--merge", action="store_true",
+                      help="a LoRA checkpoint -> its base with the adapters merged, as Hugging Face safetensors")
     m = sub.add_parser("import", help="Hugging Face Llama safetensors -> a weights-only meshforge checkpoint")
     m.add_argument("dir")
     m.add_argument("--to", required=True)
@@ -77,10 +83,24 @@ def _export(args) -> int:
     from meshforge.checkpoint.files import resolve_checkpoint_path, verify_files
 
     path = resolve_checkpoint_path(args.dir)
-    verify_files(path)
+    manifest = verify_files(path)
+    if args.adapter or args.merge or "adapter" in manifest.get("contents", []):
+        return _export_lora(args, path)
     s = export_checkpoint(path, args.to, args.shard_mb)
     print(f"exported {path} -> {s['dir']}: {s['tensors']} tensors, {s['bytes'] / 2**20:.2f} MiB in {s['files']} "
           "safetensors file(s) + config.json")
+    return 0
+
+
+def _export_lora(args, path) -> int:
+    from meshforge.checkpoint.peft import export_adapter, export_merged
+
+    if not (args.adapter or args.merge):
+        raise CheckpointError(f"{path} is a LoRA adapter checkpoint: export it with --adapter (PEFT format) or "
+                              "--merge (merged Hugging Face weights)")
+    s = export_adapter(path, args.to) if args.adapter else export_merged(path, args.to)
+    what = "PEFT adapter" if args.adapter else "merged Hugging Face safetensors + config.json"
+    print(f"exported {path} -> {s['dir']}: {s['tensors']} tensors, {s['bytes'] / 2**20:.2f} MiB ({what})")
     return 0
 
 

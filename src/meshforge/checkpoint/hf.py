@@ -36,6 +36,7 @@ from meshforge.checkpoint.files import (
 from meshforge.errors import CheckpointError
 from meshforge.models import ModelArgs, args_from_hf_config, build_model, contract_of
 from meshforge.progress import track
+from meshforge.models.lora import is_adapter_param
 
 
 def _adapter(model, where: Path):
@@ -131,6 +132,8 @@ def load_hf_into(model, hf_dir: str | Path, progress: bool = False) -> None:
     handles: dict[Path, object] = {}
     params = list(model.named_parameters(remove_duplicate=False))
     for ours, p in track(params, "import: tensors", enabled=progress):
+        if is_adapter_param(ours):
+            continue  # LoRA adapters are not base weights (`peft.init_from` loads them)
         try:
             theirs = adapter.hf_names(ours)
         except KeyError as err:

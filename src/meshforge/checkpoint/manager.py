@@ -79,6 +79,7 @@ from meshforge.checkpoint.files import (
     write_atomic,
 )
 from meshforge.checkpoint.hf import export_checkpoint
+from meshforge.checkpoint.peft import adapter_manifest, check_adapter_checkpoint, trainable_names
 from meshforge.config.rules import resolved_ckpt_format
 from meshforge.errors import CheckpointError
 from meshforge.models import resolve_model_args
@@ -172,6 +173,9 @@ class CheckpointManager:
             msd = {}
             for part in parts:
                 msd.update(s.model_state_dict(part, full=True))
+        if self.cfg.peft is not None:  # adapter-only: the frozen base comes from peft_base, not the checkpoint
+            trainable = trainable_names(pm)
+            msd = {k: v for k, v in msd.items() if k in trainable}
         return {"model": msd, "optim": s.optimizer_state_dict(parts, optimizer, full=full)}
 
     def _load_app_state(self, pm, optimizer, state: dict) -> None:
@@ -183,7 +187,9 @@ class CheckpointManager:
 
     def _manifest_base(self, step: int) -> dict:
         layout = self.mesh_ctx.layout
-        return {"format_version": FORMAT_VERSION, "step": step, "contents": ["model", "optim", "trainer_state"],
+        peft = adapter_manifest(self.cfg)
+        return {"format_version": FORMAT_VERSION, "step": step, **peft,
+                "contents": ["adapter" if peft else "model", "optim", "trainer_state"],
                 "ckpt_format": self.fmt, "strategy": self.cfg.distributed.strategy, "world_size": self.world,
                 "layout": layout.named_shape(),
                 "config_digest": config_digest(self.cfg), "model_args": model_args_dict(self.cfg),
@@ -321,6 +327,7 @@ class CheckpointManager:
     def _load(self, path: Path, pm, optimizer, scheduler, loader) -> int:
         t0 = time.perf_counter()
         manifest = verify_files(path)
+        check_adapter_checkpoint(path, manifest, self.cfg)
         weights_only = "optim" not in manifest.get("contents", ["optim"])
         if weights_only:  # (asking DCP for an optimizer state dict would initialise it with a zero step)
             state = {"model": {}}

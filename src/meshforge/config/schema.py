@@ -97,6 +97,23 @@ class ModelConfig(Section):
         return {k: v for k, v in self.model_dump().items() if k not in skip and v is not None}
 
 
+# ---------------------------------------------------------------------------- peft
+class PeftConfig(Section):
+    """Parameter-efficient fine-tuning (models/lora.py): adapters train, the base weights are frozen and get
+    neither gradients nor optimizer state; checkpoints hold the trainable parameters only."""
+
+    method: Literal["lora"] = "lora"
+    rank: int = Field(8, gt=0)
+    alpha: float = Field(16.0, gt=0)  # the update is scaled by alpha / rank
+    dropout: float = Field(0.0, ge=0, lt=1)  # on the adapter's input only
+    # roles of the model contract (Hugging Face module names, as PEFT writes them) or fnmatch patterns ("*_proj")
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+                                      min_length=1)
+    # base modules kept frozen besides the adapted linears; remove one to train it fully
+    freeze: list[Literal["embeddings", "norms"]] = Field(default_factory=lambda: ["embeddings", "norms"])
+    init_from: str | None = None  # a PEFT adapter folder (adapter_config.json + adapter_model.safetensors)
+
+
 # ---------------------------------------------------------------------------- data
 class ValidationDataConfig(Section):
     """Held-out data for `training.val_every`: separate files read like the training data, or a fraction."""
@@ -495,6 +512,7 @@ class Config(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     profiling: ProfilingConfig = Field(default_factory=ProfilingConfig)
+    peft: PeftConfig | None = None  # None = full fine-tuning (applied right after the model is built)
     dist: BridgeDistConfig = Field(default_factory=BridgeDistConfig)
     ddp: BridgeDDPConfig = Field(default_factory=BridgeDDPConfig)
 

@@ -14,6 +14,7 @@ from meshforge.distributed.parallelize import parallelize_model
 from meshforge.distributed.pipeline import build_pipeline_model
 from meshforge.distributed.runtime import ParallelModel
 from meshforge.models import build_model, init_weights
+from meshforge.models.lora import apply_lora
 
 
 def use_meta_init(cfg, world_size: int, n_params: int) -> bool:
@@ -30,6 +31,8 @@ def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device) -> Pa
     if mesh_ctx.pp_size > 1:
         return build_pipeline_model(cfg, mesh_ctx, device, meta=meta)
     model = meta_probe if meta else build_model(cfg.model)
+    if cfg.peft is not None:  # before init and wrapping: adapters initialise by name, strategies see them frozen
+        apply_lora(model, cfg.peft)
     if not meta:
         init_weights(model, cfg.run.seed)
         model.to(device)

@@ -52,6 +52,7 @@ from meshforge.models import (
     set_submodule,
     submodule_or_none,
 )
+from meshforge.models.lora import apply_lora
 from meshforge.models.loss import lm_loss
 from meshforge.planning.pipeline_plan import TORCH_SCHEDULE_CLASS, PipelinePlan, plan_pipeline
 
@@ -100,6 +101,8 @@ def build_stage_module(cfg, plan: PipelinePlan, stage: int, device: torch.device
         raise ConfigError(f"distributed.pp_size={plan.pp}: the model ({type(model).__name__}) declares no pipeline "
                           "layout: use a built-in model or pp_size 1")
     prune_to_stage(model, plan.stage_layers[stage], stage == 0, stage == plan.num_stages - 1)
+    if cfg.peft is not None:  # adapters on the stage's own layers, initialised by name like everything else
+        apply_lora(model, cfg.peft)
     if not meta:
         init_weights(model, cfg.run.seed)  # a function of (seed, name) only: equals the single-process init
         model.to(device)

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -37,6 +37,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from meshforge.errors import ConfigError
+from meshforge.models.lora import LoRALinear
 from meshforge.planning.tp_plan import plan_problems, resolve_plan, tied_parameters
 
 
@@ -108,10 +109,47 @@ def apply_tp(model: nn.Module, mesh_ctx, dcfg) -> Callable[[], AbstractContextMa
             continue
         plan[name] = styles[style]
     ties = tied_parameters(model)
+    adapters = _adapter_weights(model, resolved)
+    # SequenceParallel re-creates parameters as trainable: frozen ones (LoRA's base) must stay frozen
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     if plan:
         parallelize_module(model, mesh_ctx.mesh("tp"), plan)
     _retie(model, ties)
+    _split_adapters(model, adapters, mesh_ctx.mesh("tp"))
+    for n, p in model.named_parameters():
+        if n in frozen:
+            p.requires_grad_(False)
     return loss_parallel if "vocab_output" in resolved.values() else None
+
+
+# LoRA factors follow their base layer's style: y = W x + B A x with W split by rows (colwise) needs B split by
+# rows and A whole; with W split by columns (rowwise, input sharded) A is split by columns and B whole, the
+# two partial sums (W x, B A x) reduced together by the style's output redistribution
+_ADAPTER_PLACEMENTS = {"colwise": ([Replicate()], [Shard(0)]), "rowwise": ([Shard(1)], [Replicate()])}
+
+
+def _adapter_weights(model: nn.Module, resolved: dict[str, str]) -> dict[str, tuple]:
+    """{LoRA module name: (style, A, B, dropout)}: the adapter's parts, taken out of the module while the styles
+    distribute it (ColwiseParallel would shard every parameter under the module by rows, A included)."""
+    out = {}
+    for name, style in resolved.items():
+        m = model.get_submodule(name)
+        if isinstance(m, LoRALinear):
+            if style not in _ADAPTER_PLACEMENTS:
+                raise ConfigError(f"peft: {name} is adapted but its tensor-parallel style is {style!r}: LoRA "
+                                  f"follows {' or '.join(_ADAPTER_PLACEMENTS)} only; drop it from peft.target_modules")
+            out[name] = (style, m.lora_A, m.lora_B, m.lora_dropout)
+            del m.lora_A, m.lora_B, m.lora_dropout  # the styles partition every submodule
+    return out
+
+
+def _split_adapters(model: nn.Module, adapters: dict, mesh) -> None:
+    """Put the factors back, split as their base layer's style requires (every rank holds the full value)."""
+    for name, (style, a, b, dropout) in adapters.items():
+        m = model.get_submodule(name)
+        for part, placements in zip((a, b), _ADAPTER_PLACEMENTS[style]):
+            part.weight = nn.Parameter(distribute_tensor(part.weight.detach(), mesh, placements, src_data_rank=None))
+        m.lora_A, m.lora_B, m.lora_dropout = a, b, dropout
 
 
 def _retie(model: nn.Module, ties: list[list[str]]) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from meshforge.models.presets import PRESETS, ModelArgs, resolve_model_args
 from meshforge.models.protocol import (
+    AdapterLayout,
     ForeignModel,
     InitSpec,
     ModelContract,
@@ -23,7 +24,7 @@ from meshforge.models.protocol import (
     submodule_or_none,
 )
 
-__all__ = ["PRESETS", "ForeignModel", "InitSpec", "ModelArgs", "ModelContract", "PipelineLayout",
+__all__ = ["PRESETS", "AdapterLayout", "ForeignModel", "InitSpec", "ModelArgs", "ModelContract", "PipelineLayout",
            "StateDictAdapter", "args_from_hf_config", "blocks_of", "build_model", "contract_of", "init_weights",
            "meta_modules", "param_init_tensor", "resolve_model_args", "set_submodule",
            "submodule_or_none"]
@@ -98,7 +99,9 @@ def param_init_tensor(model, name: str, shape, seed: int):
     """
     import torch
 
-    kind, std = contract_of(model).init_spec(name)
+    from meshforge.models.lora import lora_init_spec
+
+    kind, std = lora_init_spec(name, tuple(shape)) or contract_of(model).init_spec(name)
     if kind == "ones":
         return torch.ones(shape)
     if kind == "zeros":

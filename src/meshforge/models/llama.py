@@ -20,7 +20,7 @@ from torch import nn
 
 from meshforge.models.hf_llama import LlamaStateDictAdapter
 from meshforge.models.presets import ModelArgs
-from meshforge.models.protocol import InitSpec, PipelineLayout, StateDictAdapter
+from meshforge.models.protocol import AdapterLayout, InitSpec, PipelineLayout, StateDictAdapter
 
 
 class RMSNorm(nn.Module):
@@ -217,3 +217,13 @@ class Llama(nn.Module):
 
     def state_dict_adapter(self) -> StateDictAdapter:
         return LlamaStateDictAdapter(self.args)
+
+    def adapter_layout(self) -> AdapterLayout | None:
+        """The projections by their Hugging Face role names (LoRA's `target_modules`), embeddings, norms."""
+        return AdapterLayout(
+            linears={"q_proj": "layers.*.attention.wq", "k_proj": "layers.*.attention.wk",
+                     "v_proj": "layers.*.attention.wv", "o_proj": "layers.*.attention.wo",
+                     "gate_proj": "layers.*.feed_forward.w1", "up_proj": "layers.*.feed_forward.w3",
+                     "down_proj": "layers.*.feed_forward.w2"},
+            embeddings=("tok_embeddings", "output"),
+            norms=("layers.*.attention_norm", "layers.*.ffn_norm", "norm"))

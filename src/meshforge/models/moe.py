@@ -256,6 +256,11 @@ class MoETransformer(Llama):
     def total_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def adapter_layout(self) -> None:
+        """None yet: routed experts are grouped weights (per-expert adapters are not built), so LoRA is refused
+        rather than adapting the attention alone while the user expects the experts adapted too."""
+        return None
+
     def state_dict_adapter(self) -> StateDictAdapter:
         """None yet: stacked experts would need splitting per expert, and a partial map that loads some weights
         silently is worse than a refusal."""

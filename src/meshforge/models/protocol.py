@@ -22,6 +22,10 @@ names in a declaration are dotted paths of `named_modules()` (patterns: `*` matc
   so any sharding or pipeline split initialises exactly like one process (`models.param_init_tensor`).
 - `flops_per_token(seq_len)`: training FLOPs per token, for TFLOP/s and MFU.
 - `state_dict_adapter()`: Hugging Face names, tensor permutations and config.json, both directions.
+- `adapter_layout()`: what parameter-efficient fine-tuning (`models/lora.py`) may adapt: the linear layers by
+  role (role -> module-name pattern; roles are the Hugging Face module names, `q_proj`, ..., as PEFT's
+  `target_modules` spells them) and the embedding and norm modules its freeze policy covers; None when the
+  model declares none (LoRA is then refused).
 
 A model meshforge did not define (bring your own `nn.Module`) gets `ForeignModel`: blocks by class name
 (`distributed.block_classes`) or the largest ModuleList/ModuleDict, and nothing else (tensor parallelism
@@ -69,6 +73,13 @@ class StateDictAdapter(Protocol):
         """config.json for this model's arguments."""
 
 
+@dataclass(frozen=True)
+class AdapterLayout:
+    linears: dict[str, str]  # role -> module-name pattern of the nn.Linear layers LoRA may adapt
+    embeddings: tuple[str, ...]  # module-name patterns: input embedding and output head
+    norms: tuple[str, ...]  # module-name patterns: the normalisation layers
+
+
 @runtime_checkable
 class ModelContract(Protocol):
     def blocks(self) -> list[nn.Module]: ...
@@ -86,6 +97,8 @@ class ModelContract(Protocol):
     def flops_per_token(self, seq_len: int) -> float: ...
 
     def state_dict_adapter(self) -> StateDictAdapter: ...
+
+    def adapter_layout(self) -> AdapterLayout | None: ...
 
 
 class ForeignModel:
@@ -123,6 +136,9 @@ class ForeignModel:
 
     def state_dict_adapter(self) -> StateDictAdapter:
         raise ValueError(f"{type(self.model).__name__} has no Hugging Face state-dict adapter")
+
+    def adapter_layout(self) -> None:
+        return None
 
 
 def contract_of(model: nn.Module) -> ModelContract:

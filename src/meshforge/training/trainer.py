@@ -28,6 +28,7 @@ import torch.distributed as dist
 from meshforge.checkpoint.files import has_checkpoint
 from meshforge.checkpoint.hf import load_hf_into
 from meshforge.checkpoint.manager import CheckpointManager
+from meshforge.checkpoint.peft import load_peft_adapter
 from meshforge.config import rules as config_rules
 from meshforge.config.schema import Config
 from meshforge.data import ShardedBatchLoader, build_source
@@ -99,6 +100,9 @@ class Trainer:
         if cfg.model.init_from:
             for part in pm.unwrapped_parts():
                 load_hf_into(part, cfg.model.init_from)
+        if cfg.peft is not None and cfg.peft.init_from:  # continue training from a PEFT adapter folder
+            for part in pm.unwrapped_parts():
+                load_peft_adapter(part, cfg.peft)
         optimizer = build_optimizer(pm.param_groups(cfg.optimizer.weight_decay), cfg.optimizer)
         scheduler = build_scheduler(optimizer, cfg.scheduler, cfg.training.max_steps)
         t = cfg.training
