@@ -119,8 +119,10 @@ def test_srun_task_1_does_no_rank0_work(tmp_path, monkeypatch, capsys):
     from meshforge.config import load_config
     from meshforge.training import trainer
 
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(k, raising=False)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+              "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(k, "")  # recorded, so the variables the CLI derives are removed after the test
+        monkeypatch.delenv(k)
     for k, v in {**SLURM_2x4, "SLURM_PROCID": "1"}.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(trainer, "train", lambda cfg: SimpleNamespace(losses=[1.0], start_step=0, final_step=1))

@@ -120,7 +120,7 @@ def test_validate_cli(capsys):
     # TP groups must stay inside a node
     rc = main(["validate", str(EXAMPLES / "llama3_8b_tp.yaml"), "--world-size", "16", "--gpus-per-node", "4"])
     err = capsys.readouterr().err
-    assert rc == 0 and "tp_size=8 exceeds --gpus-per-node=4" in err
+    assert rc == 0 and "TP groups span 2 nodes (distributed.tp_size=8, --gpus-per-node=4)" in err
     rc = main(["validate", str(EXAMPLES / "llama3_8b_tp.yaml"), "--world-size", "16", "--gpus-per-node", "8"])
     assert rc == 0 and "gpus-per-node" not in capsys.readouterr().err
 
