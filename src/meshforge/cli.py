@@ -154,15 +154,37 @@ def build_parser() -> argparse.ArgumentParser:
     prep.set_defaults(fn=cmd_data)
 
     for name, (module, help_text) in SUBCOMMANDS.items():
-        mod = importlib.import_module(module)
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as err:  # never vanish from --help: the command stays, and says why it cannot run
+            why = f"{module} fails to import ({type(err).__name__}: {err})"
+            sp = sub.add_parser(name, help=f"{help_text} [BROKEN: {why}]", add_help=False)
+            sp.add_argument("rest", nargs=argparse.REMAINDER)
+            sp.set_defaults(fn=lambda _args, name=name, why=why: _fail(f"meshforge {name} is broken: {why}", 1))
+            continue
         sp = sub.add_parser(name, help=help_text)
         mod.add_arguments(sp)
         sp.set_defaults(fn=mod.run)
     return p
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Flags and `key=value` overrides in any order, in every subcommand: argparse fills a `nargs="*"`
+    positional only from the words before the first flag, so the later `key=value` words come back unknown
+    and join the overrides here, in the order they were written. Anything else unknown is an error."""
+    args, extra = parser.parse_known_args(argv)
+    words = [w for w in extra if not w.startswith("-") and "=" in w]
+    if words and isinstance(getattr(args, "overrides", None), list):
+        args.overrides = [*args.overrides, *words]
+        extra = [w for w in extra if w not in words]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parse_args(parser, argv)
     return int(args.fn(args) or 0)
 
 
