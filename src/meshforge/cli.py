@@ -21,8 +21,14 @@ SUBCOMMANDS = {
 }
 
 
+MAX_LINE = 600  # an error line quotes values cut to ~200 characters; this bounds whatever slipped through
+
+
 def _fail(lines: list[str] | str, code: int = 2) -> int:
     for line in [lines] if isinstance(lines, str) else lines:
+        line = str(line)
+        if len(line) > MAX_LINE:
+            line = f"{line[:MAX_LINE]}... ({len(line)} characters)"
         print(f"error: {line}", file=sys.stderr)
     return code
 

@@ -28,6 +28,7 @@ from meshforge.config.strategies import (
     StrategyOptions,
     StrategySpec,
     canonical_name,
+    StrictSection,
     get_strategy,
     option_owners,
     strategy_specs,
@@ -35,7 +36,7 @@ from meshforge.config.strategies import (
 from meshforge.config.validation import resolve
 
 
-class Section(BaseModel):
+class Section(StrictSection):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
@@ -60,7 +61,7 @@ def set_values(model: BaseModel) -> dict:
 class RunConfig(Section):
     name: str = "meshforge"
     output_dir: str = "runs/default"
-    seed: int = 1234
+    seed: int = Field(1234, ge=0, lt=2**64)  # torch, numpy and random all take it: 0 .. 2**64-1
 
 
 # --------------------------------------------------------------------------- model
