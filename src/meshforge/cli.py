@@ -51,18 +51,16 @@ def cmd_train(args) -> int:
     if world and world > 1:
         from meshforge.launch import run_cli
 
-        return run_cli(world, ["train", args.config, *args.overrides])
+        return run_cli(world, ["train", args.config, *args.overrides],
+                       shutdown_timeout=int(cfg.checkpoint.grace_period_s) + 30)
     return run_training(cfg)
 
 
 def run_training(cfg) -> int:
-    from meshforge.config.loader import write_yaml
     from meshforge.training.trainer import train
 
     rank = int(os.environ.get("RANK", 0))
     try:
-        if rank == 0:
-            write_yaml(cfg, os.path.join(cfg.run.output_dir, "config.yaml"))
         result = train(cfg)
     except MeshforgeError as err:
         return _fail(err.problems, code=err.exit_code)
@@ -75,6 +73,10 @@ def run_training(cfg) -> int:
     if rank == 0 and result.losses:
         print(f"done: steps {result.start_step}->{result.final_step}, first loss {result.losses[0]:.4f}, "
               f"last loss {result.losses[-1]:.4f}", flush=True)
+    if result.signal == "SIGINT":
+        if rank == 0:
+            print(f"meshforge: interrupted (Ctrl-C) at step {result.final_step}: saved, exiting 130", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -191,7 +193,11 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parse_args(parser, argv)
-    return int(args.fn(args) or 0)
+    try:
+        return int(args.fn(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves and exits 130 itself)
+        print("meshforge: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -38,21 +38,41 @@ def torchrun_args(nproc: int, entry: list[str]) -> list[str]:
     return ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", *entry]
 
 
-def run_cli(nproc: int, argv: list[str]) -> int:
-    """`python -m meshforge ARGV` on `nproc` local processes, in the foreground (this process is the agent)."""
+def first_failure_code(failures: dict) -> int:
+    """The exit code to report for failed ranks: the first failing rank's own code (2 bad input, 3 a run
+    that stopped itself), not the code of a peer the launcher then killed (a signal death, negative)."""
+    own = [(getattr(f, "timestamp", 0), rank, f.exitcode) for rank, f in failures.items()
+           if isinstance(f.exitcode, int) and f.exitcode > 0]
+    return min(own)[2] if own else 1
+
+
+def run_cli(nproc: int, argv: list[str], shutdown_timeout: int | None = None) -> int:
+    """`python -m meshforge ARGV` on `nproc` local processes, in the foreground (this process is the agent).
+    A signal to this process reaches the ranks (they finish the step and save, given `shutdown_timeout`
+    seconds before they are killed); it then exits 130 after SIGINT, 0 after SIGTERM/SIGUSR1 (a preempted run
+    that saved), 128 + n after another signal n; one line, no traceback."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
-    largs = get_args_parser().parse_args(torchrun_args(nproc, ["-m", "meshforge", *argv]))
+    extra = [f"--shutdown-timeout={shutdown_timeout}"] if shutdown_timeout else []
+    largs = get_args_parser().parse_args([*extra, *torchrun_args(nproc, ["-m", "meshforge", *argv])])
     try:
         run(largs)
+    except SignalException as err:
+        sig = signal.Signals(err.sigval)
+        code = 130 if sig == signal.SIGINT else 0 if sig in (signal.SIGTERM, signal.SIGUSR1) else 128 + int(sig)
+        print(f"meshforge: {sig.name} received: the {nproc} processes were told to save and stop (exit {code})",
+              file=sys.stderr, flush=True)
+        return code
     except Exception as err:  # noqa: BLE001 - ChildFailedError carries the failing ranks' exit codes
         if type(err).__name__ != "ChildFailedError":
             raise
         failures = getattr(err, "failures", {})
-        codes = sorted({f.exitcode for f in failures.values()}) or [1]
-        print(f"error: {len(failures)} of {nproc} processes failed (exit codes {codes}); their messages are above",
-              file=sys.stderr)
-        return codes[0] if codes[0] > 0 else 1
+        code = first_failure_code(failures)
+        codes = sorted({f.exitcode for f in failures.values()})
+        print(f"error: {len(failures)} of {nproc} processes failed (exit codes {codes}; the first failing rank's: "
+              f"{code}); their messages are above", file=sys.stderr)
+        return code
     return 0
 
 

@@ -62,6 +62,9 @@ class RunConfig(Section):
     name: str = "meshforge"
     output_dir: str = "runs/default"
     seed: int = Field(1234, ge=0, lt=2**64)  # torch, numpy and random all take it: 0 .. 2**64-1
+    # a fresh run (checkpoint.resume=none) into an output_dir that holds a run is refused unless this is true:
+    # then the old run is moved aside to <output_dir>.replaced-<UTC time> (training/rundir.py)
+    overwrite: bool = False
 
 
 # --------------------------------------------------------------------------- model
@@ -308,6 +311,9 @@ class CheckpointConfig(Section):
     save_final: bool = False
     save_consolidated: Literal[False, "final", "every"] = False
     consolidated_shard_mb: int = Field(2048, gt=0)
+    # resume refuses a checkpoint whose model args or tensor names differ from this model's; true loads the
+    # tensors both have (fine-tuning a changed model) and starts at step 0 without optimizer state
+    allow_partial_load: bool = False
     grace_period_s: float = Field(120.0, gt=0)
 
     @field_validator("resume", mode="before")

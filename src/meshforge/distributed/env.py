@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from meshforge.errors import ConfigError
-import torch.distributed as dist
 
 
 @dataclass(frozen=True)
