@@ -127,6 +127,9 @@ def cmd_data(args) -> int:
         n, out = prepare(args.inputs, args.output, args.dtype)
     except MeshforgeError as err:
         return _fail(err.problems, err.exit_code)
+    except OSError as err:  # an unwritable or impossible --output (reading inputs raises DataError)
+        return _fail(f"--output {args.output}: cannot write there ({err.strerror or type(err).__name__}): "
+                     "choose a writable path")
     print(f"wrote {n} tokens to {out}")
     return 0
 

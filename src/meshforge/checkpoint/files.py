@@ -266,10 +266,10 @@ def _names(keys, limit: int = 5) -> str:
     return ", ".join(keys[:limit]) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-def check_model_keys(path: Path, model_sd: dict, allow_partial: bool) -> set[str]:
-    """The model tensors to load: the checkpoint's `model.*` tensors must be exactly this model's (same names,
-    same shapes); with `allow_partial` (checkpoint.allow_partial_load) only the names may differ, and the
-    names both have are returned."""
+def check_model_keys(path: Path, model_sd: dict, allow_partial: bool) -> set[str] | None:
+    """None when the checkpoint's `model.*` tensors are exactly this model's (same names, same shapes); else a
+    one-line CheckpointError, or with `allow_partial` (checkpoint.allow_partial_load) the names both have
+    (their shapes must still match)."""
     saved = {k.removeprefix("model."): v for k, v in dcp_tensor_shapes(path).items() if k.startswith("model.")}
     mine = {fqn: tuple(t.shape) for fqn, t in model_sd.items()}
     for fqn in sorted(set(saved) & set(mine)):
@@ -282,7 +282,7 @@ def check_model_keys(path: Path, model_sd: dict, allow_partial: bool) -> set[str
                 ([f"in the checkpoint but not in this model: {_names(extra)}"] if extra else [])
         raise CheckpointError(f"{path}: saved from another model ({'; '.join(parts)}); set "
                               "checkpoint.allow_partial_load=true to load only the tensors both have")
-    return set(mine) & set(saved)
+    return set(mine) & set(saved) if missing or extra else None
 
 
 # DCP raises CheckpointException, a BaseException (not an Exception), carrying each failing rank's error

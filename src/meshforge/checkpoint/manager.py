@@ -372,18 +372,19 @@ class CheckpointManager:
 
     def _check_same_model(self, path: Path, manifest: dict, state: dict) -> set[str] | None:
         """Refuse a checkpoint of another model: its stored model arguments and its exact set of tensor names
-        must be this model's. With checkpoint.allow_partial_load, the names to load (a subset); else None."""
+        must be this model's. With checkpoint.allow_partial_load and another model: the names to load."""
         allow = self.cfg.checkpoint.allow_partial_load
         saved, mine = manifest.get("model_args"), json.loads(json.dumps(model_args_dict(self.cfg)))  # as stored
-        if isinstance(saved, dict) and not allow:
-            diff = [f"{k}={saved.get(k)!r} (this model {mine.get(k)!r})" for k in sorted(set(saved) | set(mine))
-                    if saved.get(k) != mine.get(k)]
-            if diff:
-                raise CheckpointError(f"{path}: saved from another model: {', '.join(diff[:6])}"
-                                      f"{f' and {len(diff) - 6} more' if len(diff) > 6 else ''}; set model.* to "
-                                      "match, or checkpoint.allow_partial_load=true to load the tensors both have")
+        diff = [f"{k}={saved.get(k)!r} (this model {mine.get(k)!r})" for k in sorted(set(saved) | set(mine))
+                if saved.get(k) != mine.get(k)] if isinstance(saved, dict) else []
+        if diff and not allow:
+            raise CheckpointError(f"{path}: saved from another model: {', '.join(diff[:6])}"
+                                  f"{f' and {len(diff) - 6} more' if len(diff) > 6 else ''}; set model.* to "
+                                  "match, or checkpoint.allow_partial_load=true to load the tensors both have")
         keys = check_model_keys(path, state["model"], allow)
-        return keys if allow and keys != set(state["model"]) else None
+        if keys is None and diff:  # same tensors, other model args (e.g. rope_theta): still another model
+            keys = set(state["model"])
+        return keys
 
     def close(self) -> None:
         try:
