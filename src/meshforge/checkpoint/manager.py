@@ -371,9 +371,11 @@ class CheckpointManager:
         return int(ts["step"])
 
     def _check_same_model(self, path: Path, manifest: dict, state: dict) -> set[str] | None:
-        """Refuse a checkpoint of another model: its stored model arguments and its exact set of tensor names
-        must be this model's. With checkpoint.allow_partial_load and another model: the names to load."""
+        """Refuse a checkpoint of another model: its exact set of tensor names and shapes, and its stored model
+        arguments, must be this model's. With checkpoint.allow_partial_load and another model: the names to
+        load (shapes must still match)."""
         allow = self.cfg.checkpoint.allow_partial_load
+        keys = check_model_keys(path, state["model"], allow)
         saved, mine = manifest.get("model_args"), json.loads(json.dumps(model_args_dict(self.cfg)))  # as stored
         diff = [f"{k}={saved.get(k)!r} (this model {mine.get(k)!r})" for k in sorted(set(saved) | set(mine))
                 if saved.get(k) != mine.get(k)] if isinstance(saved, dict) else []
@@ -381,7 +383,6 @@ class CheckpointManager:
             raise CheckpointError(f"{path}: saved from another model: {', '.join(diff[:6])}"
                                   f"{f' and {len(diff) - 6} more' if len(diff) > 6 else ''}; set model.* to "
                                   "match, or checkpoint.allow_partial_load=true to load the tensors both have")
-        keys = check_model_keys(path, state["model"], allow)
         if keys is None and diff:  # same tensors, other model args (e.g. rope_theta): still another model
             keys = set(state["model"])
         return keys

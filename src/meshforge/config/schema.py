@@ -394,4 +394,4 @@ class Config(Section):
 
     def validate(self, world_size: int | None = None) -> Config:  # type: ignore[override]
         """Re-validate after attribute edits and fold Bridge spellings; raises ConfigError listing every problem."""
-        return resolve(set_values(self), type(self), world_size)
+        return resolve(set_values(self), type(self), world_size, bridge_strict=False)

@@ -25,7 +25,7 @@ def quote(value: Any, limit: int = 200) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-def _fold_bridge(raw: dict) -> tuple[dict, list[str]]:
+def _fold_bridge(raw: dict, strict: bool = True) -> tuple[dict, list[str]]:
     """Map Megatron-Bridge `dist:` / `ddp:` keys onto `distributed` (and check their exclusivity rules)."""
     problems: list[str] = []
     raw = dict(raw)
@@ -57,7 +57,7 @@ def _fold_bridge(raw: dict) -> tuple[dict, list[str]]:
     for section, key, implied in (("dist", "use_megatron_fsdp", "megatron_fsdp"),
                                   ("ddp", "use_megatron_fsdp", "megatron_fsdp"),
                                   ("dist", "use_torch_fsdp2", "fsdp2")):
-        if (dist if section == "dist" else ddp).get(key) is True and explicit not in (None, implied):
+        if strict and (dist if section == "dist" else ddp).get(key) is True and explicit not in (None, implied):
             problems.append(f"{section}.{key}=true asks for strategy {implied} but distributed.strategy="
                             f"{d['strategy']}: remove one of the two keys")
     if dist.get("use_megatron_fsdp") and dist.get("use_torch_fsdp2"):
@@ -121,12 +121,14 @@ def format_validation_error(err: ValidationError, model: type[BaseModel]) -> lis
     return lines
 
 
-def resolve(raw: dict, schema: type[BaseModel], world_size: int | None = None):
+def resolve(raw: dict, schema: type[BaseModel], world_size: int | None = None, bridge_strict: bool = True):
     """Raw dict -> validated `schema` instance (a Config); the cross-field rules run too, at `world_size` (or
-    the smallest world the config describes)."""
+    the smallest world the config describes). `bridge_strict`: a `dist.use_*` flag and a different explicit
+    `distributed.strategy` in one document are an error; `Config.validate()` passes False, as in
+    Megatron-Bridge a flag set on a recipe (whose strategy the recipe chose) switches it."""
     if not isinstance(raw, dict):
         raise ConfigError([f"config must be a mapping of sections, got {type(raw).__name__}"])
-    raw, problems = _fold_bridge(raw)
+    raw, problems = _fold_bridge(raw, bridge_strict)
     try:
         cfg = schema.model_validate(raw)
     except ValidationError as err:
