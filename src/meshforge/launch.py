@@ -174,5 +174,15 @@ def _worker(target: str, out_dir: str) -> int:
     return 0
 
 
+def exit_process(code: int) -> None:
+    """End a launched worker without interpreter finalisation: its process groups were destroyed in order by
+    then, and finalisation would tear down whatever C++ objects remain (process groups kept alive by a
+    reference, their gloo threads) in arbitrary order, which now and then ends a finished run in
+    "terminate called without an active exception" (SIGABRT) instead of its exit code."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(_worker(sys.argv[1], sys.argv[2]))
+    exit_process(_worker(sys.argv[1], sys.argv[2]))
