@@ -1,8 +1,9 @@
 """`meshforge` command line: thin commands, the logic lives in the packages.
 
-Exit codes: 0 success; 2 bad input (config, data, checkpoint) with one line per
-problem and no traceback; 3 a run that stopped itself (non-finite loss). Both come
-from the `meshforge.errors` class raised. Commands owned by other packages are a
+Exit codes: 0 success (also a run preempted by SIGTERM/SIGUSR1 that saved); 2 bad input
+(config, data, checkpoint) with one line per problem and no traceback; 3 a run that
+stopped itself (non-finite loss); 130 Ctrl-C (the run saved). 2 and 3 come from the
+`meshforge.errors` class raised. Flags and `key=value` overrides may come in any order. Commands owned by other packages are a
 module with `add_arguments(parser)` and `run(args) -> int` (`SUBCOMMANDS`).
 """
 
