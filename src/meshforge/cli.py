@@ -3,8 +3,8 @@
 Exit codes: 0 success (also a run preempted by SIGTERM/SIGUSR1 that saved); 2 bad input
 (config, data, checkpoint) with one line per problem and no traceback; 3 a run that
 stopped itself (non-finite loss); 130 Ctrl-C (the run saved). 2 and 3 come from the
-`meshforge.errors` class raised. Flags and `key=value` overrides may come in any order. Commands owned by other packages are a
-module with `add_arguments(parser)` and `run(args) -> int` (`SUBCOMMANDS`).
+`meshforge.errors` class raised. Flags and `key=value` overrides may come in any order.
+Commands owned by other packages are a module with `add_arguments(parser)` and `run(args) -> int` (`SUBCOMMANDS`).
 """
 
 from __future__ import annotations

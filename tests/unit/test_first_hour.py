@@ -66,6 +66,33 @@ def test_a_command_whose_module_fails_to_import_stays_and_says_why(monkeypatch, 
     assert len(err) == 1 and "meshforge ghost is broken: meshforge.no_such_module fails to import" in err[0]
 
 
+def test_bridge_checkpoint_save_and_load_work_in_yaml(tmp_path):
+    from meshforge.config import load_config
+
+    f = tmp_path / "c.yaml"
+    f.write_text(f"checkpoint: {{save: {tmp_path}/ck, load: {tmp_path}/old}}\n")
+    cfg = load_config(f)
+    assert cfg.checkpoint.dir == f"{tmp_path}/ck" and cfg.checkpoint.resume == f"{tmp_path}/old"
+    assert load_config(f, ["checkpoint.load=none"]).checkpoint.resume is None
+
+
+def test_second_ctrl_c_aborts_at_once_but_a_forwarded_one_does_not(monkeypatch):
+    from meshforge.training import signals as S
+
+    stop, calls, now = S.StopSignal(1), [], [100.0]
+    monkeypatch.setattr(S.os, "kill", lambda pid, sig: calls.append(sig))
+    monkeypatch.setattr(S.signal, "signal", lambda sig, handler: calls.append((sig, handler)))
+    monkeypatch.setattr(S.time, "monotonic", lambda: now[0])
+    stop._handle(signal.SIGINT, None)
+    assert stop.requested == signal.SIGINT and not calls and stop.poll() and stop.received == "SIGINT"
+    now[0] = 100.5  # the launcher forwarding the same Ctrl-C
+    stop._handle(signal.SIGINT, None)
+    assert not calls
+    now[0] = 104.0  # the user pressing it again
+    stop._handle(signal.SIGINT, None)
+    assert calls == [(signal.SIGINT, signal.SIG_DFL), signal.SIGINT]
+
+
 def test_launcher_reports_the_first_failing_ranks_own_code():
     class F:
         def __init__(self, code, ts):

@@ -102,8 +102,8 @@ def read_yaml(path: str | Path) -> dict:
     except RecursionError:
         raise ConfigError([f"{p}: is nested too deeply to be a config"]) from None
     if raw is None:
-        raise ConfigError([f"config file {str(p)!r} is empty: write at least one section (see examples/tiny_cpu.yaml)"
-                           ", or run without a file for the defaults"])
+        raise ConfigError([f"config file {str(p)!r} is empty: write at least one section, e.g. `run: {{name: my_run}}` "
+                           "(examples/tiny_cpu.yaml is a complete one)"])
     if not isinstance(raw, dict):
         raise ConfigError([f"{p}: the top level must be a mapping of sections (run:, model:, training: ...), "
                            f"not a {type(raw).__name__}"])
