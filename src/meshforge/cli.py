@@ -135,6 +135,16 @@ def cmd_data(args) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshforge", description="Train large language models on device meshes.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -142,19 +152,19 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train from a YAML config")
     t.add_argument("config")
     t.add_argument("overrides", nargs="*", help="key.path=value edits")
-    t.add_argument("--nproc-per-node", type=int, default=None, help="start N local processes (gloo on CPU)")
+    t.add_argument("--nproc-per-node", type=_positive, default=None, help="start N local processes (gloo on CPU)")
     t.set_defaults(fn=cmd_train)
 
     v = sub.add_parser("validate", help="check a config (and its layout for a world size) without running")
     v.add_argument("config")
     v.add_argument("overrides", nargs="*")
-    v.add_argument("--world-size", type=int, default=None)
-    v.add_argument("--gpus-per-node", type=int, default=None)
+    v.add_argument("--world-size", type=_positive, default=None)
+    v.add_argument("--gpus-per-node", type=_positive, default=None)
     v.set_defaults(fn=cmd_validate)
 
     ve = sub.add_parser("verify", help="smoke-test every strategy on N local processes")
-    ve.add_argument("--nproc-per-node", type=int, default=2)
-    ve.add_argument("--steps", type=int, default=5)
+    ve.add_argument("--nproc-per-node", type=_positive, default=2)
+    ve.add_argument("--steps", type=_positive, default=5)
     ve.set_defaults(fn=cmd_verify)
 
     d = sub.add_parser("data", help="data tools")
