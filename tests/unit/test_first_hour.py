@@ -169,6 +169,15 @@ def test_a_second_run_into_the_same_directory_fails(tmp_path):
     assert not (out / "metrics.jsonl").exists() and (out / LOCK).exists()
 
 
+def test_a_checkpoint_dir_of_its_own_is_locked_too(tmp_path):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / LOCK).write_text(json.dumps({"pid": os.getpid(), "host": os.uname().nodename, "started_utc": "x"}))
+    with pytest.raises(ConfigError, match=rf"{ck} is in use by another run"):
+        _train([f"run.output_dir={tmp_path}/run", f"checkpoint.dir={ck}", "checkpoint.interval=1"])
+    assert not (tmp_path / "run" / LOCK).exists(), "the lock taken before the refusal is released"
+
+
 def test_a_stale_lock_is_taken_over_and_released(tmp_path, capsys):
     out = tmp_path / "run"
     out.mkdir()

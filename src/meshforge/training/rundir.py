@@ -73,15 +73,15 @@ def _take_lock(out: Path) -> tuple[str | None, str | None]:
                 held = json.loads(path.read_text())
                 pid, host = int(held["pid"]), str(held["host"])
             except (OSError, ValueError, KeyError, TypeError):
-                return (f"run.output_dir={out} is locked by {path}, which is unreadable: if no run uses this "
-                        f"directory, delete {path}"), None
+                return (f"{out} is locked by {path}, which is unreadable: if no run uses this directory, "
+                        f"delete {path}"), None
             if host == me["host"] and not _alive(pid):
                 path.unlink(missing_ok=True)
                 note = f"took over a stale lock of process {pid} on {host} (it is gone)"
                 continue
-            return (f"run.output_dir={out} is in use by another run (pid {pid} on {host}, since "
-                    f"{held.get('started_utc', '?')}): give this run its own run.output_dir, or wait for that "
-                    f"one (if it is gone, delete {path})"), None
+            return (f"{out} is in use by another run (pid {pid} on {host}, since {held.get('started_utc', '?')}): "
+                    f"give this run its own run.output_dir and checkpoint.dir, or wait for that one (if it is gone, "
+                    f"delete {path})"), None
         with os.fdopen(fd, "w") as f:
             json.dump(me, f)
         return None, note
@@ -109,20 +109,23 @@ def _move_aside(cfg, out: Path) -> str:
             shutil.move(str(entry), str(aside / entry.name))
     ck = checkpoint_dir(cfg)
     if ck.exists() and not ck.resolve().is_relative_to(out.resolve()):
-        shutil.move(str(ck), str(aside / "checkpoints"))
+        (aside / "checkpoints").mkdir()
+        for entry in sorted(ck.iterdir()):
+            if entry.name != LOCK:
+                shutil.move(str(entry), str(aside / "checkpoints" / entry.name))
     return f"run.overwrite=true: moved the previous run in {out} aside to {aside}"
 
 
 class RunDir:
-    """What `claim` holds; `release()` drops the lock (rank 0)."""
+    """What `claim` holds; `release()` drops the locks (rank 0)."""
 
-    def __init__(self, lock: Path | None):
-        self.lock = lock
+    def __init__(self, locks: list[Path]):
+        self.locks = locks
 
     def release(self) -> None:
-        if self.lock is not None:
-            self.lock.unlink(missing_ok=True)
-            self.lock = None
+        for lock in self.locks:
+            lock.unlink(missing_ok=True)
+        self.locks = []
 
 
 def _writes_output_dir(cfg) -> bool:
@@ -133,17 +136,20 @@ def claim(cfg, info, log=print) -> RunDir:
     """Check and lock the run's directories (see the module docstring); every rank gets the same outcome."""
     out = Path(cfg.run.output_dir)
     problems: list[str] = []
-    lock = None
+    locks: list[Path] = []
     if _writes_checkpoints(cfg) and (p := _probe(checkpoint_dir(cfg), "checkpoint.dir", info.rank)):
         problems.append(p)
     if info.rank == 0 and _writes_output_dir(cfg) and not problems:
         problem = _probe(out, "run.output_dir", 0)
-        if problem is None:
-            problem, note = _take_lock(out)
+        ck = checkpoint_dir(cfg)
+        outside = _writes_checkpoints(cfg) and not ck.resolve().is_relative_to(out.resolve())
+        for where in [out, ck] if outside else [out]:  # a checkpoint.dir of its own is locked too
             if problem is None:
-                lock = out / LOCK
-                if note:
-                    log(f"meshforge: {note}")
+                problem, note = _take_lock(where)
+                if problem is None:
+                    locks.append(where / LOCK)
+                    if note:
+                        log(f"meshforge: {note}")
         if problem is None and cfg.checkpoint.resume is None and (old := _holds_run(cfg, out)):
             if cfg.run.overwrite:
                 log(f"meshforge: {_move_aside(cfg, out)}")
@@ -157,7 +163,6 @@ def claim(cfg, info, log=print) -> RunDir:
             problems.append(problem)
     everyone = sorted({p for ps in all_gather_object(problems) for p in ps})
     if everyone:
-        if lock is not None:
-            lock.unlink(missing_ok=True)
+        RunDir(locks).release()
         raise ConfigError(everyone)
-    return RunDir(lock)
+    return RunDir(locks)
