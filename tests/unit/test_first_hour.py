@@ -154,6 +154,28 @@ def test_allow_partial_load_loads_the_common_tensors_from_step_0(saved, tmp_path
     assert not torch.equal(want["model.tok_embeddings.weight"], torch.zeros_like(ours["tok_embeddings.weight"]))
 
 
+def test_a_crafted_non_tensor_item_runs_no_code(tmp_path):
+    """DCP reads non-tensor items (optimizer param groups) with torch.load(weights_only=False): not ours."""
+    import torch.distributed.checkpoint as dcp
+
+    from meshforge.checkpoint.files import dcp_load
+
+    pwned = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {pwned}",))
+
+    dcp.save({"item": Evil(), "ok": {"lr": 0.1, "betas": (0.9, 0.95)}}, checkpoint_id=str(tmp_path / "ck"),
+             no_dist=True)
+    with pytest.raises(CheckpointError, match="checkpoint item item: refused by torch.load"):
+        dcp_load({"item": None}, tmp_path / "ck", no_dist=True)
+    assert not pwned.exists()
+    state = {"ok": {"lr": 0.0, "betas": None}}
+    dcp_load(state, tmp_path / "ck", no_dist=True)
+    assert state["ok"] == {"lr": 0.1, "betas": (0.9, 0.95)}
+
+
 def test_same_model_resumes(saved, tmp_path):
     res = _train([f"run.output_dir={tmp_path}", f"checkpoint.resume={saved}"], steps=3)
     assert res.start_step == 2 and res.final_step == 3

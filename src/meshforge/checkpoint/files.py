@@ -13,6 +13,7 @@ one line naming the file; `dcp_tensor_shapes` reads tensor shapes from DCP metad
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -249,9 +250,32 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         return md
 
 
+class SafeLoadPlanner(dcp.DefaultLoadPlanner):
+    """DCP's load planner with non-tensor items (optimizer param groups, ...) read by `torch.load(weights_only=
+    True)`: DCP's own reads them with `weights_only=False`, which runs whatever a crafted `.distcp` pickles."""
+
+    def load_bytes(self, read_item, value) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as err:  # noqa: BLE001 - one line naming the item
+            first = (str(err).strip().splitlines() or [""])[0][:200]
+            raise CheckpointError(f"checkpoint item {read_item.dest_index.fqn}: refused by torch.load(weights_only="
+                                  f"True) ({type(err).__name__}: {first})") from None
+        safe = io.BytesIO()  # what passed weights_only, re-serialised: DCP's own unpickling of it is harmless
+        torch.save(obj, safe)
+        safe.seek(0)
+        super().load_bytes(read_item, safe)
+
+
 def dcp_load(state: dict, path: Path, no_dist: bool) -> None:
-    """`dcp.load` of `state` from the checkpoint at `path`, its metadata read safely."""
-    dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), no_dist=no_dist)
+    """`dcp.load` of `state` from the checkpoint at `path`: metadata and non-tensor items read safely."""
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(), no_dist=no_dist)
+    except CheckpointException as err:  # DCP wraps each rank's error: ours is already the one line to show
+        for _rank, (inner, _tb) in sorted(err.failures.items()):
+            if isinstance(inner, CheckpointError):
+                raise inner from None
+        raise
 
 
 def dcp_tensor_shapes(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
