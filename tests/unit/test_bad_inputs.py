@@ -4,7 +4,6 @@ message), and random YAML documents and overrides fed to `validate` (hypothesis)
 
 from __future__ import annotations
 
-import os
 import shlex
 from pathlib import Path
 
@@ -88,4 +87,3 @@ def test_validate_random_input_is_0_or_2(doc, edits, world, tmp_path, capsys):
     assert "Traceback" not in err
     if rc == 2:
         assert err.strip(), "exit 2 without a line saying why"
-    os.environ.pop("MESHFORGE_PWNED", None)

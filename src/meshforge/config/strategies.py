@@ -39,6 +39,13 @@ def _takes_bool(annotation: Any) -> bool:
     return annotation is bool or annotation is Any
 
 
+def _takes_number(annotation: Any) -> bool:
+    args = getattr(annotation, "__args__", None)
+    if args is not None:
+        return any(_takes_number(a) for a in args)
+    return annotation in (int, float)
+
+
 class StrictSection(BaseModel):
     """Base of every config section: YAML's `true` is not a number (pydantic would read it as 1), so a bool
     given for a key that takes numbers, and not bools, is an error naming the key."""
@@ -46,8 +53,8 @@ class StrictSection(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_for_numbers(cls, v: Any, info: Any) -> Any:
-        if isinstance(v, bool) and info.field_name in cls.model_fields \
-                and not _takes_bool(cls.model_fields[info.field_name].annotation):
+        ann = cls.model_fields[info.field_name].annotation if info.field_name in cls.model_fields else None
+        if isinstance(v, bool) and _takes_number(ann) and not _takes_bool(ann):
             raise ValueError(f"must be a number, not the boolean {str(v).lower()}")
         return v
 
