@@ -1,9 +1,10 @@
 """`meshforge` command line: thin commands, the logic lives in the packages.
 
-Exit codes: 0 success; 2 bad input (config, data, checkpoint) with one line per
-problem and no traceback; 3 a run that stopped itself (non-finite loss). Both come
-from the `meshforge.errors` class raised. Commands owned by other packages are a
-module with `add_arguments(parser)` and `run(args) -> int` (`SUBCOMMANDS`).
+Exit codes: 0 success (also a run preempted by SIGTERM/SIGUSR1 that saved); 2 bad input
+(config, data, checkpoint) with one line per problem and no traceback; 3 a run that
+stopped itself (non-finite loss); 130 Ctrl-C (the run saved). 2 and 3 come from the
+`meshforge.errors` class raised. Flags and `key=value` overrides may come in any order.
+Commands owned by other packages are a module with `add_arguments(parser)` and `run(args) -> int` (`SUBCOMMANDS`).
 """
 
 from __future__ import annotations
@@ -22,8 +23,14 @@ SUBCOMMANDS = {
 }
 
 
+MAX_LINE = 600  # an error line quotes values cut to ~200 characters; this bounds whatever slipped through
+
+
 def _fail(lines: list[str] | str, code: int = 2) -> int:
     for line in [lines] if isinstance(lines, str) else lines:
+        line = str(line)
+        if len(line) > MAX_LINE:
+            line = f"{line[:MAX_LINE]}... ({len(line)} characters)"
         print(f"error: {line}", file=sys.stderr)
     return code
 
@@ -81,20 +88,18 @@ def cmd_train(args) -> int:
     if nodes or (world and world > 1):
         from meshforge.launch import run_cli
 
-        return run_cli(world, ["train", args.config, *args.overrides], nodes)
+        return run_cli(world, ["train", args.config, *args.overrides], nodes,
+                       shutdown_timeout=int(cfg.checkpoint.grace_period_s) + 30)
     return run_training(cfg)
 
 
 def run_training(cfg) -> int:
-    from meshforge.config.loader import write_yaml
     from meshforge.distributed.env import apply_slurm_env
     from meshforge.training.trainer import train
 
     apply_slurm_env()  # under srun: RANK before it is read here
     rank = int(os.environ.get("RANK", 0))
     try:
-        if rank == 0:
-            write_yaml(cfg, os.path.join(cfg.run.output_dir, "config.yaml"))
         result = train(cfg)
     except MeshforgeError as err:
         return _fail(err.problems, code=err.exit_code)
@@ -107,6 +112,10 @@ def run_training(cfg) -> int:
     if rank == 0 and result.losses:
         print(f"done: steps {result.start_step}->{result.final_step}, first loss {result.losses[0]:.4f}, "
               f"last loss {result.losses[-1]:.4f}", flush=True)
+    if result.signal == "SIGINT":
+        if rank == 0:
+            print(f"meshforge: interrupted (Ctrl-C) at step {result.final_step}: saved, exiting 130", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -164,6 +173,9 @@ def cmd_data(args) -> int:
         n, out = prepare(args.inputs, args.output, args.dtype, args.tokenizer, args.text_field)
     except MeshforgeError as err:
         return _fail(err.problems, err.exit_code)
+    except OSError as err:  # an unwritable or impossible --output (reading inputs raises DataError)
+        return _fail(f"--output {args.output}: cannot write there ({err.strerror or type(err).__name__}): "
+                     "choose a writable path")
     print(f"wrote {n} tokens to {out}")
     return 0
 
@@ -179,6 +191,16 @@ def cmd_tokenizer_train(args) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshforge", description="Train large language models on device meshes.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -186,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train from a YAML config")
     t.add_argument("config")
     t.add_argument("overrides", nargs="*", help="key.path=value edits")
-    t.add_argument("--nproc-per-node", type=int, default=None, help="start N local processes (gloo on CPU)")
+    t.add_argument("--nproc-per-node", type=_positive, default=None, help="start N local processes (gloo on CPU)")
     t.add_argument("--nnodes", type=int, default=None, help="nodes of a multi-node launch (this is one of them)")
     t.add_argument("--node-rank", type=int, default=None, help="this node's rank (static rendezvous); "
                    "omit it for the c10d rendezvous, which assigns node ranks")
@@ -197,13 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("validate", help="check a config (and its layout for a world size) without running")
     v.add_argument("config")
     v.add_argument("overrides", nargs="*")
-    v.add_argument("--world-size", type=int, default=None)
-    v.add_argument("--gpus-per-node", type=int, default=None)
+    v.add_argument("--world-size", type=_positive, default=None)
+    v.add_argument("--gpus-per-node", type=_positive, default=None)
     v.set_defaults(fn=cmd_validate)
 
     ve = sub.add_parser("verify", help="smoke-test every strategy on N local processes")
-    ve.add_argument("--nproc-per-node", type=int, default=2)
-    ve.add_argument("--steps", type=int, default=5)
+    ve.add_argument("--nproc-per-node", type=_positive, default=2)
+    ve.add_argument("--steps", type=_positive, default=5)
     ve.set_defaults(fn=cmd_verify)
 
     d = sub.add_parser("data", help="data tools")
@@ -224,16 +246,42 @@ def build_parser() -> argparse.ArgumentParser:
     tkt.set_defaults(fn=cmd_tokenizer_train)
 
     for name, (module, help_text) in SUBCOMMANDS.items():
-        mod = importlib.import_module(module)
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as err:  # never vanish from --help: the command stays, and says why it cannot run
+            why = f"{module} fails to import ({type(err).__name__}: {err})"
+            sp = sub.add_parser(name, help=f"{help_text} [BROKEN: {why}]", add_help=False)
+            sp.add_argument("rest", nargs=argparse.REMAINDER)
+            sp.set_defaults(fn=lambda _args, name=name, why=why: _fail(f"meshforge {name} is broken: {why}", 1))
+            continue
         sp = sub.add_parser(name, help=help_text)
         mod.add_arguments(sp)
         sp.set_defaults(fn=mod.run)
     return p
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Flags and `key=value` overrides in any order, in every subcommand: argparse fills a `nargs="*"`
+    positional only from the words before the first flag, so the later `key=value` words come back unknown
+    and join the overrides here, in the order they were written. Anything else unknown is an error."""
+    args, extra = parser.parse_known_args(argv)
+    words = [w for w in extra if not w.startswith("-") and "=" in w]
+    if words and isinstance(getattr(args, "overrides", None), list):
+        args.overrides = [*args.overrides, *words]
+        extra = [w for w in extra if w not in words]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.fn(args) or 0)
+    parser = build_parser()
+    args = parse_args(parser, argv)
+    try:
+        return int(args.fn(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (which saves and exits 130 itself)
+        print("meshforge: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -60,22 +60,42 @@ def torchrun_args(nproc: int, entry: list[str], nodes: Nodes | None = None) -> l
     return [*where, f"--nproc-per-node={nproc}", "--max-restarts=0", *entry]
 
 
-def run_cli(nproc: int, argv: list[str], nodes: Nodes | None = None) -> int:
+def first_failure_code(failures: dict) -> int:
+    """The exit code to report for failed ranks: the first failing rank's own code (2 bad input, 3 a run
+    that stopped itself), not the code of a peer the launcher then killed (a signal death, negative)."""
+    own = [(getattr(f, "timestamp", 0), rank, f.exitcode) for rank, f in failures.items()
+           if isinstance(f.exitcode, int) and f.exitcode > 0]
+    return min(own)[2] if own else 1
+
+
+def run_cli(nproc: int, argv: list[str], nodes: Nodes | None = None, shutdown_timeout: int | None = None) -> int:
     """`python -m meshforge ARGV` on `nproc` local processes, in the foreground (this process is the agent);
-    with `nodes`, as one node of a multi-node launch."""
+    with `nodes`, as one node of a multi-node launch.
+    A signal to this process reaches the ranks (they finish the step and save, given `shutdown_timeout`
+    seconds before they are killed); it then exits 130 after SIGINT, 0 after SIGTERM/SIGUSR1 (a preempted run
+    that saved), 128 + n after another signal n; one line, no traceback."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
-    largs = get_args_parser().parse_args(torchrun_args(nproc, ["-m", "meshforge", *argv], nodes))
+    extra = [f"--shutdown-timeout={shutdown_timeout}"] if shutdown_timeout else []
+    largs = get_args_parser().parse_args([*extra, *torchrun_args(nproc, ["-m", "meshforge", *argv], nodes)])
     try:
         run(largs)
+    except SignalException as err:
+        sig = signal.Signals(err.sigval)
+        code = 130 if sig == signal.SIGINT else 0 if sig in (signal.SIGTERM, signal.SIGUSR1) else 128 + int(sig)
+        print(f"meshforge: {sig.name} received: the {nproc} processes were told to save and stop (exit {code})",
+              file=sys.stderr, flush=True)
+        return code
     except Exception as err:  # noqa: BLE001 - ChildFailedError carries the failing ranks' exit codes
         if type(err).__name__ != "ChildFailedError":
             raise
         failures = getattr(err, "failures", {})
-        codes = sorted({f.exitcode for f in failures.values()}) or [1]
-        print(f"error: {len(failures)} of {nproc} processes failed (exit codes {codes}); their messages are above",
-              file=sys.stderr)
-        return codes[0] if codes[0] > 0 else 1
+        code = first_failure_code(failures)
+        codes = sorted({f.exitcode for f in failures.values()})
+        print(f"error: {len(failures)} of {nproc} processes failed (exit codes {codes}; the first failing rank's: "
+              f"{code}); their messages are above", file=sys.stderr)
+        return code
     return 0
 
 
@@ -177,5 +197,15 @@ def _worker(target: str, out_dir: str) -> int:
     return 0
 
 
+def exit_process(code: int) -> None:
+    """End a launched worker without interpreter finalisation: its process groups were destroyed in order by
+    then, and finalisation would tear down whatever C++ objects remain (process groups kept alive by a
+    reference, their gloo threads) in arbitrary order, which now and then ends a finished run in
+    "terminate called without an active exception" (SIGABRT) instead of its exit code."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(_worker(sys.argv[1], sys.argv[2]))
+    exit_process(_worker(sys.argv[1], sys.argv[2]))

@@ -125,7 +125,7 @@ def test_srun_task_1_does_no_rank0_work(tmp_path, monkeypatch, capsys):
         monkeypatch.delenv(k)
     for k, v in {**SLURM_2x4, "SLURM_PROCID": "1"}.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(trainer, "train", lambda cfg: SimpleNamespace(losses=[1.0], start_step=0, final_step=1))
+    monkeypatch.setattr(trainer, "train", lambda cfg: SimpleNamespace(losses=[1.0], start_step=0, final_step=1, signal=None))
     cfg = load_config(None, [f"run.output_dir={tmp_path}", "training.global_batch_size=16"], world_size=8)
     assert cli.run_training(cfg) == 0
     assert not (tmp_path / "config.yaml").exists() and "done:" not in capsys.readouterr().out

@@ -13,8 +13,10 @@ one line naming the file; `dcp_tensor_shapes` reads tensor shapes from DCP metad
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import pickle
 import re
 import sys
 import warnings
@@ -85,6 +87,25 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def umask() -> int:
+    """This process's umask (read without changing it where /proc allows)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path: Path) -> None:
+    """Give a file the mode a plain `open(path, "w")` would have: writers that go through a private temporary
+    file (safetensors' save_file) leave it 0600, unreadable to the colleague it was written for."""
+    os.chmod(path, 0o666 & ~umask())
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -173,24 +194,119 @@ def verify_files(path: Path, manifest: dict | None = None, group=None) -> dict:
     return manifest
 
 
+# ------------------------------------------------------------------ DCP metadata, safely
+# DCP pickles `.metadata`; plain `pickle.load` of a crafted file runs any code (the manifest's hashes prove
+# nothing: whoever writes the file writes them too). These are the only globals DCP metadata refers to.
+_SAFE_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner")
+_SAFE_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+                 ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                 ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"),
+                 ("pathlib", "PureWindowsPath"), ("pathlib", "Path")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                          torch.memory_format)):
+            return getattr(torch, name)
+        if module in _SAFE_MODULES and "." not in name:
+            obj = super().find_class(module, name)
+            if isinstance(obj, type):  # a dataclass or an enum of DCP's own; never a function
+                return obj
+        raise pickle.UnpicklingError(f"refusing to load global {module}.{name}: DCP metadata never holds it")
+
+
+def load_dcp_metadata(path: Path):
+    """`<path>/.metadata` through the restricted unpickler; a one-line CheckpointError when it is refused,
+    truncated or not DCP metadata at all."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    f = Path(path) / ".metadata"
+    try:
+        with open(f, "rb") as fh:
+            md = _MetadataUnpickler(fh).load()
+    except FileNotFoundError:
+        raise CheckpointError(f"{f}: missing (not a DCP checkpoint)") from None
+    except Exception as err:  # noqa: BLE001 - any unpickling failure of a damaged or crafted file
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        raise CheckpointError(f"{f}: unreadable or unsafe DCP metadata ({type(err).__name__}: {first})") from None
+    if not isinstance(md, Metadata):
+        raise CheckpointError(f"{f}: not DCP metadata (holds a {type(md).__name__})")
+    return md
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's file reader with `.metadata` loaded by the restricted unpickler (every load goes through it)."""
+
+    def read_metadata(self, *args, **kwargs):
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        md = load_dcp_metadata(Path(str(self.path)))
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+class SafeLoadPlanner(dcp.DefaultLoadPlanner):
+    """DCP's load planner with non-tensor items (optimizer param groups, ...) read by `torch.load(weights_only=
+    True)`: DCP's own reads them with `weights_only=False`, which runs whatever a crafted `.distcp` pickles."""
+
+    def load_bytes(self, read_item, value) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as err:  # noqa: BLE001 - one line naming the item
+            first = (str(err).strip().splitlines() or [""])[0][:200]
+            raise CheckpointError(f"checkpoint item {read_item.dest_index.fqn}: refused by torch.load(weights_only="
+                                  f"True) ({type(err).__name__}: {first})") from None
+        safe = io.BytesIO()  # what passed weights_only, re-serialised: DCP's own unpickling of it is harmless
+        torch.save(obj, safe)
+        safe.seek(0)
+        super().load_bytes(read_item, safe)
+
+
+def dcp_load(state: dict, path: Path, no_dist: bool) -> None:
+    """`dcp.load` of `state` from the checkpoint at `path`: metadata and non-tensor items read safely."""
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(), no_dist=no_dist)
+    except CheckpointException as err:  # DCP wraps each rank's error: ours is already the one line to show
+        for _rank, (inner, _tb) in sorted(err.failures.items()):
+            if isinstance(inner, CheckpointError):
+                raise inner from None
+        raise
+
+
 def dcp_tensor_shapes(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """{state-dict key: (global shape, dtype)} of every tensor in a DCP checkpoint."""
-    md = dcp.FileSystemReader(str(path)).read_metadata()
+    md = load_dcp_metadata(path)
     return {k: (tuple(v.size), v.properties.dtype) for k, v in md.state_dict_metadata.items()
             if isinstance(v, TensorStorageMetadata)}
 
 
-def check_model_shapes(path: Path, model_sd: dict) -> None:
-    saved = dcp_tensor_shapes(path)
-    for fqn, t in model_sd.items():
-        mine = tuple(t.shape)
-        key = f"model.{fqn}"
-        if key not in saved:
-            raise CheckpointError(f"{path}: parameter {fqn} (shape {mine}) is not in the checkpoint; it was saved "
-                                  "from another model")
-        if saved[key][0] != mine:
-            raise CheckpointError(f"{path}: parameter {fqn} has shape {saved[key][0]} in the checkpoint but {mine} "
-                                  "in this model (model.* differs from the run that saved it)")
+def _names(keys, limit: int = 5) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:limit]) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
+
+
+def check_model_keys(path: Path, model_sd: dict, allow_partial: bool) -> set[str] | None:
+    """None when the checkpoint's `model.*` tensors are exactly this model's (same names, same shapes); else a
+    one-line CheckpointError, or with `allow_partial` (checkpoint.allow_partial_load) the names both have
+    (their shapes must still match)."""
+    saved = {k.removeprefix("model."): v for k, v in dcp_tensor_shapes(path).items() if k.startswith("model.")}
+    mine = {fqn: tuple(t.shape) for fqn, t in model_sd.items()}
+    for fqn in sorted(set(saved) & set(mine)):
+        if saved[fqn][0] != mine[fqn]:
+            raise CheckpointError(f"{path}: parameter {fqn} has shape {saved[fqn][0]} in the checkpoint but "
+                                  f"{mine[fqn]} in this model (model.* differs from the run that saved it)")
+    missing, extra = set(mine) - set(saved), set(saved) - set(mine)
+    if (missing or extra) and not allow_partial:
+        parts = ([f"missing from the checkpoint: {_names(missing)}"] if missing else []) + \
+                ([f"in the checkpoint but not in this model: {_names(extra)}"] if extra else [])
+        raise CheckpointError(f"{path}: saved from another model ({'; '.join(parts)}); set "
+                              "checkpoint.allow_partial_load=true to load only the tensors both have")
+    return set(mine) & set(saved) if missing or extra else None
 
 
 # DCP raises CheckpointException, a BaseException (not an Exception), carrying each failing rank's error

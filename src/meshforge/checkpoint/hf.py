@@ -29,7 +29,9 @@ from meshforge.checkpoint.files import (
     FORMAT_VERSION,
     MANIFEST,
     dcp_error_line,
+    dcp_load,
     dcp_tensor_shapes,
+    follow_umask,
     file_entry,
     write_atomic,
 )
@@ -79,7 +81,7 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, shard_mb: int =
         fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
         state = {f"model.{k}": torch.empty(shapes[f"model.{k}"][0], dtype=shapes[f"model.{k}"][1]) for k in group}
         try:
-            dcp.load(state, checkpoint_id=str(ckpt_dir), no_dist=True)
+            dcp_load(state, ckpt_dir, no_dist=True)
         except DCP_ERRORS as err:
             raise CheckpointError(f"{ckpt_dir}: DCP load failed: {dcp_error_line(err)}") from None
         out = {}
@@ -87,6 +89,7 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, shard_mb: int =
             out.update(adapter.to_hf(k, state.pop(f"model.{k}")))
         weight_map.update(dict.fromkeys(out, fname))
         save_file(out, str(tmp / fname), metadata={"format": "pt"})
+        follow_umask(tmp / fname)
         del out
     dtype = shapes[f"model.{names[0]}"][1]
     (tmp / "config.json").write_text(json.dumps(adapter.hf_config(dtype), indent=2))

@@ -66,10 +66,11 @@ from meshforge.checkpoint.files import (
     _fsync_dir,
     all_gather_object,
     barrier,
-    check_model_shapes,
+    check_model_keys,
     checkpoint_dir,
     complete_checkpoints,
     dcp_error_line,
+    dcp_load,
     dist_on,
     file_entry,
     log,
@@ -335,13 +336,20 @@ class CheckpointManager:
                 state["model"].update(pm.strategy.model_state_dict(part))
         else:
             state = self._app_state(pm, optimizer, for_save=False)
-        check_model_shapes(path, state["model"])
+        partial = self._check_same_model(path, manifest, state)
+        if partial:
+            weights_only = True
+            state = {"model": {k: v for k, v in state["model"].items() if k in partial}}
         try:
-            dcp.load(state, checkpoint_id=str(path), no_dist=not dist_on())
+            dcp_load(state, path, no_dist=not dist_on())
         except DCP_ERRORS as err:  # DCP wraps per-rank errors; report one line
             raise CheckpointError(f"{path}: DCP load failed: {dcp_error_line(err)}") from None
         self._load_app_state(pm, optimizer, state)
         self.resumed_from = path
+        if partial:
+            log(f"loaded {len(partial)} model tensors from {path} (checkpoint.allow_partial_load; the others keep "
+                "their initialisation; no optimizer state): starting at step 0")
+            return 0
         if weights_only:
             log(f"loaded model weights from {path} (no optimizer state): starting at step 0")
             return 0
@@ -361,13 +369,30 @@ class CheckpointManager:
         set_rng_state(ts["rng"])
         if manifest.get("config_digest") != config_digest(self.cfg):
             log(f"{path.name} was saved with a different config (digest {manifest.get('config_digest', '?')[:12]}"
-                 f" vs {config_digest(self.cfg)[:12]}); shapes match, continuing")
+                 f" vs {config_digest(self.cfg)[:12]}); the model is the same, continuing")
         world = manifest.get("world_size")
         reshard = f", resharded from world {world} ({manifest.get('strategy')}) to {self.world} " \
                   f"({self.cfg.distributed.strategy})" if world != self.world or \
             manifest.get("strategy") != self.cfg.distributed.strategy else ""
         log(f"resumed from {path} at step {ts['step']}{reshard} in {time.perf_counter() - t0:.2f} s")
         return int(ts["step"])
+
+    def _check_same_model(self, path: Path, manifest: dict, state: dict) -> set[str] | None:
+        """Refuse a checkpoint of another model: its exact set of tensor names and shapes, and its stored model
+        arguments, must be this model's. With checkpoint.allow_partial_load and another model: the names to
+        load (shapes must still match)."""
+        allow = self.cfg.checkpoint.allow_partial_load
+        keys = check_model_keys(path, state["model"], allow)
+        saved, mine = manifest.get("model_args"), json.loads(json.dumps(model_args_dict(self.cfg)))  # as stored
+        diff = [f"{k}={saved.get(k)!r} (this model {mine.get(k)!r})" for k in sorted(set(saved) | set(mine))
+                if saved.get(k) != mine.get(k)] if isinstance(saved, dict) else []
+        if diff and not allow:
+            raise CheckpointError(f"{path}: saved from another model: {', '.join(diff[:6])}"
+                                  f"{f' and {len(diff) - 6} more' if len(diff) > 6 else ''}; set model.* to "
+                                  "match, or checkpoint.allow_partial_load=true to load the tensors both have")
+        if keys is None and diff:  # same tensors, other model args (e.g. rope_theta): still another model
+            keys = set(state["model"])
+        return keys
 
     def close(self) -> None:
         try:

@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from meshforge.config import validation
+from meshforge.config.validation import quote
 from meshforge.config.schema import Config
 from meshforge.errors import ConfigError
 
@@ -19,8 +20,8 @@ def _parse_value(text: str) -> Any:
     if text.lower() in ("none", "null", "~"):
         return None
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except (yaml.YAMLError, RecursionError):
         return text
 
 
@@ -30,17 +31,20 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     problems = []
     for item in overrides:
         if "=" not in item:
-            problems.append(f"override {item!r} is not of the form key.path=value")
+            problems.append(f"override {quote(item)} is not of the form key.path=value")
             continue
         path, value = item.split("=", 1)
         keys = path.strip().split(".")
+        if not all(keys):
+            problems.append(f"override {quote(item)}: {quote(path)} is not a key path like training.max_steps")
+            continue
         node = raw
         for k in keys[:-1]:
             child = node.get(k)
             if child is None:
                 child = {}
             elif not isinstance(child, dict):
-                problems.append(f"override {path!r}: {k!r} is a value, not a section")
+                problems.append(f"override {quote(path)}: {quote(k)} is a value, not a section")
                 break
             else:
                 child = dict(child)
@@ -58,17 +62,52 @@ def resolve(raw: dict, world_size: int | None = None) -> Config:
     return validation.resolve(raw, Config, world_size)
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load that refuses a key written twice in one mapping (YAML itself keeps the last silently)."""
+
+
+def _mapping_no_duplicates(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: set = set()
+    for key_node, _ in node.value:  # the keys as written (`<<: *alias` merges are flattened in after this)
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        if isinstance(key, (str, int, float, bool)) or key is None:
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {quote(key)}: keep one",
+                                                        key_node.start_mark)
+            seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_no_duplicates)
+
+
 def read_yaml(path: str | Path) -> dict:
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError([f"config {str(p)!r} is a directory: give a YAML file (e.g. examples/tiny_cpu.yaml)"])
     if not p.is_file():
         raise ConfigError([f"config file {str(p)!r} does not exist"])
     try:
-        raw = yaml.safe_load(p.read_text())
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError([f"config file {str(p)!r} cannot be read ({type(err).__name__}: {err})"]) from None
+    try:
+        raw = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise ConfigError([f"{p}:{where} is not valid YAML: {getattr(err, 'problem', err)}"]) from None
-    return raw or {}
+    except RecursionError:
+        raise ConfigError([f"{p}: is nested too deeply to be a config"]) from None
+    if raw is None:
+        raise ConfigError([f"config file {str(p)!r} is empty: write at least one section, e.g. `run: {{name: my_run}}` "
+                           "(examples/tiny_cpu.yaml is a complete one)"])
+    if not isinstance(raw, dict):
+        raise ConfigError([f"{p}: the top level must be a mapping of sections (run:, model:, training: ...), "
+                           f"not a {type(raw).__name__}"])
+    return raw
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,

@@ -159,6 +159,14 @@ def sequence_parallel_needs_tp(cfg: Config, world_size: int) -> list[str]:
 
 # 9 ----------------------------------------------------------------------------
 @rule
+def overwrite_starts_fresh(cfg: Config, world_size: int) -> list[str]:
+    if cfg.run.overwrite and cfg.checkpoint.resume is not None:
+        return [f"run.overwrite=true starts a fresh run but checkpoint.resume={cfg.checkpoint.resume}: set "
+                "checkpoint.resume=none (or drop run.overwrite to resume)"]
+    return []
+
+
+@rule
 def checkpoint_format(cfg: Config, world_size: int) -> list[str]:
     fmt, spec = cfg.checkpoint.ckpt_format, cfg.distributed.spec
     if fmt is not None and fmt not in spec.ckpt_formats:

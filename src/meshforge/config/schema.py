@@ -28,6 +28,7 @@ from meshforge.config.strategies import (
     StrategyOptions,
     StrategySpec,
     canonical_name,
+    StrictSection,
     get_strategy,
     option_owners,
     strategy_specs,
@@ -35,7 +36,7 @@ from meshforge.config.strategies import (
 from meshforge.config.validation import resolve
 
 
-class Section(BaseModel):
+class Section(StrictSection):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
@@ -60,7 +61,10 @@ def set_values(model: BaseModel) -> dict:
 class RunConfig(Section):
     name: str = "meshforge"
     output_dir: str = "runs/default"
-    seed: int = 1234
+    seed: int = Field(1234, ge=0, lt=2**64)  # torch, numpy and random all take it: 0 .. 2**64-1
+    # a fresh run (checkpoint.resume=none) into an output_dir that holds a run is refused unless this is true:
+    # then the old run is moved aside to <output_dir>.replaced-<UTC time> (training/rundir.py)
+    overwrite: bool = False
 
 
 # --------------------------------------------------------------------------- model
@@ -381,6 +385,9 @@ class CheckpointConfig(Section):
     save_final: bool = False
     save_consolidated: Literal[False, "final", "every"] = False
     consolidated_shard_mb: int = Field(2048, gt=0)
+    # resume refuses a checkpoint whose model args or tensor names differ from this model's; true loads the
+    # tensors both have (fine-tuning a changed model) and starts at step 0 without optimizer state
+    allow_partial_load: bool = False
     grace_period_s: float = Field(120.0, gt=0)
 
     @field_validator("resume", mode="before")
@@ -518,4 +525,4 @@ class Config(Section):
 
     def validate(self, world_size: int | None = None) -> Config:  # type: ignore[override]
         """Re-validate after attribute edits and fold Bridge spellings; raises ConfigError listing every problem."""
-        return resolve(set_values(self), type(self), world_size)
+        return resolve(set_values(self), type(self), world_size, bridge_strict=False)

@@ -32,7 +32,34 @@ Rule = Callable[["Config", int], list[str]]
 AXES = ("tp", "sp", "cp", "pp", "ep", "hsdp")  # what a strategy may compose with
 
 
-class StrategyOptions(BaseModel):
+def _takes_bool(annotation: Any) -> bool:
+    args = getattr(annotation, "__args__", None)
+    if args is not None:  # Union / Optional / Literal[False, ...]
+        return any(a is bool or a is False or a is True or _takes_bool(a) for a in args)
+    return annotation is bool or annotation is Any
+
+
+def _takes_number(annotation: Any) -> bool:
+    args = getattr(annotation, "__args__", None)
+    if args is not None:
+        return any(_takes_number(a) for a in args)
+    return annotation in (int, float)
+
+
+class StrictSection(BaseModel):
+    """Base of every config section: YAML's `true` is not a number (pydantic would read it as 1), so a bool
+    given for a key that takes numbers, and not bools, is an error naming the key."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, v: Any, info: Any) -> Any:
+        ann = cls.model_fields[info.field_name].annotation if info.field_name in cls.model_fields else None
+        if isinstance(v, bool) and _takes_number(ann) and not _takes_bool(ann):
+            raise ValueError(f"must be a number, not the boolean {str(v).lower()}")
+        return v
+
+
+class StrategyOptions(StrictSection):
     """Base of every strategy's own options; `aliases` maps extra accepted spellings onto its keys."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -153,7 +180,7 @@ DTypeName = Literal["float32", "bfloat16", "float16"]
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "float": "float32", "half": "float16"}
 
 
-class MixedPrecisionConfig(BaseModel):
+class MixedPrecisionConfig(StrictSection):
     """FSDP2 mixed precision; `None` = meshforge's default for the device (bf16/fp32 on CUDA, fp32 on CPU)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)

@@ -14,19 +14,52 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from meshforge.config import rules
-from meshforge.config.strategies import StrategyOptions, strategy_specs
+from meshforge.config.strategies import StrategyOptions, canonical_name, strategy_specs
 from meshforge.errors import ConfigError
 
 
-def _fold_bridge(raw: dict) -> tuple[dict, list[str]]:
+def quote(value: Any, limit: int = 200) -> str:
+    """repr() of a value for an error line, cut to `limit` characters (a pasted list or an alias-expanded
+    value can be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _fold_bridge(raw: dict, strict: bool = True) -> tuple[dict, list[str]]:
     """Map Megatron-Bridge `dist:` / `ddp:` keys onto `distributed` (and check their exclusivity rules)."""
     problems: list[str] = []
     raw = dict(raw)
-    dist = dict(raw.pop("dist", None) or {})
-    ddp = dict(raw.pop("ddp", None) or {})
+    ckpt = raw.get("checkpoint")
+    if isinstance(ckpt, dict) and ("save" in ckpt or "load" in ckpt):  # Bridge: checkpoint.save / .load
+        ckpt = dict(ckpt)
+        for bridge, ours in (("save", "dir"), ("load", "resume")):
+            if bridge not in ckpt:
+                continue
+            value = ckpt.pop(bridge)
+            if ours in ckpt and ckpt[ours] != value:
+                problems.append(f"checkpoint.{bridge}={quote(value)} and checkpoint.{ours}={quote(ckpt[ours])} "
+                                f"name the same setting differently: keep one")
+            ckpt[ours] = value
+        raw["checkpoint"] = ckpt
+    dist = raw.pop("dist", None) or {}
+    ddp = raw.pop("ddp", None) or {}
+    if not isinstance(dist, dict) or not isinstance(ddp, dict):
+        bad = "dist" if not isinstance(dist, dict) else "ddp"
+        return raw, problems + [f"{bad}: must be a section of keys, got {quote(dist if bad == 'dist' else ddp)}"]
+    dist, ddp = dict(dist), dict(ddp)
     if not dist and not ddp:
         return raw, problems
-    d = dict(raw.get("distributed") or {})
+    d = raw.get("distributed") or {}
+    if not isinstance(d, dict):
+        return raw, problems + [f"distributed: must be a section of keys, got {quote(d)}"]
+    d = dict(d)
+    explicit = canonical_name(d["strategy"]) if isinstance(d.get("strategy"), str) else None
+    for section, key, implied in (("dist", "use_megatron_fsdp", "megatron_fsdp"),
+                                  ("ddp", "use_megatron_fsdp", "megatron_fsdp"),
+                                  ("dist", "use_torch_fsdp2", "fsdp2")):
+        if strict and (dist if section == "dist" else ddp).get(key) is True and explicit not in (None, implied):
+            problems.append(f"{section}.{key}=true asks for strategy {implied} but distributed.strategy="
+                            f"{d['strategy']}: remove one of the two keys")
     if dist.get("use_megatron_fsdp") and dist.get("use_torch_fsdp2"):
         problems.append("dist.use_megatron_fsdp and dist.use_torch_fsdp2 are mutually exclusive: set one of them false")
     use_mfsdp = bool(dist.pop("use_megatron_fsdp", False)) | bool(ddp.pop("use_megatron_fsdp", False))
@@ -82,18 +115,20 @@ def format_validation_error(err: ValidationError, model: type[BaseModel]) -> lis
         if msg.startswith(key + "."):  # the message names its keys already (one line each)
             lines += msg.splitlines()
         elif "input" in e and e["type"] not in ("missing",) and not isinstance(e["input"], dict):
-            lines.append(f"{key}: {msg} (got {e['input']!r})")
+            lines.append(f"{key}: {quote(msg)[1:-1] if len(msg) > 400 else msg} (got {quote(e['input'])})")
         else:
             lines.append(f"{key}: {msg}")
     return lines
 
 
-def resolve(raw: dict, schema: type[BaseModel], world_size: int | None = None):
+def resolve(raw: dict, schema: type[BaseModel], world_size: int | None = None, bridge_strict: bool = True):
     """Raw dict -> validated `schema` instance (a Config); the cross-field rules run too, at `world_size` (or
-    the smallest world the config describes)."""
+    the smallest world the config describes). `bridge_strict`: a `dist.use_*` flag and a different explicit
+    `distributed.strategy` in one document are an error; `Config.validate()` passes False, as in
+    Megatron-Bridge a flag set on a recipe (whose strategy the recipe chose) switches it."""
     if not isinstance(raw, dict):
         raise ConfigError([f"config must be a mapping of sections, got {type(raw).__name__}"])
-    raw, problems = _fold_bridge(raw)
+    raw, problems = _fold_bridge(raw, bridge_strict)
     try:
         cfg = schema.model_validate(raw)
     except ValidationError as err:

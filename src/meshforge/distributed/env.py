@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshforge.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -106,7 +108,8 @@ def pick_device(requested: str = "auto") -> torch.device:
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise RuntimeError("training.device=cuda but no CUDA device is available: use training.device=cpu or auto")
+        raise ConfigError("training.device=cuda but no CUDA device is available here: use training.device=cpu "
+                          "or auto")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 

@@ -4,7 +4,7 @@ The variable holds comma-separated specs; each is `name:step[:rank[:arg]]` (rank
 
 - `kill_during_save:STEP[:RANK]`  SIGKILL this rank inside the save of step STEP, after its DCP shards and
   trainer state are written and before the manifest/rename/LATEST commit.
-- `signal_at_step:STEP[:RANK[:SIG]]`  deliver a real signal (USR1 default, or TERM) to this rank after step STEP.
+- `signal_at_step:STEP[:RANK[:SIG]]`  deliver a real signal (USR1 default, TERM or INT) to this rank after step STEP.
 - `hang_at_step:STEP[:RANK[:SECONDS]]`  this rank sleeps SECONDS (default 3600) after step STEP instead of
   joining the next collective, so the others must time out (`distributed.timeout_minutes`).
 - `nan_at_step:STEP`  every rank's loss and gradients of step STEP become NaN, to test `training.nonfinite`.
@@ -58,7 +58,8 @@ def install(trainer) -> None:
     def after_step(step: int) -> None:
         args = faults.get("signal_at_step", {}).get(step)
         if args is not None:
-            sig = signal.SIGTERM if args and args[0].upper() in ("TERM", "SIGTERM") else signal.SIGUSR1
+            name = args[0].upper().removeprefix("SIG") if args else "USR1"
+            sig = {"TERM": signal.SIGTERM, "INT": signal.SIGINT}.get(name, signal.SIGUSR1)
             print(f"fault: rank {rank} sends itself {sig.name} after step {step}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), sig)
         args = faults.get("hang_at_step", {}).get(step)

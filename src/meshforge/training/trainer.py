@@ -46,7 +46,7 @@ from meshforge.distributed.mesh import MeshContext
 from meshforge.distributed.runtime import ParallelModel
 from meshforge.errors import ConfigError
 from meshforge.models import contract_of, resolve_model_args
-from meshforge.training import faults
+from meshforge.training import faults, rundir
 from meshforge.training.logger import MetricsLogger
 from meshforge.training.metrics import device_peak_tflops, max_memory_gib, throughput
 from meshforge.training.nonfinite import NonFinitePolicy
@@ -65,6 +65,7 @@ class TrainResult:
     skipped_steps: int = 0
     validations: list[dict] = field(default_factory=list)  # {step, val_loss, val_ppl} per validation run
     stopped_by_signal: bool = False
+    signal: str | None = None  # the signal that stopped the run ("SIGTERM", "SIGINT", ...)
     parallel_model: ParallelModel | None = None
     optimizer: torch.optim.Optimizer | None = None
 
@@ -153,6 +154,13 @@ class Trainer:
         return ckpt
 
     def fit(self) -> TrainResult:
+        run_dir = rundir.claim(self.cfg, self.info)  # lock, writability, never overwrite a run unasked
+        try:
+            return self._fit()
+        finally:
+            run_dir.release()
+
+    def _fit(self) -> TrainResult:
         cfg, t, info = self.cfg, self.cfg.training, self.info
         ckpt = self._open_checkpoints()
         if ckpt is not None:
@@ -189,10 +197,10 @@ class Trainer:
                     ckpt.maybe_save(self.step, self.pm, self.optimizer, self.scheduler, self.loader, final=final)
                 if signals.poll():
                     window.read()
-                    result.stopped_by_signal = True
+                    result.stopped_by_signal, result.signal = True, signals.received
                     ckpt = ckpt or CheckpointManager(cfg, self.mesh_ctx, info)
                     ckpt.save(self.step, self.pm, self.optimizer, self.scheduler, self.loader)
-                    log.info(f"stop signal received: saved step {self.step} and exiting")
+                    log.info(f"stop signal received: saved step {self.step} and exiting ({signals.received})")
                     break
         finally:
             signals.close()
