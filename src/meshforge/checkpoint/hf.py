@@ -6,7 +6,7 @@ tensor, the HF names, the permutations and config.json. This module only streams
 Export is planned from the DCP metadata alone and loads one output shard's tensors at a time
 (`consolidated_shard_mb`; a single tensor larger than that gets a shard of its own), so the whole model is
 never in memory at once; above one shard it writes `model-0000i-of-0000n.safetensors` and
-`model.safetensors.index.json`, else `model.safetensors`; plus `config.json`. Import reads tensor by tensor
+`model.safetensors.index.json`, else `model.safetensors`; plus `config.json` and `generation_config.json`. Import reads tensor by tensor
 with `safetensors.safe_open` (no pickle).
 """
 
@@ -87,7 +87,9 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, shard_mb: int =
         save_file(out, str(tmp / fname), metadata={"format": "pt"})
         del out
     dtype = shapes[f"model.{names[0]}"][1]
-    (tmp / "config.json").write_text(json.dumps(adapter.hf_config(dtype), indent=2))
+    hf_config = adapter.hf_config(dtype)
+    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+    (tmp / "generation_config.json").write_text(json.dumps(generation_config(hf_config), indent=2))
     if n > 1:
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total, "meshforge_step": manifest["step"]}, "weight_map": weight_map},
@@ -96,6 +98,13 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, shard_mb: int =
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
     return {"files": n, "tensors": len(weight_map), "bytes": total, "dir": str(out_dir)}
+
+
+def generation_config(hf_config: dict) -> dict:
+    """generation_config.json as transformers derives it from config.json (token ids; greedy by default)."""
+    out = {"_from_model_config": True}
+    out.update({k: hf_config[k] for k in ("bos_token_id", "eos_token_id") if hf_config.get(k) is not None})
+    return out
 
 
 # --------------------------------------------------------------------------------- import
@@ -116,17 +125,59 @@ def _hf_tensor_files(hf_dir: Path) -> dict[str, Path]:
     return out
 
 
+# model.* values that do not change the weights or the logits: a run may differ from config.json in them
+_FREE_ARGS = {"init_std", "max_seq_len", "bos_token_id", "eos_token_id", "head_dim"}
+
+
+def hf_model_args(hf_dir: Path, what: str = "model.init_from") -> ModelArgs:
+    """The meshforge model a Hugging Face directory's config.json describes (every key honoured or refused)."""
+    cfg_file = hf_dir / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{what}: {cfg_file} is missing (the model's shape is read from it)")
+    try:
+        values = args_from_hf_config(json.loads(cfg_file.read_text()))
+        return ModelArgs(**values).validate()
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{cfg_file}: not JSON ({err})") from None
+    except ValueError as err:
+        raise CheckpointError(f"{cfg_file}: {err}") from None
+
+
+def check_model_matches(args: ModelArgs, hf_args: ModelArgs, hf_dir: Path) -> None:
+    """Refuse a run whose model.* values build a different model than config.json (one line, every difference)."""
+    diffs = [f"{f.name}={getattr(hf_args, f.name)!r} (run: {getattr(args, f.name)!r})"
+             for f in dataclasses.fields(ModelArgs)
+             if f.name not in _FREE_ARGS and getattr(args, f.name) != getattr(hf_args, f.name)]
+    if args.hd != hf_args.hd:
+        diffs.append(f"head_dim={hf_args.hd} (run: {args.hd})")
+    if diffs:
+        raise CheckpointError(f"model.init_from: {hf_dir}/config.json describes another model: {'; '.join(diffs)}; "
+                              "set model.* to match (`meshforge checkpoint import` prints them)")
+
+
 @torch.no_grad()
 def load_hf_into(model, hf_dir: str | Path) -> None:
     """Copy HF safetensors into a meshforge model (plain or with DTensor parameters), tensor by tensor.
 
-    A pipeline stage holds only some of the model: it reads only the tensors of its own parameters.
+    config.json must describe this model, and every tensor of the checkpoint must be one of the model's: a
+    tensor nothing reads is refused, not dropped. A pipeline stage holds only some of the model: it reads
+    only the tensors of its own parameters.
     """
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
         raise CheckpointError(f"model.init_from: {hf_dir} is not a directory")
     adapter = _adapter(model, hf_dir)
+    args = getattr(model, "args", None)
+    if args is not None:
+        check_model_matches(args, hf_model_args(hf_dir), hf_dir)
     files = _hf_tensor_files(hf_dir)
+    if args is not None:
+        whole = build_model(args, device="meta")
+        expected = {t for n, _ in whole.named_parameters(remove_duplicate=False) for t in adapter.hf_names(n)}
+        unused = sorted(set(files) - expected)
+        if unused:
+            raise CheckpointError(f"{files[unused[0]]}: tensor {unused[0]} is not a parameter of this "
+                                  f"{args.family} model ({len(unused)} unused tensor(s)); refusing to drop it")
     handles: dict[Path, object] = {}
     for ours, p in model.named_parameters(remove_duplicate=False):
         try:
@@ -179,11 +230,12 @@ def save_weights_only(model, out_dir: str | Path, source: str = "") -> Path:
 def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
     """HF dir -> a weights-only meshforge checkpoint `<out>/step_0` (+ LATEST) and the model.* values it needs."""
     hf_dir = Path(hf_dir)
-    cfg_file = hf_dir / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{cfg_file}: missing")
-    overrides = args_from_hf_config(json.loads(cfg_file.read_text()))
-    model = build_model(ModelArgs(**overrides).validate())
+    if not hf_dir.is_dir():
+        raise CheckpointError(f"{hf_dir} is not a directory")
+    args = hf_model_args(hf_dir, "checkpoint import")
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelArgs)
+                 if getattr(args, f.name) != getattr(ModelArgs(), f.name)}
+    model = build_model(args)
     load_hf_into(model, hf_dir)
     final = save_weights_only(model, out_dir, str(hf_dir))
     return {"dir": str(final), "model_overrides": overrides}

@@ -218,7 +218,7 @@ class MoETransformer(Llama):
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        cos, sin = rope_cos_sin(positions, self.args.hd, self.args.rope_theta)
+        cos, sin = rope_cos_sin(positions, self.args.hd, self.args.rope_theta, self.args)
         aux = None
         for block in self.layers.values():
             h = block(h, cos, sin)
