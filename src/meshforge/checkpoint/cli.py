@@ -4,7 +4,8 @@
   the model tensors with shapes and sizes. DIR is a checkpoint, a checkpoints dir or a run dir (LATEST).
 - `export RUN_DIR/step_N --to DIR [--shard-mb M]`: Hugging Face safetensors + config.json (verified first).
 - `import HF_DIR --to DIR`: a weights-only meshforge checkpoint `DIR/step_0` (+ LATEST) from HF Llama
-  safetensors; prints the `model.*` overrides to train it with `checkpoint.resume=DIR`.
+  safetensors (Llama, Qwen2, Qwen3, Mistral; config.json read exactly, unknown keys refused); prints the
+  `model.*` values to train it with `checkpoint.resume=DIR` (or `model.init_from=HF_DIR`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def add_arguments(parser) -> None:
     e.add_argument("dir", help="a checkpoint (RUN_DIR/checkpoints/step_N) or a run/checkpoints dir (LATEST)")
     e.add_argument("--to", required=True)
     e.add_argument("--shard-mb", type=int, default=2048, help="largest safetensors file (MiB) before sharding")
-    m = sub.add_parser("import", help="Hugging Face Llama safetensors -> a weights-only meshforge checkpoint")
+    m = sub.add_parser("import", help="Hugging Face safetensors -> a weights-only meshforge checkpoint")
     m.add_argument("dir")
     m.add_argument("--to", required=True)
 
@@ -90,7 +91,8 @@ def _import(args) -> int:
     s = import_hf(args.dir, args.to)
     print(f"imported {args.dir} -> {s['dir']} (weights only)")
     print("train it with: checkpoint.resume=" + args.to + " " +
-          " ".join(f"model.{k}={v}" for k, v in s["model_overrides"].items()))
+          " ".join(f"model.{k}={json.dumps(v, separators=(',', ':')) if isinstance(v, list) else v}"
+                   for k, v in s["model_overrides"].items()))
     return 0
 
 
