@@ -6,8 +6,9 @@ tensor, the HF names, the permutations and config.json. This module only streams
 Export is planned from the DCP metadata alone and loads one output shard's tensors at a time
 (`consolidated_shard_mb`; a single tensor larger than that gets a shard of its own), so the whole model is
 never in memory at once; above one shard it writes `model-0000i-of-0000n.safetensors` and
-`model.safetensors.index.json`, else `model.safetensors`; plus `config.json` and `generation_config.json`. Import reads tensor by tensor
-with `safetensors.safe_open` (no pickle).
+`model.safetensors.index.json`, else `model.safetensors`; plus `config.json` and `generation_config.json`.
+Import reads config.json exactly (the model's family refuses any key it cannot honour) and the tensors one
+by one with `safetensors.safe_open` (no pickle); a tensor the model does not have is refused.
 """
 
 from __future__ import annotations

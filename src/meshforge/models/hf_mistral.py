@@ -4,7 +4,7 @@
 sequences no longer than the window, so a rule refuses `training.seq_len` above it (config/rules.py).
 """
 
-from meshforge.models.hf_llama import DenseFamily
+from meshforge.models.hf_dense import DenseFamily
 
 MISTRAL = DenseFamily("mistral", "MistralForCausalLM", fixed={"qkv_bias": False, "attention_bias": False,
                                                              "qk_norm": False},

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshforge.models.hf_llama import LlamaStateDictAdapter
+from meshforge.models.hf_families import dense_adapter
 from meshforge.models.presets import ModelArgs
 from meshforge.models.protocol import InitSpec, PipelineLayout, StateDictAdapter
 
@@ -224,4 +224,4 @@ class Llama(nn.Module):
         return 3 * a.dim * a.moe_ffn_dim * (a.top_k + a.n_shared_experts) + a.dim * a.n_experts
 
     def state_dict_adapter(self) -> StateDictAdapter:
-        return LlamaStateDictAdapter(self.args)
+        return dense_adapter(self.args)
