@@ -42,6 +42,9 @@ CASES = {
     "qwen2.5": ("Qwen2Config", dict(rope_theta=1e6), "40KB"),
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=True), None),
     "mistral": ("MistralConfig", dict(sliding_window=64, rope_theta=1e6), None),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02), None),
+    "qwen3-moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                         norm_topk_prob=True, head_dim=32), "40KB"),
 }
 
 
@@ -52,6 +55,13 @@ def hf_random_model(cls: str, extra: dict, seed: int = 0):
         for p in model.parameters():
             p.normal_(0.0, 0.3)
     return model.float().eval()
+
+
+def load_dir(d: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
 
 
 def greedy(model, tokens: torch.Tensor, n: int) -> torch.Tensor:
@@ -108,10 +118,9 @@ def test_family_import_export_against_transformers(case, tmp_path):
         back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").float().eval()
     assert said.getvalue().strip() == "", said.getvalue()
     assert type(back).__name__ == type(hf).__name__
-    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
-    original = {k: v for k, v in hf.state_dict().items() if k in exported or not k.endswith("lm_head.weight")}
+    exported, original = load_dir(tmp_path / "out"), load_dir(tmp_path / "hf")
     assert exported.keys() == original.keys()
-    for k, v in original.items():  # bit-for-bit the tensors we imported, permutations undone
+    for k, v in original.items():  # bit-for-bit the tensors transformers saved, permutations and stacking undone
         assert torch.equal(exported[k], v), k
     with torch.no_grad():
         assert (back(tokens).logits - got).abs().max().item() < 1e-4
@@ -190,7 +199,7 @@ def test_cli_import_prints_values_init_from_matches_them_and_refuses_others(tmp_
 # published parameter counts (the models' safetensors totals)
 PUBLISHED = {"llama3_2_1b": 1_235_814_400, "llama3_2_3b": 3_212_749_824, "llama3_1_8b": 8_030_261_248,
              "qwen2_5_0_5b": 494_032_768, "qwen2_5_7b": 7_615_616_512, "qwen3_8b": 8_190_735_360,
-             "mistral_7b": 7_248_023_552}
+             "mistral_7b": 7_248_023_552, "mixtral_8x7b": 46_702_792_704, "qwen3_30b_a3b": 30_532_122_624}
 
 
 @pytest.mark.parametrize("preset", list(PUBLISHED))

@@ -89,7 +89,7 @@ class ModelConfig(Section):
     route_norm: bool | None = None
     aux_loss_coeff: float | None = Field(None, ge=0)
     # Hugging Face families (models/hf_*.py; `meshforge checkpoint import` prints these for a config.json)
-    family: Literal["llama", "qwen2", "qwen3", "mistral"] | None = None  # HF architecture for names/config
+    family: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"] | None = None  # HF architecture
     attention_bias: bool | None = None  # biases on q, k, v and o
     qkv_bias: bool | None = None  # biases on q, k, v only (Qwen2)
     qk_norm: bool | None = None  # per-head RMSNorm of q and k before RoPE (Qwen3)

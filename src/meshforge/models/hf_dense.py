@@ -84,8 +84,11 @@ class DenseFamily:
     sliding: str = "none"  # none | mistral (`sliding_window` on every layer) | qwen (`use_sliding_window`, ...)
     default_max_positions: int = 2048
 
-    def check_args(self, a: ModelArgs) -> None:
+    def check_args(self, a: ModelArgs, moe: bool = False) -> None:
         """Refuse a model this family cannot express (export would write a config that drops a layer)."""
+        if a.is_moe and not moe:
+            raise CheckpointError(f"model.family={self.model_type} is dense but the model has experts: use "
+                                  "model.family=mixtral or qwen3_moe")
         for flag, value in self.fixed.items():
             if getattr(a, flag) != value:
                 raise CheckpointError(f"model.{flag}={getattr(a, flag)} cannot be exported as Hugging Face "

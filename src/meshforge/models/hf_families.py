@@ -1,4 +1,5 @@
-"""The Hugging Face families by name: `model.family` and config.json's `model_type` -> the family."""
+"""The Hugging Face families by name (dense and mixture-of-experts): `model.family` and config.json's
+`model_type` -> the family and its state-dict adapter."""
 
 from __future__ import annotations
 
@@ -6,11 +7,15 @@ from meshforge.errors import CheckpointError
 from meshforge.models.hf_dense import DenseFamily, DenseStateDictAdapter
 from meshforge.models.hf_llama import LLAMA
 from meshforge.models.hf_mistral import MISTRAL
+from meshforge.models.hf_mixtral import MIXTRAL
+from meshforge.models.hf_moe import MoEFamily, MoEStateDictAdapter
 from meshforge.models.hf_qwen2 import QWEN2
 from meshforge.models.hf_qwen3 import QWEN3
+from meshforge.models.hf_qwen3_moe import QWEN3_MOE
 from meshforge.models.presets import ModelArgs
 
-DENSE_FAMILIES: dict[str, DenseFamily] = {f.model_type: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL)}
+DENSE_FAMILIES: dict[str, DenseFamily] = {f.model_type: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL, MIXTRAL,
+                                                                    QWEN3_MOE)}
 
 
 def dense_family(name: str) -> DenseFamily:
@@ -21,7 +26,8 @@ def dense_family(name: str) -> DenseFamily:
 
 
 def dense_adapter(args: ModelArgs) -> DenseStateDictAdapter:
-    return DenseStateDictAdapter(args, dense_family(args.family))
+    family = dense_family(args.family)
+    return (MoEStateDictAdapter if isinstance(family, MoEFamily) else DenseStateDictAdapter)(args, family)
 
 
 def args_from_hf_config(c: dict) -> dict:

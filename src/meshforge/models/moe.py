@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshforge.errors import CheckpointError
+from meshforge.models.hf_families import dense_adapter
 from meshforge.models.llama import FeedForward, Llama, TransformerBlock, rope_cos_sin
 from meshforge.models.presets import ModelArgs
 from meshforge.models.protocol import InitSpec, StateDictAdapter
@@ -257,7 +257,5 @@ class MoETransformer(Llama):
         return sum(p.numel() for p in self.parameters())
 
     def state_dict_adapter(self) -> StateDictAdapter:
-        """None yet: stacked experts would need splitting per expert, and a partial map that loads some weights
-        silently is worse than a refusal."""
-        raise CheckpointError("Hugging Face import/export is defined for the dense Llama model only; mixture-of-"
-                              "experts presets have no state-dict adapter yet")
+        """Per `model.family` (mixtral, qwen3_moe): stacked experts <-> HF per-expert tensors (models/hf_moe.py)."""
+        return dense_adapter(self.args)

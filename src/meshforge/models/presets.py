@@ -2,7 +2,7 @@
 
 Published shapes: Llama 3.2 1B/3B, Llama 3 8B/70B, Llama 3.1 8B (Meta's configs), Qwen2.5 0.5B/7B, Qwen3
 0.6B/8B, Mistral 7B v0.3 (their config.json files; parameter counts checked in tests/checkpoint/test_hf_families.py),
-Mixtral 8x7B, and a Qwen3-30B-A3B-like MoE (no QK-norm).
+Mixtral 8x7B and Qwen3-30B-A3B.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class ModelArgs:
     route_norm: bool = True
     aux_loss_coeff: float = 0.01
     # Hugging Face families (models/hf_*.py): the family names the HF architecture; the flags are its layers
-    family: str = "llama"  # llama | qwen2 | qwen3 | mistral: HF tensor names and config.json
+    family: str = "llama"  # llama | qwen2 | qwen3 | mistral | mixtral | qwen3_moe: HF names and config.json
     attention_bias: bool = False  # biases on q, k, v and o projections (HF `attention_bias`)
     qkv_bias: bool = False  # biases on q, k, v only (Qwen2)
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
@@ -74,7 +74,7 @@ class ModelArgs:
         return self
 
 
-HF_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+HF_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe")
 _LLAMA31_ROPE = {"rope_type": "llama3", "rope_factor": 8.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
                  "rope_original_max_seq_len": 8192}
 
@@ -109,12 +109,14 @@ PRESETS: dict[str, ModelArgs] = {
     "mistral_7b": ModelArgs(family="mistral", vocab_size=32768, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                             ffn_dim=14336, max_seq_len=32768, rope_theta=1e6, bos_token_id=1, eos_token_id=2),
     "tiny_moe": ModelArgs(n_experts=4, top_k=2, moe_ffn_dim=64, n_shared_experts=1),
-    "mixtral_8x7b": ModelArgs(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
-                              max_seq_len=32768, rope_theta=1e6, n_experts=8, top_k=2, moe_ffn_dim=14336,
-                              route_norm=True),
-    "qwen3_30b_a3b": ModelArgs(vocab_size=151936, dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
-                               ffn_dim=6144, max_seq_len=40960, rope_theta=1e6, n_experts=128, top_k=8,
-                               moe_ffn_dim=768, route_norm=True, norm_eps=1e-6),
+    "mixtral_8x7b": ModelArgs(family="mixtral", vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                              ffn_dim=14336, max_seq_len=32768, rope_theta=1e6, n_experts=8, top_k=2,
+                              moe_ffn_dim=14336, route_norm=True, aux_loss_coeff=0.02, bos_token_id=1,
+                              eos_token_id=2),
+    "qwen3_30b_a3b": ModelArgs(family="qwen3_moe", qk_norm=True, vocab_size=151936, dim=2048, n_layers=48,
+                               n_heads=32, n_kv_heads=4, head_dim=128, ffn_dim=6144, max_seq_len=40960,
+                               rope_theta=1e6, n_experts=128, top_k=8, moe_ffn_dim=768, route_norm=True,
+                               norm_eps=1e-6, aux_loss_coeff=0.001, bos_token_id=151643, eos_token_id=151645),
 }
 
 
