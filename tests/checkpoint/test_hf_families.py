@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import logging
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -25,7 +26,8 @@ from meshforge.checkpoint.hf import export_checkpoint, hf_model_args, load_hf_in
 from meshforge.cli import main as cli_main  # noqa: E402
 from meshforge.errors import CheckpointError  # noqa: E402
 from meshforge.models import PRESETS, build_model  # noqa: E402
-from meshforge.testing.parity import config, single_info  # noqa: E402
+from meshforge.testing.group import Job  # noqa: E402
+from meshforge.testing.parity import config, run_in_group, single_info  # noqa: E402
 from meshforge.training.trainer import train  # noqa: E402
 
 SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
@@ -211,3 +213,43 @@ def test_preset_parameter_counts_match_published_and_transformers(preset):
     with torch.device("meta"):
         theirs = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(cfg).parameters())
     assert ours == theirs == PUBLISHED[preset]
+
+
+# ------------------------------------------------------------------- MoE export from expert-parallel runs
+# A Mixtral-family tiny MoE trained 2 steps at N=2 with EP2 and with fsdp2 x EP2 (experts sharded over the
+# ranks), checkpointed; the test exports each checkpoint and transformers must reproduce the trained weights.
+EP_OUT = Path(tempfile.mkdtemp(prefix="meshforge-hf-ep-"))
+MIXTRAL_TINY = ["model.preset=tiny_moe", "model.family=mixtral", "model.n_shared_experts=0"]
+EP_RUNS = {"ep2": ["distributed.ep_size=2"],
+           "fsdp2_ep2": ["distributed.strategy=fsdp2", "distributed.ep_size=2"]}
+
+
+def ep_export_job(spec: dict, info) -> dict:
+    out = {}
+    for name, extra in EP_RUNS.items():  # the directory comes from the launching process (spec)
+        res = run_in_group(MIXTRAL_TINY + extra + [f"run.output_dir={spec['out']}/{name}", "checkpoint.interval=2"],
+                           2, info)
+        out[name] = res.get("weights")
+    return out
+
+
+GROUP_JOBS = [Job("hf moe export from ep", f"{Path(__file__).resolve()}:ep_export_job", {"out": str(EP_OUT)}, 2)]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("run", list(EP_RUNS))
+def test_moe_export_from_expert_parallel_run(group, run, tmp_path):
+    weights = group("hf moe export from ep")[run]
+    assert cli_main(["checkpoint", "export", str(EP_OUT / run / "checkpoints"), "--to", str(tmp_path / "hf")]) == 0
+    with transformers_messages() as said:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
+    assert said.getvalue().strip() == "", said.getvalue()
+    assert type(hf).__name__ == "MixtralForCausalLM"
+    ours = build_model(config(MIXTRAL_TINY).model)
+    ours.load_state_dict(weights)
+    ours.eval()
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        diff = (hf(tokens).logits - ours(tokens)).abs().max().item()
+    print(f"{run}: exported Mixtral vs trained meshforge weights, max |logit diff| {diff:.2e}")
+    assert diff < 1e-4
