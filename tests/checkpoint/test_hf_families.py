@@ -253,3 +253,20 @@ def test_moe_export_from_expert_parallel_run(group, run, tmp_path):
         diff = (hf(tokens).logits - ours(tokens)).abs().max().item()
     print(f"{run}: exported Mixtral vs trained meshforge weights, max |logit diff| {diff:.2e}")
     assert diff < 1e-4
+
+
+def test_export_of_a_byte_level_run_has_an_equivalent_tokenizer(tmp_path, capsys):
+    """data.source=text trains on bytes: the export's tokenizer.json encodes text to exactly those ids (and a
+    synthetic-data run, which has no tokenizer, writes none)."""
+    for source in ("text", "synthetic"):
+        train(config([f"data.source={source}", "data.max_files=1", f"run.output_dir={tmp_path}/{source}",
+                      "checkpoint.interval=1"], 1), single_info())
+        assert cli_main(["checkpoint", "export", f"{tmp_path}/{source}/checkpoints", "--to",
+                         f"{tmp_path}/{source}-hf"]) == 0
+    assert not (tmp_path / "synthetic-hf" / "tokenizer.json").exists()
+    with transformers_messages() as said:
+        tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "text-hf")
+    assert said.getvalue().strip() == "", said.getvalue()
+    text = "def f(x):\n\treturn 'héllo' + \"日本\"\x00 end "
+    ids = tok(text)["input_ids"]
+    assert ids == list(text.encode()) and tok.decode(ids) == text

@@ -81,7 +81,8 @@ def _export(args) -> int:
     verify_files(path)
     s = export_checkpoint(path, args.to, args.shard_mb)
     print(f"exported {path} -> {s['dir']}: {s['tensors']} tensors, {s['bytes'] / 2**20:.2f} MiB in {s['files']} "
-          "safetensors file(s) + config.json")
+          "safetensors file(s) + config.json, generation_config.json" +
+          (", tokenizer.json" if s["tokenizer"] else ""))
     return 0
 
 

@@ -91,6 +91,8 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, shard_mb: int =
     hf_config = adapter.hf_config(dtype)
     (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
     (tmp / "generation_config.json").write_text(json.dumps(generation_config(hf_config), indent=2))
+    if manifest.get("tokenizer") == "bytes":
+        write_byte_tokenizer(tmp)
     if n > 1:
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total, "meshforge_step": manifest["step"]}, "weight_map": weight_map},
@@ -98,7 +100,8 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, shard_mb: int =
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
-    return {"files": n, "tensors": len(weight_map), "bytes": total, "dir": str(out_dir)}
+    return {"files": n, "tensors": len(weight_map), "bytes": total, "dir": str(out_dir),
+            "tokenizer": manifest.get("tokenizer") == "bytes"}
 
 
 def generation_config(hf_config: dict) -> dict:
@@ -106,6 +109,41 @@ def generation_config(hf_config: dict) -> dict:
     out = {"_from_model_config": True}
     out.update({k: hf_config[k] for k in ("bos_token_id", "eos_token_id") if hf_config.get(k) is not None})
     return out
+
+
+def tokenizer_of(cfg) -> str | None:
+    """The run's tokenizer as the manifest records it: "bytes" for data.source=text (one token per byte)."""
+    return "bytes" if cfg.data.source == "text" else None
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, the alphabet of a byte-level `tokenizers` model."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = bs[:]
+    extra = 0
+    for b in range(256):
+        if b not in bs:  # unprintable bytes map to characters above 255, in byte order
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return dict(zip(bs, map(chr, cs), strict=True))
+
+
+def write_byte_tokenizer(out_dir: Path) -> None:
+    """tokenizer.json (+ tokenizer_config.json) equivalent to meshforge's byte-level tokenization: token id ==
+    byte value, no merges, no specials, so `AutoTokenizer` encodes text to exactly the ids the run trained on."""
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    except ImportError:
+        raise CheckpointError("writing the byte-level tokenizer needs the tokenizers package: "
+                              "pip install 'meshforge[hf]'") from None
+    chars = _bytes_to_unicode()
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                                "model_max_length": 1 << 30}, indent=2))
 
 
 # --------------------------------------------------------------------------------- import
