@@ -233,7 +233,50 @@ def ep_export_job(spec: dict, info) -> dict:
     return out
 
 
-GROUP_JOBS = [Job("hf moe export from ep", f"{Path(__file__).resolve()}:ep_export_job", {"out": str(EP_OUT)}, 2)]
+# Sharded loading: `model.init_from` into fsdp2 / TP2 / EP2 models at N=2; every sharded parameter must read
+# only its slice (no full `get_tensor`), and the loaded weights equal a single-process load.
+SLICE_RUNS = {"qwen3-bias fsdp2": ("Qwen3Config", ["distributed.strategy=fsdp2"]),
+              "mixtral ep2": ("MixtralConfig", ["distributed.ep_size=2"]),
+              "mixtral fsdp2 x ep2": ("MixtralConfig", ["distributed.strategy=fsdp2", "distributed.ep_size=2"])}
+SLICE_HF = {"Qwen3Config": dict(vocab_size=256, head_dim=24, attention_bias=True, max_position_embeddings=64),
+            "MixtralConfig": dict(vocab_size=256, num_local_experts=4, num_experts_per_tok=2,
+                                  max_position_embeddings=64)}
+
+
+def model_values(d: Path) -> list[str]:
+    """The `model.*` overrides that build the model of an HF directory (what `checkpoint import` prints)."""
+    args, base = hf_model_args(d), PRESETS["tiny"]
+    return [f"model.{k}={json.dumps(getattr(args, k), separators=(',', ':')) if isinstance(getattr(args, k), list) else getattr(args, k)}"
+            for k in args.__dataclass_fields__ if getattr(args, k) != getattr(base, k)]
+
+
+def slice_load_job(spec: dict, info) -> dict:
+    """What `model.init_from` does in `Trainer.build` (parallelised model, then `load_hf_into` per part)."""
+    from meshforge.distributed.build import build_parallel_model
+    from meshforge.distributed.mesh import MeshContext
+
+    out = {}
+    for name, (cls, extra) in SLICE_RUNS.items():
+        d = Path(spec["out"]) / cls
+        cfg = config(model_values(d) + extra + [f"model.init_from={d}", "data.source=synthetic"], 1,
+                     info.world_size)
+        mesh_ctx = MeshContext.build(cfg.distributed, info.world_size, info.rank, "cpu")
+        pm = build_parallel_model(cfg, mesh_ctx, info.device)
+        full_reads = [n for part in pm.unwrapped_parts() for n in load_hf_into(part, d)]
+        w = pm.full_state_dict()
+        out[name] = {"full_reads": full_reads, "weights": w if info.rank == 0 else None}
+    return out
+
+
+def write_slice_models() -> None:
+    """The HF checkpoints of the sliced-load job, written by the launching process (Job.prepare)."""
+    for cls, extra in SLICE_HF.items():
+        hf_random_model(cls, extra, seed=5).save_pretrained(EP_OUT / cls)
+
+
+GROUP_JOBS = [Job("hf moe export from ep", f"{Path(__file__).resolve()}:ep_export_job", {"out": str(EP_OUT)}, 2),
+              Job("hf sliced load", f"{Path(__file__).resolve()}:slice_load_job", {"out": str(EP_OUT)}, 2,
+                  prepare=write_slice_models)]
 
 
 @pytest.mark.dist
@@ -270,3 +313,23 @@ def test_export_of_a_byte_level_run_has_an_equivalent_tokenizer(tmp_path, capsys
     text = "def f(x):\n\treturn 'héllo' + \"日本\"\x00 end "
     ids = tok(text)["input_ids"]
     assert ids == list(text.encode()) and tok.decode(ids) == text
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("run", list(SLICE_RUNS))
+def test_sharded_init_from_reads_only_slices(group, run):
+    got = group("hf sliced load")[run]
+    d = EP_OUT / SLICE_RUNS[run][0]
+    ref = build_model(hf_model_args(d))
+    load_hf_into(ref, d)
+    sd = ref.state_dict()
+    assert got["weights"].keys() == sd.keys()
+    for k, v in sd.items():
+        assert torch.equal(got["weights"][k], v), k
+    # the parameters no rule shards (replicated ones) are read whole; every sharded one only in slices
+    print(f"{run}: whole-tensor reads {got['full_reads']}")
+    sharded_everywhere = "fsdp2" in run or "megatron" in run
+    if sharded_everywhere:
+        assert got["full_reads"] == []
+    else:
+        assert not any("experts" in n or "q_proj" in n or "embed" in n for n in got["full_reads"]), got["full_reads"]

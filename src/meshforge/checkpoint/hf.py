@@ -23,7 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from meshforge.checkpoint.files import (
     DCP_ERRORS,
@@ -195,12 +195,14 @@ def check_model_matches(args: ModelArgs, hf_args: ModelArgs, hf_dir: Path) -> No
 
 
 @torch.no_grad()
-def load_hf_into(model, hf_dir: str | Path) -> None:
+def load_hf_into(model, hf_dir: str | Path) -> list[str]:
     """Copy HF safetensors into a meshforge model (plain or with DTensor parameters), tensor by tensor.
 
     config.json must describe this model, and every tensor of the checkpoint must be one of the model's: a
     tensor nothing reads is refused, not dropped. A pipeline stage holds only some of the model: it reads
-    only the tensors of its own parameters.
+    only the tensors of its own parameters; a sharded parameter reads only its rank's slice
+    (`safetensors` `get_slice`, through the adapter's `from_hf_box`), so no rank holds a full copy.
+    Returns the HF tensors read whole (those of unsharded parameters).
     """
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
@@ -218,6 +220,21 @@ def load_hf_into(model, hf_dir: str | Path) -> None:
             raise CheckpointError(f"{files[unused[0]]}: tensor {unused[0]} is not a parameter of this "
                                   f"{args.family} model ({len(unused)} unused tensor(s)); refusing to drop it")
     handles: dict[Path, object] = {}
+    read_whole: list[str] = []
+
+    def opened(name: str):
+        f = files[name]
+        if f not in handles:
+            handles[f] = safe_open(str(f), framework="pt")
+        return handles[f]
+
+    def read(name: str, box: list[tuple[int, int]]) -> torch.Tensor:  # only the rows/columns in `box`
+        return opened(name).get_slice(name)[tuple(slice(a, b) for a, b in box)]
+
+    def whole(name: str) -> torch.Tensor:
+        read_whole.append(name)
+        return opened(name).get_tensor(name)
+
     for ours, p in model.named_parameters(remove_duplicate=False):
         try:
             theirs = adapter.hf_names(ours)
@@ -225,24 +242,46 @@ def load_hf_into(model, hf_dir: str | Path) -> None:
             raise CheckpointError(f"{hf_dir}: {err.args[0]}") from None
         if not theirs:
             continue  # tied: loaded through the parameter it shares
-        tensors = {}
         for name in theirs:
             if name not in files:
                 raise CheckpointError(f"{hf_dir}: tensor {name} (for {ours}) is missing")
-            f = files[name]
-            if f not in handles:
-                handles[f] = safe_open(str(f), framework="pt")
-            tensors[name] = handles[f].get_tensor(name)
-        t = adapter.from_hf(ours, tensors)
-        if tuple(t.shape) != tuple(p.shape):
+        # the full shape, from the files' headers alone: the adapter's transform run on meta tensors
+        metas = {n: torch.empty(opened(n).get_slice(n).get_shape(), device="meta") for n in theirs}
+        full_shape = tuple(adapter.from_hf(ours, metas).shape)
+        if full_shape != tuple(p.shape):
             verb = "has" if len(theirs) == 1 else "give"
-            raise CheckpointError(f"{files[theirs[0]]}: {', '.join(theirs)} {verb} shape {tuple(t.shape)} but "
+            raise CheckpointError(f"{files[theirs[0]]}: {', '.join(theirs)} {verb} shape {full_shape} but "
                                   f"parameter {ours} of this model has shape {tuple(p.shape)}")
+        box = _local_box(p)
+        if box is not None and hasattr(adapter, "from_hf_box"):  # this rank reads only its own slice
+            local = adapter.from_hf_box(ours, read, box)
+            p.to_local().copy_(local.to(p.dtype))
+            continue
+        if not isinstance(p, DTensor) and p.untyped_storage().nbytes() < p.numel() * p.element_size():
+            raise CheckpointError(f"model.init_from: parameter {ours} has no storage of its own here (the strategy "
+                                  "keeps it in a flat buffer, e.g. megatron_fsdp): import with `meshforge checkpoint "
+                                  "import` and start from it with checkpoint.resume instead")
+        t = adapter.from_hf(ours, {n: whole(n) for n in theirs})
         if isinstance(p, DTensor):
             local = distribute_tensor(t.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
             p.to_local().copy_(local.to_local())
         else:
             p.copy_(t.to(device=p.device, dtype=p.dtype))
+    return read_whole
+
+
+def _local_box(p) -> list[tuple[int, int]] | None:
+    """[(start, stop)] per dim of the part of DTensor `p` this rank holds, when that part is one contiguous
+    box (placements only `Shard`/`Replicate`); None otherwise (a plain tensor, or strided/partial placements:
+    then the full tensor is read and distributed)."""
+    if not isinstance(p, DTensor) or any(type(pl) not in (Shard, Replicate) for pl in p.placements):
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    if tuple(shape) != tuple(p.to_local().shape):
+        return None
+    return [(o, o + n) for o, n in zip(offset, shape, strict=True)]
 
 
 def save_weights_only(model, out_dir: str | Path, source: str = "") -> Path:

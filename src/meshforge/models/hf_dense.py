@@ -256,5 +256,19 @@ class DenseStateDictAdapter:
         heads = self._heads(name)
         return permute_from_hf(t, heads) if heads else t
 
+    def from_hf_box(self, name: str, read, box: list[tuple[int, int]]) -> torch.Tensor:
+        """Only the part `box` ([(start, stop)] per dim) of the meshforge tensor, reading only what it needs:
+        `read(hf_name, box)` reads a slice from the file. Permuted rows are read a whole head at a time."""
+        (theirs,) = self.hf_names(name)
+        heads = self._heads(name)
+        if not heads:
+            return read(theirs, box)
+        (r0, r1), rest = box[0], box[1:]
+        h = self.args.hd  # rows per head (the q/k norm weights are one head's rows)
+        a, b = r0 // h * h, -(-r1 // h) * h
+        if b <= a:
+            return read(theirs, box)
+        return permute_from_hf(read(theirs, [(a, b), *rest]), (b - a) // h)[r0 - a:r1 - a]
+
     def hf_config(self, dtype: torch.dtype = torch.float32) -> dict:
         return self.family.write_config(self.args, dtype)

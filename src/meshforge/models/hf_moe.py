@@ -103,3 +103,14 @@ class MoEStateDictAdapter(DenseStateDictAdapter):
         if not m or m[3] is None:
             return super().from_hf(name, tensors)
         return torch.stack([tensors[theirs].t() for theirs in self.hf_names(name)])
+
+    def from_hf_box(self, name: str, read, box: list[tuple[int, int]]) -> torch.Tensor:
+        """Only experts box[0] (expert parallelism and FSDP shard the stacked dim), each read as its slice."""
+        m = _EXPERT.match(name)
+        if not m or m[3] is None:
+            return super().from_hf_box(name, read, box)
+        names = self.hf_names(name)[box[0][0]:box[0][1]]
+        (a, b), (c, d) = box[1], box[2]
+        if not names:
+            return torch.empty(0, b - a, d - c)
+        return torch.stack([read(theirs, [(c, d), (a, b)]).t() for theirs in names])
