@@ -236,6 +236,7 @@ def ep_export_job(spec: dict, info) -> dict:
 # Sharded loading: `model.init_from` into fsdp2 / TP2 / EP2 models at N=2; every sharded parameter must read
 # only its slice (no full `get_tensor`), and the loaded weights equal a single-process load.
 SLICE_RUNS = {"qwen3-bias fsdp2": ("Qwen3Config", ["distributed.strategy=fsdp2"]),
+              "qwen3-bias tp2": ("Qwen3Config", ["distributed.tp_size=2"]),
               "mixtral ep2": ("MixtralConfig", ["distributed.ep_size=2"]),
               "mixtral fsdp2 x ep2": ("MixtralConfig", ["distributed.strategy=fsdp2", "distributed.ep_size=2"])}
 SLICE_HF = {"Qwen3Config": dict(vocab_size=256, head_dim=24, attention_bias=True, max_position_embeddings=64),
