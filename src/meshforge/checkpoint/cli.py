@@ -5,7 +5,8 @@
 - `export RUN_DIR/step_N --to DIR [--shard-mb M]`: Hugging Face safetensors + config.json (verified first);
   of a LoRA checkpoint, `--adapter` writes the PEFT format and `--merge` the base with adapters merged.
 - `import HF_DIR --to DIR`: a weights-only meshforge checkpoint `DIR/step_0` (+ LATEST) from HF Llama
-  safetensors; prints the `model.*` overrides to train it with `checkpoint.resume=DIR`.
+  safetensors (Llama, Qwen2, Qwen3, Mistral; config.json read exactly, unknown keys refused); prints the
+  `model.*` values to train it with `checkpoint.resume=DIR` (or `model.init_from=HF_DIR`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def add_arguments(parser) -> None:
                       help="a LoRA checkpoint -> Hugging Face PEFT (adapter_config.json + adapter_model.safetensors)")
     lora.add_argument("--merge", action="store_true",
                       help="a LoRA checkpoint -> its base with the adapters merged, as Hugging Face safetensors")
-    m = sub.add_parser("import", help="Hugging Face Llama safetensors -> a weights-only meshforge checkpoint")
+    m = sub.add_parser("import", help="Hugging Face safetensors -> a weights-only meshforge checkpoint")
     m.add_argument("dir")
     m.add_argument("--to", required=True)
 
@@ -88,7 +89,8 @@ def _export(args) -> int:
         return _export_lora(args, path)
     s = export_checkpoint(path, args.to, args.shard_mb)
     print(f"exported {path} -> {s['dir']}: {s['tensors']} tensors, {s['bytes'] / 2**20:.2f} MiB in {s['files']} "
-          "safetensors file(s) + config.json")
+          "safetensors file(s) + config.json, generation_config.json" +
+          (", tokenizer.json" if s["tokenizer"] else ""))
     return 0
 
 
@@ -110,7 +112,8 @@ def _import(args) -> int:
     s = import_hf(args.dir, args.to)
     print(f"imported {args.dir} -> {s['dir']} (weights only)")
     print("train it with: checkpoint.resume=" + args.to + " " +
-          " ".join(f"model.{k}={v}" for k, v in s["model_overrides"].items()))
+          " ".join(f"model.{k}={json.dumps(v, separators=(',', ':')) if isinstance(v, list) else v}"
+                   for k, v in s["model_overrides"].items()))
     return 0
 
 

@@ -6,8 +6,9 @@ tensor, the HF names, the permutations and config.json. This module only streams
 Export is planned from the DCP metadata alone and loads one output shard's tensors at a time
 (`consolidated_shard_mb`; a single tensor larger than that gets a shard of its own), so the whole model is
 never in memory at once; above one shard it writes `model-0000i-of-0000n.safetensors` and
-`model.safetensors.index.json`, else `model.safetensors`; plus `config.json`. Import reads tensor by tensor
-with `safetensors.safe_open` (no pickle).
+`model.safetensors.index.json`, else `model.safetensors`; plus `config.json` and `generation_config.json`.
+Import reads config.json exactly (the model's family refuses any key it cannot honour) and the tensors one
+by one with `safetensors.safe_open` (no pickle); a tensor the model does not have is refused.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from meshforge.checkpoint.files import (
     DCP_ERRORS,
@@ -92,7 +93,11 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, shard_mb: int =
         follow_umask(tmp / fname)
         del out
     dtype = shapes[f"model.{names[0]}"][1]
-    (tmp / "config.json").write_text(json.dumps(adapter.hf_config(dtype), indent=2))
+    hf_config = adapter.hf_config(dtype)
+    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+    (tmp / "generation_config.json").write_text(json.dumps(generation_config(hf_config), indent=2))
+    if manifest.get("tokenizer") == "bytes":
+        write_byte_tokenizer(tmp)
     if n > 1:
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total, "meshforge_step": manifest["step"]}, "weight_map": weight_map},
@@ -100,7 +105,50 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, shard_mb: int =
     if out_dir.exists():
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
-    return {"files": n, "tensors": len(weight_map), "bytes": total, "dir": str(out_dir)}
+    return {"files": n, "tensors": len(weight_map), "bytes": total, "dir": str(out_dir),
+            "tokenizer": manifest.get("tokenizer") == "bytes"}
+
+
+def generation_config(hf_config: dict) -> dict:
+    """generation_config.json as transformers derives it from config.json (token ids; greedy by default)."""
+    out = {"_from_model_config": True}
+    out.update({k: hf_config[k] for k in ("bos_token_id", "eos_token_id") if hf_config.get(k) is not None})
+    return out
+
+
+def tokenizer_of(cfg) -> str | None:
+    """The run's tokenizer as the manifest records it: "bytes" for data.source=text (one token per byte)."""
+    return "bytes" if cfg.data.source == "text" else None
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, the alphabet of a byte-level `tokenizers` model."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = bs[:]
+    extra = 0
+    for b in range(256):
+        if b not in bs:  # unprintable bytes map to characters above 255, in byte order
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return dict(zip(bs, map(chr, cs), strict=True))
+
+
+def write_byte_tokenizer(out_dir: Path) -> None:
+    """tokenizer.json (+ tokenizer_config.json) equivalent to meshforge's byte-level tokenization: token id ==
+    byte value, no merges, no specials, so `AutoTokenizer` encodes text to exactly the ids the run trained on."""
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    except ImportError:
+        raise CheckpointError("writing the byte-level tokenizer needs the tokenizers package: "
+                              "pip install 'meshforge[hf]'") from None
+    chars = _bytes_to_unicode()
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                                "model_max_length": 1 << 30}, indent=2))
 
 
 # --------------------------------------------------------------------------------- import
@@ -121,18 +169,77 @@ def _hf_tensor_files(hf_dir: Path) -> dict[str, Path]:
     return out
 
 
+# model.* values that do not change the weights or the logits: a run may differ from config.json in them
+_FREE_ARGS = {"init_std", "max_seq_len", "bos_token_id", "eos_token_id", "head_dim"}
+
+
+def hf_model_args(hf_dir: Path, what: str = "model.init_from") -> ModelArgs:
+    """The meshforge model a Hugging Face directory's config.json describes (every key honoured or refused)."""
+    cfg_file = hf_dir / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{what}: {cfg_file} is missing (the model's shape is read from it)")
+    try:
+        values = args_from_hf_config(json.loads(cfg_file.read_text()))
+        return ModelArgs(**values).validate()
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"{cfg_file}: not JSON ({err})") from None
+    except ValueError as err:
+        raise CheckpointError(f"{cfg_file}: {err}") from None
+
+
+def check_model_matches(args: ModelArgs, hf_args: ModelArgs, hf_dir: Path) -> None:
+    """Refuse a run whose model.* values build a different model than config.json (one line, every difference)."""
+    diffs = [f"{f.name}={getattr(hf_args, f.name)!r} (run: {getattr(args, f.name)!r})"
+             for f in dataclasses.fields(ModelArgs)
+             if f.name not in _FREE_ARGS and getattr(args, f.name) != getattr(hf_args, f.name)]
+    if args.hd != hf_args.hd:
+        diffs.append(f"head_dim={hf_args.hd} (run: {args.hd})")
+    if diffs:
+        raise CheckpointError(f"model.init_from: {hf_dir}/config.json describes another model: {'; '.join(diffs)}; "
+                              "set model.* to match (`meshforge checkpoint import` prints them)")
+
+
 @torch.no_grad()
-def load_hf_into(model, hf_dir: str | Path, progress: bool = False) -> None:
+def load_hf_into(model, hf_dir: str | Path, progress: bool = False) -> list[str]:
     """Copy HF safetensors into a meshforge model (plain or with DTensor parameters), tensor by tensor.
 
-    A pipeline stage holds only some of the model: it reads only the tensors of its own parameters.
+    config.json must describe this model, and every tensor of the checkpoint must be one of the model's: a
+    tensor nothing reads is refused, not dropped. A pipeline stage holds only some of the model: it reads
+    only the tensors of its own parameters; a sharded parameter reads only its rank's slice
+    (`safetensors` `get_slice`, through the adapter's `from_hf_box`), so no rank holds a full copy.
+    Returns the HF tensors read whole (those of unsharded parameters).
     """
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
         raise CheckpointError(f"model.init_from: {hf_dir} is not a directory")
     adapter = _adapter(model, hf_dir)
+    args = getattr(model, "args", None)
+    if args is not None:
+        check_model_matches(args, hf_model_args(hf_dir), hf_dir)
     files = _hf_tensor_files(hf_dir)
+    if args is not None:
+        whole = build_model(args, device="meta")
+        expected = {t for n, _ in whole.named_parameters(remove_duplicate=False) for t in adapter.hf_names(n)}
+        unused = sorted(set(files) - expected)
+        if unused:
+            raise CheckpointError(f"{files[unused[0]]}: tensor {unused[0]} is not a parameter of this "
+                                  f"{args.family} model ({len(unused)} unused tensor(s)); refusing to drop it")
     handles: dict[Path, object] = {}
+    read_whole: list[str] = []
+
+    def opened(name: str):
+        f = files[name]
+        if f not in handles:
+            handles[f] = safe_open(str(f), framework="pt")
+        return handles[f]
+
+    def read(name: str, box: list[tuple[int, int]]) -> torch.Tensor:  # only the rows/columns in `box`
+        return opened(name).get_slice(name)[tuple(slice(a, b) for a, b in box)]
+
+    def whole(name: str) -> torch.Tensor:
+        read_whole.append(name)
+        return opened(name).get_tensor(name)
+
     params = list(model.named_parameters(remove_duplicate=False))
     for ours, p in track(params, "import: tensors", enabled=progress):
         if is_adapter_param(ours):
@@ -143,24 +250,46 @@ def load_hf_into(model, hf_dir: str | Path, progress: bool = False) -> None:
             raise CheckpointError(f"{hf_dir}: {err.args[0]}") from None
         if not theirs:
             continue  # tied: loaded through the parameter it shares
-        tensors = {}
         for name in theirs:
             if name not in files:
                 raise CheckpointError(f"{hf_dir}: tensor {name} (for {ours}) is missing")
-            f = files[name]
-            if f not in handles:
-                handles[f] = safe_open(str(f), framework="pt")
-            tensors[name] = handles[f].get_tensor(name)
-        t = adapter.from_hf(ours, tensors)
-        if tuple(t.shape) != tuple(p.shape):
+        # the full shape, from the files' headers alone: the adapter's transform run on meta tensors
+        metas = {n: torch.empty(opened(n).get_slice(n).get_shape(), device="meta") for n in theirs}
+        full_shape = tuple(adapter.from_hf(ours, metas).shape)
+        if full_shape != tuple(p.shape):
             verb = "has" if len(theirs) == 1 else "give"
-            raise CheckpointError(f"{files[theirs[0]]}: {', '.join(theirs)} {verb} shape {tuple(t.shape)} but "
+            raise CheckpointError(f"{files[theirs[0]]}: {', '.join(theirs)} {verb} shape {full_shape} but "
                                   f"parameter {ours} of this model has shape {tuple(p.shape)}")
+        box = _local_box(p)
+        if box is not None and hasattr(adapter, "from_hf_box"):  # this rank reads only its own slice
+            local = adapter.from_hf_box(ours, read, box)
+            p.to_local().copy_(local.to(p.dtype))
+            continue
+        if not isinstance(p, DTensor) and p.untyped_storage().nbytes() < p.numel() * p.element_size():
+            raise CheckpointError(f"model.init_from: parameter {ours} has no storage of its own here (the strategy "
+                                  "keeps it in a flat buffer, e.g. megatron_fsdp): import with `meshforge checkpoint "
+                                  "import` and start from it with checkpoint.resume instead")
+        t = adapter.from_hf(ours, {n: whole(n) for n in theirs})
         if isinstance(p, DTensor):
             local = distribute_tensor(t.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
             p.to_local().copy_(local.to_local())
         else:
             p.copy_(t.to(device=p.device, dtype=p.dtype))
+    return read_whole
+
+
+def _local_box(p) -> list[tuple[int, int]] | None:
+    """[(start, stop)] per dim of the part of DTensor `p` this rank holds, when that part is one contiguous
+    box (placements only `Shard`/`Replicate`); None otherwise (a plain tensor, or strided/partial placements:
+    then the full tensor is read and distributed)."""
+    if not isinstance(p, DTensor) or any(type(pl) not in (Shard, Replicate) for pl in p.placements):
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    if tuple(shape) != tuple(p.to_local().shape):
+        return None
+    return [(o, o + n) for o, n in zip(offset, shape, strict=True)]
 
 
 def save_weights_only(model, out_dir: str | Path, source: str = "") -> Path:
@@ -187,11 +316,12 @@ def save_weights_only(model, out_dir: str | Path, source: str = "") -> Path:
 def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
     """HF dir -> a weights-only meshforge checkpoint `<out>/step_0` (+ LATEST) and the model.* values it needs."""
     hf_dir = Path(hf_dir)
-    cfg_file = hf_dir / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{cfg_file}: missing")
-    overrides = args_from_hf_config(json.loads(cfg_file.read_text()))
-    model = build_model(ModelArgs(**overrides).validate())
+    if not hf_dir.is_dir():
+        raise CheckpointError(f"{hf_dir} is not a directory")
+    args = hf_model_args(hf_dir, "checkpoint import")
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelArgs)
+                 if getattr(args, f.name) != getattr(ModelArgs(), f.name)}
+    model = build_model(args)
     load_hf_into(model, hf_dir, progress=True)
     final = save_weights_only(model, out_dir, str(hf_dir))
     return {"dir": str(final), "model_overrides": overrides}

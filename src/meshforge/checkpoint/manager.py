@@ -79,7 +79,7 @@ from meshforge.checkpoint.files import (
     verify_files,
     write_atomic,
 )
-from meshforge.checkpoint.hf import export_checkpoint
+from meshforge.checkpoint.hf import export_checkpoint, tokenizer_of
 from meshforge.checkpoint.peft import adapter_manifest, check_adapter_checkpoint, trainable_names
 from meshforge.config.rules import resolved_ckpt_format
 from meshforge.errors import CheckpointError
@@ -194,6 +194,7 @@ class CheckpointManager:
                 "ckpt_format": self.fmt, "strategy": self.cfg.distributed.strategy, "world_size": self.world,
                 "layout": layout.named_shape(),
                 "config_digest": config_digest(self.cfg), "model_args": model_args_dict(self.cfg),
+                "tokenizer": tokenizer_of(self.cfg),  # for the export's tokenizer files
                 "torch_version": torch.__version__,
                 "created_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
 

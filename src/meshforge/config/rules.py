@@ -226,6 +226,9 @@ def model_fits_data(cfg: Config, world_size: int) -> list[str]:
     if cfg.training.seq_len > args.max_seq_len:
         out.append(f"training.seq_len={cfg.training.seq_len} exceeds model.max_seq_len={args.max_seq_len}: "
                    "shorten seq_len or raise model.max_seq_len")
+    if args.sliding_window is not None and cfg.training.seq_len > args.sliding_window:
+        out.append(f"training.seq_len={cfg.training.seq_len} exceeds model.sliding_window={args.sliding_window}: "
+                   "sliding-window attention is exact only up to the window; shorten seq_len")
     if cfg.data.source == "text" and args.vocab_size < 256:
         out.append(f"model.vocab_size={args.vocab_size} is smaller than the 256 byte tokens of data.source=text")
     d = cfg.distributed

@@ -92,9 +92,22 @@ class ModelConfig(Section):
     score_func: Literal["softmax", "sigmoid"] | None = None
     route_norm: bool | None = None
     aux_loss_coeff: float | None = Field(None, ge=0)
+    # Hugging Face families (models/hf_*.py; `meshforge checkpoint import` prints these for a config.json)
+    family: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"] | None = None  # HF architecture
+    attention_bias: bool | None = None  # biases on q, k, v and o
+    qkv_bias: bool | None = None  # biases on q, k, v only (Qwen2)
+    qk_norm: bool | None = None  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    rope_type: Literal["default", "llama3"] | None = None  # llama3: Llama 3.1 frequency scaling
+    rope_factor: float | None = Field(None, gt=0)  # llama3 scaling: factor
+    rope_low_freq_factor: float | None = Field(None, gt=0)  # llama3 scaling: low_freq_factor
+    rope_high_freq_factor: float | None = Field(None, gt=0)  # llama3 scaling: high_freq_factor
+    rope_original_max_seq_len: int | None = Field(None, gt=0)  # llama3 scaling: original context length
+    sliding_window: int | None = Field(None, gt=0)  # Mistral; training.seq_len must not exceed it
+    bos_token_id: int | None = Field(None, ge=0)  # for generation_config.json on export
+    eos_token_id: int | list[int] | None = None  # likewise
     # meta-device construction: parameters are materialised after sharding
     init_device: Literal["auto", "cpu", "meta"] = "auto"
-    init_from: str | None = None  # a Hugging Face style safetensors directory
+    init_from: str | None = None  # an HF safetensors directory; its config.json must match the model.* values
 
     def overrides(self) -> dict[str, Any]:
         skip = {"preset", "init_device", "init_from"}

@@ -133,6 +133,6 @@ def init_weights(model, seed: int, copy_fn=None) -> None:
 
 def args_from_hf_config(config: dict) -> dict:
     """A Hugging Face config.json -> the `model.*` values of the meshforge model that reads its weights."""
-    from meshforge.models.hf_llama import args_from_hf_config as llama
+    from meshforge.models.hf_families import args_from_hf_config as read
 
-    return llama(config)
+    return read(config)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshforge.models.hf_llama import LlamaStateDictAdapter
+from meshforge.models.hf_families import dense_adapter
 from meshforge.models.presets import ModelArgs
 from meshforge.models.protocol import AdapterLayout, InitSpec, PipelineLayout, StateDictAdapter
 
@@ -34,9 +34,26 @@ class RMSNorm(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin for true token positions (shape (..., S, head_dim/2)); positions may be non-contiguous (CP)."""
+def llama3_scaled(inv: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """Llama 3.1's RoPE frequency scaling (HF `rope_type: llama3`): long wavelengths divided by `rope_factor`,
+    short ones kept, and a smooth blend between the two wavelength bounds."""
+    factor, low, high, old = (args.rope_factor, args.rope_low_freq_factor, args.rope_high_freq_factor,
+                              args.rope_original_max_seq_len)
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    return torch.where(medium, blended, scaled)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 args: ModelArgs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin for true token positions (shape (..., S, head_dim/2)); positions may be non-contiguous (CP).
+    `args` with `rope_type="llama3"` scales the frequencies as Llama 3.1 does."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    if args is not None and args.rope_type == "llama3":
+        inv = llama3_scaled(inv, args)
     ang = positions.to(torch.float32).unsqueeze(-1) * inv
     return ang.cos(), ang.sin()
 
@@ -75,11 +92,15 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.hd
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        qkv_bias = args.attention_bias or args.qkv_bias
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=args.attention_bias)
         self.core = CoreAttention()
+        if args.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE
+            self.q_norm = RMSNorm(self.head_dim, args.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
                 ) -> torch.Tensor:
@@ -88,6 +109,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)
@@ -144,7 +167,7 @@ class Llama(nn.Module):
         if positions is None:  # from the input: a sequence-parallel embedding returns a sequence shard
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        cos, sin = rope_cos_sin(positions, self.args.hd, self.args.rope_theta)
+        cos, sin = rope_cos_sin(positions, self.args.hd, self.args.rope_theta, self.args)
         mask = None if document_ids is None else document_mask(document_ids)
         for block in self.layers.values():
             h = block(h, cos, sin) if mask is None else block(h, cos, sin, mask)
@@ -193,6 +216,8 @@ class Llama(nn.Module):
         """How parameter `name` is initialised: normal(std), ones (norms)."""
         if name.endswith("norm.weight"):
             return InitSpec("ones")
+        if name.endswith(".bias"):
+            return InitSpec("zeros")
         std = self.args.init_std
         if name.endswith(("wo.weight", "w2.weight")):
             std = std / math.sqrt(2 * self.args.n_layers)  # residual projections, GPT-2 style
@@ -216,7 +241,7 @@ class Llama(nn.Module):
         return 3 * a.dim * a.moe_ffn_dim * (a.top_k + a.n_shared_experts) + a.dim * a.n_experts
 
     def state_dict_adapter(self) -> StateDictAdapter:
-        return LlamaStateDictAdapter(self.args)
+        return dense_adapter(self.args)
 
     def adapter_layout(self) -> AdapterLayout | None:
         """The projections by their Hugging Face role names (LoRA's `target_modules`), embeddings, norms."""
@@ -226,4 +251,5 @@ class Llama(nn.Module):
                      "gate_proj": "layers.*.feed_forward.w1", "up_proj": "layers.*.feed_forward.w3",
                      "down_proj": "layers.*.feed_forward.w2"},
             embeddings=("tok_embeddings", "output"),
-            norms=("layers.*.attention_norm", "layers.*.ffn_norm", "norm"))
+            norms=("layers.*.attention_norm", "layers.*.ffn_norm", "norm")
+            + (("layers.*.attention.q_norm", "layers.*.attention.k_norm") if self.args.qk_norm else ()))

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshforge.errors import CheckpointError
+from meshforge.models.hf_families import dense_adapter
 from meshforge.models.llama import FeedForward, Llama, TransformerBlock, rope_cos_sin
 from meshforge.models.presets import ModelArgs
 from meshforge.models.protocol import InitSpec, StateDictAdapter
@@ -218,7 +218,7 @@ class MoETransformer(Llama):
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        cos, sin = rope_cos_sin(positions, self.args.hd, self.args.rope_theta)
+        cos, sin = rope_cos_sin(positions, self.args.hd, self.args.rope_theta, self.args)
         aux = None
         for block in self.layers.values():
             h = block(h, cos, sin)
@@ -262,7 +262,5 @@ class MoETransformer(Llama):
         return None
 
     def state_dict_adapter(self) -> StateDictAdapter:
-        """None yet: stacked experts would need splitting per expert, and a partial map that loads some weights
-        silently is worse than a refusal."""
-        raise CheckpointError("Hugging Face import/export is defined for the dense Llama model only; mixture-of-"
-                              "experts presets have no state-dict adapter yet")
+        """Per `model.family` (mixtral, qwen3_moe): stacked experts <-> HF per-expert tensors (models/hf_moe.py)."""
+        return dense_adapter(self.args)
