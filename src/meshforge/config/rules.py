@@ -269,6 +269,16 @@ def tensor_parallel_plan(cfg: Config, world_size: int) -> list[str]:
     return config_plan_problems(cfg.model, d.tp_size, d.sequence_parallel, d.tp_plan)
 
 
+@rule
+def fused_loss_layout(cfg: Config, world_size: int) -> list[str]:
+    d = cfg.distributed
+    if cfg.training.fused_loss is True and (d.tp_size > 1 or d.pp_size > 1):
+        return [f"training.fused_loss=true needs tp_size=1 and pp_size=1 (got {d.tp_size}, {d.pp_size}): tensor "
+                "parallelism computes a vocabulary-parallel loss on sharded logits and pipeline stages keep the "
+                "plain loss; set training.fused_loss=auto"]
+    return []
+
+
 def check(cfg: Config, world_size: int | None = None) -> list[str]:
     """Every violation, one line each (empty when the config is valid for this world size)."""
     ws = world_size if world_size is not None else default_world_size(cfg)

@@ -286,7 +286,10 @@ class TrainingConfig(Section):
     grad_clip: float | None = Field(1.0, gt=0)
     precision: Literal["fp32", "bf16"] = "fp32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    compile: bool = False
+    compile: Literal["auto"] | bool = "auto"  # torch.compile each block (regional); auto: on CUDA, off on CPU
+    # output head + cross-entropy a chunk of tokens at a time, never holding the full logits (models/loss.py);
+    # auto: on wherever it applies (a meshforge model, no tensor or pipeline parallelism), else the plain loss
+    fused_loss: Literal["auto"] | bool = "auto"
     nonfinite: Literal["skip", "stop"] = "stop"
     max_skipped: int = Field(3, gt=0)
 

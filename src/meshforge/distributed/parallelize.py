@@ -25,6 +25,7 @@ from torch import nn
 from meshforge.config.rules import check
 from meshforge.config.schema import Config
 from meshforge.distributed.activation_checkpointing import apply_activation_checkpointing
+from meshforge.distributed.compile import apply_compile, compile_enabled
 from meshforge.distributed.context_parallel import apply_cp
 from meshforge.distributed.env import init_distributed
 from meshforge.distributed.expert_parallel import apply_ep, share_moe_batch_stats
@@ -48,7 +49,7 @@ class Parallelized:
 
 
 def parallelize_model(model: nn.Module, mesh_ctx: MeshContext, dcfg, device: torch.device | None = None,
-                      compile: bool = False) -> Parallelized:
+                      compile: bool | str = False) -> Parallelized:
     device = device or torch.device("cpu")
     strategy = build_strategy(dcfg, mesh_ctx, device)
     out = Parallelized(model, strategy)
@@ -61,9 +62,8 @@ def parallelize_model(model: nn.Module, mesh_ctx: MeshContext, dcfg, device: tor
         apply_ep(model, mesh_ctx, dcfg, strategy)
     blocks = blocks_of(model, dcfg.block_classes)
     apply_activation_checkpointing(blocks, dcfg.ac_mode)
-    if compile:
-        for block in blocks:
-            block.compile()
+    if compile_enabled(compile, device):
+        apply_compile(blocks)
     out.model = strategy.parallelize(model)
     return out
 

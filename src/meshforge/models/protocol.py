@@ -22,6 +22,9 @@ names in a declaration are dotted paths of `named_modules()` (patterns: `*` matc
   so any sharding or pipeline split initialises exactly like one process (`models.param_init_tensor`).
 - `flops_per_token(seq_len)`: training FLOPs per token, for TFLOP/s and MFU.
 - `state_dict_adapter()`: Hugging Face names, tensor permutations and config.json, both directions.
+- `set_fused_loss(enabled)`: with it on, forward returns `models.loss.HeadInput` (final hidden states and the
+  output head's weight) instead of logits, so the loss projects chunk by chunk and never holds the full logits;
+  returns whether the model can (False: it keeps returning logits).
 
 A model meshforge did not define (bring your own `nn.Module`) gets `ForeignModel`: blocks by class name
 (`distributed.block_classes`) or the largest ModuleList/ModuleDict, and nothing else (tensor parallelism
@@ -87,6 +90,8 @@ class ModelContract(Protocol):
 
     def state_dict_adapter(self) -> StateDictAdapter: ...
 
+    def set_fused_loss(self, enabled: bool) -> bool: ...
+
 
 class ForeignModel:
     """The contract of an `nn.Module` meshforge did not define: blocks found, nothing else declared."""
@@ -123,6 +128,9 @@ class ForeignModel:
 
     def state_dict_adapter(self) -> StateDictAdapter:
         raise ValueError(f"{type(self.model).__name__} has no Hugging Face state-dict adapter")
+
+    def set_fused_loss(self, enabled: bool) -> bool:
+        return not enabled  # its forward returns logits: it cannot hand the loss its head's input
 
 
 def contract_of(model: nn.Module) -> ModelContract:
