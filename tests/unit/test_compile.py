@@ -4,6 +4,7 @@ Inductor reorders fp32 arithmetic, so losses agree to 1e-5 relative and final we
 bit-equal). Kept to one short run: a cold inductor compile takes ~20 s on a loaded 2-core machine.
 """
 
+import pytest
 import torch
 
 from meshforge.distributed.compile import compile_enabled
@@ -15,6 +16,7 @@ def test_compile_auto_is_on_for_cuda_only():
     assert compile_enabled(True, torch.device("cpu")) and not compile_enabled(False, torch.device("cuda"))
 
 
+@pytest.mark.slow  # a cold inductor compile: ~20 s idle, minutes on a loaded machine
 def test_regional_inductor_compile_with_activation_checkpointing_matches_eager():
     common = ["distributed.activation_checkpointing=full", "training.global_batch_size=4"]
     eager = run_single(common + ["training.compile=false"], steps=3)

@@ -44,7 +44,8 @@ def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device) -> Pa
     if not meta:
         init_weights(model, cfg.run.seed)
         model.to(device)
-    part = parallelize_model(model, mesh_ctx, cfg.distributed, device, compile=cfg.training.compile)
+    part = parallelize_model(model, mesh_ctx, cfg.distributed, device, compile=cfg.training.compile,
+                             fp8=cfg.training.fp8)
     if meta:
         part.strategy.materialize(part.model, cfg.run.seed)
     return ParallelModel([part], mesh_ctx, device, cfg.training.precision)
