@@ -48,8 +48,11 @@ def main() -> None:
     benches = []
     for arg in a.bench:
         label, _, path = arg.rpartition("=")
-        with open(path) as f:
-            benches.append((label, json.load(f)))
+        try:
+            with open(path) as f:
+                benches.append((label, json.load(f)))
+        except OSError as err:  # that bench call failed before writing: one failed row, the others still shown
+            benches.append((label, {"rows": [{"name": "(all)", "error": f"no results: {err}"}]}))
     table = rows(ceiling, benches)
     widths = [max(len(r[i]) for r in [HEAD] + table) for i in range(len(HEAD))]
     for r in [HEAD] + table:

@@ -52,15 +52,16 @@ else
          training.device=cuda training.compile=true)
 fi
 COMMON=(examples/llama3_2_1b.yaml "${SHAPE[@]}" training.fused_loss=true checkpoint.interval=0
-        checkpoint.resume=none --nproc-per-node 1 --steps "$STEPS" --warmup "$WARMUP")
+        checkpoint.resume=none)
+FLAGS=(--nproc-per-node 1 --steps "$STEPS" --warmup "$WARMUP")
 
 # --- 1. the ceiling (~90 s: whole-model compile), 2. meshforge with FP8 (3 configurations), 3. fsdp2 without FP8
 timeout $((150 * LIMIT)) python benchmarks/llama_ceiling.py --preset "$PRESET" --seq-len "$SEQ" \
   --micro-batch "$MB" --steps "$STEPS" --warmup "$WARMUP" --out "$OUT_DIR/ceiling.json"
 rc=0
-timeout $((240 * LIMIT)) python -m meshforge bench "${COMMON[@]}" training.fp8.enabled=true \
+timeout $((240 * LIMIT)) python -m meshforge bench "${COMMON[@]}" training.fp8.enabled=true "${FLAGS[@]}" \
   --sweep distributed.strategy=ddp,fsdp2,megatron_fsdp --timeout 110 --output-dir "$OUT_DIR/fp8" || rc=$?
-timeout $((80 * LIMIT)) python -m meshforge bench "${COMMON[@]}" training.fp8.enabled=false \
+timeout $((80 * LIMIT)) python -m meshforge bench "${COMMON[@]}" training.fp8.enabled=false "${FLAGS[@]}" \
   --sweep distributed.strategy=fsdp2 --timeout 75 --output-dir "$OUT_DIR/bf16" || rc=$?
 echo
 python benchmarks/gpu_table.py "$OUT_DIR/ceiling.json" "fp8=$OUT_DIR/fp8/bench.json" "bf16=$OUT_DIR/bf16/bench.json" \

@@ -31,9 +31,8 @@ def test_filter_auto_keeps_small_matmuls_and_refuses_a_model_with_none_to_conver
     big = build_model(ModelConfig(preset="llama3_2_1b"), device="meta")
     apply_float8(big, FP8Config(enabled=True, recipe="rowwise"), torch.device("cpu"), fsdp2_sharded=False)
     names = _float8_names(big)
-    # torchao's H100 thresholds: 2048 -> 512 (wk, wv) is too small to gain; the rest converts
-    assert "layers.0.feed_forward.w1" in names and "layers.0.attention.wq" in names
-    assert "layers.0.attention.wk" not in names and "output" not in names and len(names) == 16 * 5
+    # torchao's H100 rowwise thresholds at dim 2048: only the 2048 -> 8192 projections gain; never the head
+    assert names == {f"layers.{i}.feed_forward.w{j}" for i in range(16) for j in (1, 3)}
     with pytest.raises(ConfigError, match="training.fp8: no linear layer of the model qualifies"):
         apply_float8(build_model(ModelConfig(preset="tiny")), FP8Config(enabled=True), torch.device("cpu"), False)
 
@@ -49,14 +48,24 @@ def test_fp8_rules_refuse_tp_and_pp_and_old_gpus(monkeypatch):
                      torch.device("cuda"), False)
 
 
-FP8_LOSS_RTOL = 0.03  # measured: see the assertion message
+# measured over 50 steps on CPU (torch 2.13, torchao 0.18, tiny model, seq 32, lr 1e-2): max relative
+# difference 8.5e-3 tensorwise, 5.0e-3 rowwise
+FP8_LOSS_RTOL = 0.02
+SHORT = ["training.global_batch_size=2", "training.seq_len=16"]  # one micro batch a step: 50 steps stay cheap
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_tiny_fp8_run_tracks_fp32_over_50_steps(reference, recipe):
-    ref = reference((), 50)
-    got = run_single(["training.fp8.enabled=true", "training.fp8.filter=all", f"training.fp8.recipe={recipe}"],
-                     steps=50, weights=False)
-    rel = max(abs(a - b) / a for a, b in zip(ref.losses, got.losses, strict=True))
-    assert got.losses[-1] < 0.8 * got.losses[0], got.losses  # it learns
-    assert rel <= FP8_LOSS_RTOL, f"{recipe}: fp8 loss differs from fp32 by {rel:.3e} relative"
+@pytest.mark.slow  # fp8 matmuls are slow on CPU: ~10 s idle
+def test_tiny_fp8_run_tracks_fp32_over_50_steps(reference):
+    ref = reference(tuple(SHORT), 50)
+    got = run_single(SHORT + ["training.fp8.enabled=true", "training.fp8.filter=all"], steps=50, weights=False)
+    rel = [abs(a - b) / a for a, b in zip(ref.losses, got.losses, strict=True)]
+    assert max(rel) > 0, "fp8 changed nothing: no layer ran in float8"
+    assert max(rel) <= FP8_LOSS_RTOL, f"fp8 (tensorwise) loss differs from fp32 by {max(rel):.3e} relative"
+
+
+def test_fsdp2_sharding_turns_on_float8_all_gather_for_tensorwise_only():
+    for recipe, sharded, expect in [("tensorwise", True, True), ("tensorwise", False, False),
+                                    ("rowwise", True, False)]:
+        model = build_model(ModelConfig(preset="tiny"))
+        apply_float8(model, FP8Config(enabled=True, recipe=recipe, filter="all"), torch.device("cpu"), sharded)
+        assert model.layers["0"].attention.wq.config.enable_fsdp_float8_all_gather is expect
