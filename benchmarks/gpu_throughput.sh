@@ -64,6 +64,6 @@ timeout $((240 * LIMIT)) python -m meshforge bench "${COMMON[@]}" training.fp8.e
 timeout $((80 * LIMIT)) python -m meshforge bench "${COMMON[@]}" training.fp8.enabled=false "${FLAGS[@]}" \
   --sweep distributed.strategy=fsdp2 --timeout 75 --output-dir "$OUT_DIR/bf16" || rc=$?
 echo
-python benchmarks/gpu_table.py "$OUT_DIR/ceiling.json" "fp8=$OUT_DIR/fp8/bench.json" "bf16=$OUT_DIR/bf16/bench.json" \
+python benchmarks/gpu_table.py "$OUT_DIR/ceiling.json" "fp8=$OUT_DIR/fp8/bench.json" "no-fp8=$OUT_DIR/bf16/bench.json" \
   --markdown "$OUT_DIR/table.md"
 exit $rc
