@@ -48,10 +48,11 @@ def test_fp8_rules_refuse_tp_and_pp_and_old_gpus(monkeypatch):
                      torch.device("cuda"), False)
 
 
-# measured over 50 steps on CPU (torch 2.13, torchao 0.18, tiny model, seq 32, lr 1e-2): max relative
-# difference 8.5e-3 tensorwise, 5.0e-3 rowwise
-FP8_LOSS_RTOL = 0.02
-SHORT = ["training.global_batch_size=2", "training.seq_len=16"]  # one micro batch a step: 50 steps stay cheap
+# measured over 50 steps on CPU (torch 2.13, torchao 0.18, tiny model, seq 16, one micro batch of 2 a step,
+# lr 1e-3): max relative difference per step 1.1e-3, mean 2.7e-4. (At lr 1e-2 the runs drift apart chaotically,
+# up to 4e-2 on single steps, mean 1.1e-2, on random tokens that teach nothing.)
+FP8_LOSS_RTOL = 5e-3
+SHORT = ["training.global_batch_size=2", "training.seq_len=16", "optimizer.lr=1e-3"]
 
 
 @pytest.mark.slow  # fp8 matmuls are slow on CPU: ~10 s idle
