@@ -328,6 +328,25 @@ def peft_composes(cfg: Config, world_size: int) -> list[str]:
     return out
 
 
+@rule
+def fused_loss_layout(cfg: Config, world_size: int) -> list[str]:
+    d = cfg.distributed
+    if cfg.training.fused_loss is True and (d.tp_size > 1 or d.pp_size > 1):
+        return [f"training.fused_loss=true needs tp_size=1 and pp_size=1 (got {d.tp_size}, {d.pp_size}): tensor "
+                "parallelism computes a vocabulary-parallel loss on sharded logits and pipeline stages keep the "
+                "plain loss; set training.fused_loss=auto"]
+    return []
+
+
+@rule
+def fp8_layout(cfg: Config, world_size: int) -> list[str]:
+    d = cfg.distributed
+    if cfg.training.fp8.enabled and (d.tp_size > 1 or d.pp_size > 1):
+        return [f"training.fp8.enabled=true runs with data parallelism (ddp, fsdp2, megatron_fsdp) and cp only, not "
+                f"tp_size={d.tp_size} / pp_size={d.pp_size}: set training.fp8.enabled=false or tp_size=pp_size=1"]
+    return []
+
+
 def check(cfg: Config, world_size: int | None = None) -> list[str]:
     """Every violation, one line each (empty when the config is valid for this world size)."""
     ws = world_size if world_size is not None else default_world_size(cfg)

@@ -368,6 +368,15 @@ class SchedulerConfig(Section):
 
 
 # ------------------------------------------------------------------------- training
+class FP8Config(Section):
+    """torchao float8 training of the blocks' linear layers (distributed/float8.py); the output head stays."""
+
+    enabled: bool = False
+    recipe: Literal["tensorwise", "rowwise"] = "tensorwise"  # scaling granularity (fsdp2 float8 all-gather: tensorwise)
+    # auto: only matmuls large enough to gain (torchao's H100 thresholds); all: every linear whose dims divide by 16
+    filter: Literal["auto", "all"] = "auto"
+
+
 class TrainingConfig(Section):
     max_steps: int = Field(100, gt=0)
     global_batch_size: int = Field(8, gt=0)  # sequences per optimizer step, whatever the world size
@@ -376,7 +385,11 @@ class TrainingConfig(Section):
     grad_clip: float | None = Field(1.0, gt=0)
     precision: Literal["fp32", "bf16"] = "fp32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    compile: bool = False
+    compile: Literal["auto"] | bool = "auto"  # torch.compile each block (regional); auto: on CUDA, off on CPU
+    # output head + cross-entropy a chunk of tokens at a time, never holding the full logits (models/loss.py);
+    # auto: on wherever it applies (a meshforge model, no tensor or pipeline parallelism), else the plain loss
+    fused_loss: Literal["auto"] | bool = "auto"
+    fp8: FP8Config = Field(default_factory=FP8Config)
     nonfinite: Literal["skip", "stop"] = "stop"
     max_skipped: int = Field(3, gt=0)
     val_every: int = Field(0, ge=0)  # steps between validations (and at the last step) on data.validation; 0 = never

@@ -271,8 +271,8 @@ class MegatronFSDPOptions(StrategyOptions):
 
 def _fp8_cache(cfg: Config, world_size: int) -> list[str]:
     if cfg.distributed.options.keep_fp8_transpose_cache:
-        return ["distributed.keep_fp8_transpose_cache only matters with fp8 weights; meshforge trains in "
-                "fp32/bf16, so it has no effect"]
+        return ["distributed.keep_fp8_transpose_cache only matters with fp8 weights; meshforge keeps weights in "
+                "fp32/bf16 (training.fp8 casts them per matmul), so it has no effect"]
     return []
 
 

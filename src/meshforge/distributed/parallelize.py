@@ -1,5 +1,5 @@
-"""Apply every parallelism to a model, in one fixed order: TP/SP -> CP -> EP -> activation checkpointing
--> compile -> data-parallel strategy.
+"""Apply every parallelism to a model, in one fixed order: (FP8 module swap) -> TP/SP -> CP -> EP ->
+activation checkpointing -> compile -> data-parallel strategy.
 
 Why this order: tensor parallelism turns parameters into DTensors that everything after it must see;
 context parallelism swaps attention ops inside those blocks; expert parallelism shards the experts and
@@ -25,9 +25,12 @@ from torch import nn
 from meshforge.config.rules import check
 from meshforge.config.schema import Config
 from meshforge.distributed.activation_checkpointing import apply_activation_checkpointing
+from meshforge.distributed.compile import apply_compile, compile_enabled
 from meshforge.distributed.context_parallel import apply_cp
 from meshforge.distributed.env import init_distributed
 from meshforge.distributed.expert_parallel import apply_ep, share_moe_batch_stats
+from meshforge.distributed.float8 import apply_float8
+from meshforge.distributed.fsdp2 import FSDP2Strategy
 from meshforge.distributed.mesh import MeshContext
 from meshforge.distributed.strategy import Strategy, build_strategy
 from meshforge.distributed.tensor_parallel import apply_tp
@@ -48,10 +51,12 @@ class Parallelized:
 
 
 def parallelize_model(model: nn.Module, mesh_ctx: MeshContext, dcfg, device: torch.device | None = None,
-                      compile: bool = False) -> Parallelized:
+                      compile: bool | str = False, fp8=None) -> Parallelized:
     device = device or torch.device("cpu")
     strategy = build_strategy(dcfg, mesh_ctx, device)
     out = Parallelized(model, strategy)
+    if fp8 is not None and fp8.enabled:  # module swap first: everything after wraps the float8 linears
+        apply_float8(model, fp8, device, isinstance(strategy, FSDP2Strategy) and strategy.active)
     if mesh_ctx.tp_size > 1:
         out.loss_context = apply_tp(model, mesh_ctx, dcfg) or contextlib.nullcontext
     if mesh_ctx.cp_size > 1:
@@ -61,9 +66,8 @@ def parallelize_model(model: nn.Module, mesh_ctx: MeshContext, dcfg, device: tor
         apply_ep(model, mesh_ctx, dcfg, strategy)
     blocks = blocks_of(model, dcfg.block_classes)
     apply_activation_checkpointing(blocks, dcfg.ac_mode)
-    if compile:
-        for block in blocks:
-            block.compile()
+    if compile_enabled(compile, device):
+        apply_compile(blocks)
     out.model = strategy.parallelize(model)
     return out
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshforge.models.hf_families import dense_adapter
+from meshforge.models.loss import HeadInput, head_input
 from meshforge.models.presets import ModelArgs
 from meshforge.models.protocol import AdapterLayout, InitSpec, PipelineLayout, StateDictAdapter
 
@@ -146,6 +147,7 @@ class TransformerBlock(nn.Module):
 
 class Llama(nn.Module):
     block_cls = TransformerBlock
+    fused_loss = False  # forward returns a `HeadInput` (hidden states + head weight) instead of logits
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -173,9 +175,22 @@ class Llama(nn.Module):
             h = block(h, cos, sin) if mask is None else block(h, cos, sin, mask)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        return self.head(h)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor | HeadInput:
+        """Logits, or with the fused loss on the head's input for the loss to project chunk by chunk (a head
+        replaced by a wrapper, e.g. LoRA or float8, has its own forward, so it computes logits as usual)."""
+        if self.output is None:
+            return h
+        if self.fused_loss and type(self.output) is nn.Linear:
+            return head_input(h, self.output.weight)
+        return self.output(h)
 
     # ------------------------------------------------------------ declared plans
+    def set_fused_loss(self, enabled: bool) -> bool:
+        self.fused_loss = enabled
+        return True
+
     def blocks(self) -> list[nn.Module]:
         """The transformer blocks: the unit FSDP wraps, activation checkpointing recomputes."""
         return list(self.layers.values())

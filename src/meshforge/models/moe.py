@@ -228,7 +228,7 @@ class MoETransformer(Llama):
                 ff.aux_loss = None
         if self.norm is not None:
             h = self.norm(h)
-        out = self.output(h) if self.output is not None else h
+        out = self.head(h)
         if self.training and aux is not None and self.args.aux_loss_coeff > 0:
             return out, aux
         return out

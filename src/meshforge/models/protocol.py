@@ -26,6 +26,9 @@ names in a declaration are dotted paths of `named_modules()` (patterns: `*` matc
   role (role -> module-name pattern; roles are the Hugging Face module names, `q_proj`, ..., as PEFT's
   `target_modules` spells them) and the embedding and norm modules its freeze policy covers; None when the
   model declares none (LoRA is then refused).
+- `set_fused_loss(enabled)`: with it on, forward returns `models.loss.HeadInput` (final hidden states and the
+  output head's weight) instead of logits, so the loss projects chunk by chunk and never holds the full logits;
+  returns whether the model can (False: it keeps returning logits).
 
 A model meshforge did not define (bring your own `nn.Module`) gets `ForeignModel`: blocks by class name
 (`distributed.block_classes`) or the largest ModuleList/ModuleDict, and nothing else (tensor parallelism
@@ -100,6 +103,8 @@ class ModelContract(Protocol):
 
     def adapter_layout(self) -> AdapterLayout | None: ...
 
+    def set_fused_loss(self, enabled: bool) -> bool: ...
+
 
 class ForeignModel:
     """The contract of an `nn.Module` meshforge did not define: blocks found, nothing else declared."""
@@ -139,6 +144,9 @@ class ForeignModel:
 
     def adapter_layout(self) -> None:
         return None
+
+    def set_fused_loss(self, enabled: bool) -> bool:
+        return not enabled  # its forward returns logits: it cannot hand the loss its head's input
 
 
 def contract_of(model: nn.Module) -> ModelContract:

@@ -15,8 +15,8 @@ Options (`distributed.*`, defaults in brackets):
 - `grad_reduce_in_fp32` [true]: reduce gradients in fp32 even when compute params are bf16.
 - `overlap_grad_reduce`, `overlap_param_gather` [true on CUDA, false on CPU]: issue the collectives
   asynchronously (NCCL runs them on its own streams, overlapping compute) and wait at first use.
-- `keep_fp8_transpose_cache`: accepted for Bridge compatibility; meaningful only with fp8 weights, which
-  meshforge does not train (a config warning says so).
+- `keep_fp8_transpose_cache`: accepted for Bridge compatibility and inert (a config warning says so): it caches
+  fp8 weights' transposes, and meshforge keeps no fp8 weights (`training.fp8` casts bf16/fp32 weights per matmul).
 Compute dtype: bf16 on CUDA, fp32 on CPU (`MegatronFSDPStrategy(..., compute_dtype=)` to choose).
 
 Composes with TP (DTensor parameters: the buffers pack their local tensors) and CP (sharding over dp_cp).
