@@ -18,6 +18,7 @@ from meshforge.errors import MeshforgeError
 SUBCOMMANDS = {
     "checkpoint": ("meshforge.checkpoint.cli", "inspect, export and import checkpoints"),
     "bench": ("meshforge.bench.cli", "measure throughput, memory and communication; compare configurations"),
+    "plan": ("meshforge.planning.cli", "memory per rank, communication and step time of a config, process-free"),
 }
 
 
