@@ -1,0 +1,91 @@
+"""`meshforge plan` against the bench's exact accounting, in the shared N=4 and N=2 launches.
+
+Each configuration is built with `Trainer.build` and stepped by `bench.worker.measure` (the bench's own
+measurement: storages behind params/grads/optimizer state after the step, collective bytes at the dispatcher);
+the plan, computed without processes, must give the same bytes per rank and per collective kind.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from meshforge.planning.estimate import comm_per_step, model_params, rank_state
+from meshforge.planning.layout import Layout
+from meshforge.testing.group import Job
+from meshforge.testing.parity import config
+
+pytestmark = pytest.mark.dist
+
+MFSDP = {f"mfsdp_{m}": ["distributed.strategy=megatron_fsdp", f"distributed.data_parallel_sharding_strategy={m}"]
+         for m in ("no_shard", "optim", "optim_grads", "optim_grads_params")}
+N4 = {"ddp": ["distributed.strategy=ddp"], "fsdp2": ["distributed.strategy=fsdp2"], **MFSDP,
+      "hsdp": ["distributed.strategy=fsdp2", "distributed.dp_replicate_size=2"],
+      "fsdp2_tp2": ["distributed.strategy=fsdp2", "distributed.tp_size=2"]}
+N2 = {"ddp": ["distributed.strategy=ddp"], "fsdp2": ["distributed.strategy=fsdp2"], **MFSDP,
+      "fsdp2_pp2": ["distributed.strategy=fsdp2", "distributed.pp_size=2"],
+      "fsdp2_ep2": ["distributed.strategy=fsdp2", "model.preset=tiny_moe", "distributed.ep_size=2"]}
+STEPS = 3
+
+
+def plan_job(spec: dict, info) -> dict:
+    """Measure each configuration with the bench's worker: {name: {per_rank state bytes, by_op bytes}}."""
+    from meshforge.bench.worker import measure
+
+    out = {}
+    for name, overrides in spec["configs"].items():
+        r = measure(config(overrides, steps=STEPS, world_size=info.world_size), info, 1, 1)
+        out[name] = {"state": [p["state_bytes"] for p in r["per_rank"]], "by_op": r["comm"]["by_op"]}
+    return out
+
+
+HERE = f"{Path(__file__).resolve()}:plan_job"
+GROUP_JOBS = [Job("plan accuracy n4", HERE, {"configs": N4}, 4), Job("plan accuracy n2", HERE, {"configs": N2}, 2)]
+
+
+def _kind(op: str) -> str:
+    for key, kind in (("allgather", "all_gather"), ("all_gather", "all_gather"), ("reduce_scatter", "reduce_scatter"),
+                      ("allreduce", "all_reduce"), ("all_reduce", "all_reduce"), ("alltoall", "all_to_all"),
+                      ("all_to_all", "all_to_all"), ("send", "send_recv"), ("recv", "send_recv"),
+                      ("broadcast", "broadcast")):
+        if key in op:
+            return kind
+    return op
+
+
+def _compare(measured: dict, configs: dict, n: int):
+    for name, m in measured.items():
+        cfg = config(configs[name], steps=STEPS, world_size=n)
+        d = cfg.distributed
+        layout = Layout.from_sizes(n, tp=d.tp_size, pp=d.pp_size, cp=d.cp_size, ep=d.ep_size,
+                                   dp_replicate=d.dp_replicate_size)
+        params, args = model_params(cfg)
+        for rank, bench in enumerate(m["state"]):
+            got = rank_state(params, cfg, layout, rank)
+            assert (got.params, got.grads, got.optimizer) == (bench["params"], bench["grads"], bench["optimizer"]), \
+                (name, rank)
+        bench_kinds: dict = {}
+        for op, b in m["by_op"].items():
+            bench_kinds[_kind(op)] = bench_kinds.get(_kind(op), 0) + b
+        plan_kinds: dict = {}
+        for (_axis, kind), b in comm_per_step(params, args, cfg, layout).items():
+            plan_kinds[kind] = plan_kinds.get(kind, 0) + b
+        yield name, bench_kinds, plan_kinds
+
+
+def test_state_and_comm_n4(group):
+    for name, bench, plan in _compare(group("plan accuracy n4"), N4, 4):
+        if name == "fsdp2_tp2":  # TP's large activation all-reduces exact; the grad-norm scalars within 64 B
+            assert bench.keys() == plan.keys() and all(abs(bench[k] - plan[k]) <= 64 for k in bench), (bench, plan)
+        else:
+            assert bench == plan, (name, bench, plan)
+
+
+def test_state_and_comm_n2(group):
+    for name, bench, plan in _compare(group("plan accuracy n2"), N2, 2):
+        if name == "fsdp2_ep2":  # the plan counts top_k copies of each token both ways; the bench sees ~3% more
+            # (not yet modelled); everything else exact
+            a2a = bench.pop("all_to_all")
+            assert abs(a2a - plan.pop("all_to_all")) / a2a < 0.05
+        assert bench == plan, (name, bench, plan)
