@@ -239,7 +239,8 @@ def activation_bytes(args, cfg, layout: Layout, blocks: int, first: bool, last: 
         + q, k, v and the attention output (2*(heads + kv_heads)*head_dim) + heads (softmax log-sum-exp)
         + 4*ffn (w1 and w3 outputs, silu output, the product) [MoE: routed copies top_k*moe_ffn, router]
       full: the block input (dim) only; the block is recomputed in backward.
-      selective: the block input + matmul and attention outputs (q, k, v, out, lse, o-proj, ffn up/gate, down).
+      selective: the block input + the matmul and attention outputs it caches (q, k, v, attention output and
+        log-sum-exp, o-proj, ffn gate and up, down).
     TP divides heads and ffn by tp (sequence parallelism divides the rest too); CP divides the tokens.
     Head: the final norm (3*dim + 1), the fp32 log-softmax of the logits (vocab/tp per token), int64 labels.
     """
@@ -265,7 +266,7 @@ def activation_bytes(args, cfg, layout: Layout, blocks: int, first: bool, last: 
     elif mode == "full":
         per_tok = dim_sp * e
     else:
-        per_tok = (dim_sp + attn + 2 * dim_full + 3 * ffn) * e + h * F32
+        per_tok = (dim_sp + attn + 2 * dim_full + 2 * ffn) * e + h * F32
     full_block = (6 * dim_sp + attn + mm) * e + (2 + h) * F32
     rope = 2 * t.seq_len * (hd // 2) * F32 if blocks else 0
     out = {"blocks": blocks * per_tok * tokens + rope,
