@@ -100,6 +100,9 @@ def cmd_validate(args) -> int:
     if args.gpus_per_node and cfg.distributed.tp_size > args.gpus_per_node:
         notes.append(f"distributed.tp_size={cfg.distributed.tp_size} exceeds --gpus-per-node={args.gpus_per_node}: "
                      "TP groups would cross nodes, which destroys throughput; keep TP inside a node")
+    from meshforge.planning.cli import memory_warning
+
+    notes += [w for w in [memory_warning(cfg, world)] if w]
     for w in notes:
         print(f"warning: {w}", file=sys.stderr)
     return 0

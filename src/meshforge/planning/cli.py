@@ -149,3 +149,20 @@ def _fit(cfg, args, dev) -> int:
         print("error: no searched layout fits the device memory", file=sys.stderr)
         return 1
     return 0
+
+
+def memory_warning(cfg, world_size: int, gpu: str = "h100") -> str | None:
+    """For `meshforge validate`: a warning when the plan's peak exceeds the device memory (None when it fits or
+    the run is on CPU, where the host's memory is not planned)."""
+    from meshforge.planning.estimate import plan
+    from meshforge.planning.hardware import device_from_arg
+
+    if cfg.training.device == "cpu":
+        return None
+    dev = device_from_arg(gpu)
+    p = plan(cfg, world_size, dev)
+    if p.fits:
+        return None
+    pr = p.peak_rank
+    return (f"the plan's peak memory {pr.peak / GB:.1f} GB on rank {pr.rank} exceeds a {dev.name}'s "
+            f"{dev.memory_gib:g} GiB: see `meshforge plan CONFIG --world-size {world_size} --fit` for layouts that fit")
