@@ -24,6 +24,8 @@ N4 = {"ddp": ["distributed.strategy=ddp"], "fsdp2": ["distributed.strategy=fsdp2
       "hsdp": ["distributed.strategy=fsdp2", "distributed.dp_replicate_size=2"],
       "fsdp2_tp2": ["distributed.strategy=fsdp2", "distributed.tp_size=2"]}
 N2 = {"ddp": ["distributed.strategy=ddp"], "fsdp2": ["distributed.strategy=fsdp2"], **MFSDP,
+      "fsdp2_tp2": ["distributed.strategy=fsdp2", "distributed.tp_size=2"],
+      "fsdp2_cp2": ["distributed.strategy=fsdp2", "distributed.cp_size=2"],
       "fsdp2_pp2": ["distributed.strategy=fsdp2", "distributed.pp_size=2"],
       "fsdp2_ep2": ["distributed.strategy=fsdp2", "model.preset=tiny_moe", "distributed.ep_size=2"]}
 STEPS = 3
@@ -76,16 +78,13 @@ def _compare(measured: dict, configs: dict, n: int):
 
 def test_state_and_comm_n4(group):
     for name, bench, plan in _compare(group("plan accuracy n4"), N4, 4):
-        if name == "fsdp2_tp2":  # TP's large activation all-reduces exact; the grad-norm scalars within 64 B
-            assert bench.keys() == plan.keys() and all(abs(bench[k] - plan[k]) <= 64 for k in bench), (bench, plan)
-        else:
-            assert bench == plan, (name, bench, plan)
+        assert bench == plan, (name, bench, plan)
 
 
 def test_state_and_comm_n2(group):
     for name, bench, plan in _compare(group("plan accuracy n2"), N2, 2):
-        if name == "fsdp2_ep2":  # the plan counts top_k copies of each token both ways; the bench sees ~3% more
-            # (not yet modelled); everything else exact
+        if name == "fsdp2_ep2":  # what a rank receives from the all-to-all depends on the routing; the plan
+            # counts the balanced top_k copies per token (within 5% here); everything else exact
             a2a = bench.pop("all_to_all")
             assert abs(a2a - plan.pop("all_to_all")) / a2a < 0.05
         assert bench == plan, (name, bench, plan)

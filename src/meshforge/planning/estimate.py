@@ -168,8 +168,13 @@ def _fsdp2(stage, cfg, layout, c, out: Parts) -> None:
     largest_unit = 0
     for p in stage:
         s = _local_shape(p, layout)
+        full_grad = None
         if not active:
             stored = opt = math.prod(s)
+            if p.tp_dim is not None and p.place == "first":
+                # without FSDP the vocabulary-parallel embedding's gradient arrives Replicate: each tp rank
+                # holds the whole (vocab x dim) gradient (measured with torch 2.13)
+                full_grad = math.prod(p.shape)
         else:
             dim, n, r = (1, ep_shard_n, ep_shard_r) if p.expert and layout.ep > 1 else (0, dense_n, dense_r)
             rest = math.prod(s) // s[dim] if s[dim] else 0
@@ -179,7 +184,7 @@ def _fsdp2(stage, cfg, layout, c, out: Parts) -> None:
             out.host += 2 * stored * F32 + 2 * opt * F32 + STEP_BYTES
             continue
         out.params += stored * F32
-        out.grads += stored * F32
+        out.grads += (full_grad or stored) * F32
         out.optimizer += 2 * opt * F32 + STEP_BYTES
         largest_unit = max(largest_unit, math.prod(s))
     out.buffers = max(out.buffers, _largest_block(stage, layout) * (2 if _on_cuda(cfg) else F32))
@@ -344,7 +349,7 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
     # tensor parallelism, per micro batch: an all-reduce of the activations (tokens x dim) after each
     # row-wise projection and the vocabulary-parallel embedding (forward), of the input gradient of each
     # column-wise projection and of the output head (backward); the vocabulary-parallel loss reduces the
-    # max, sum of exponentials and target logit of every token (3 x tokens x 4 bytes) and 32 bytes more
+    # max, sum of exponentials and target logit of every token (3 x tokens x 4 bytes)
     if layout.tp > 1:
         e = 2 if (t.precision == "bf16" and _on_cuda(cfg)) else F32
         tokens = t.micro_batch_size * t.seq_len // layout.cp
@@ -354,15 +359,22 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
         has_head = any(p.place == "last" and p.tp_dim is not None for p in mine)
         n_micro = micro_per_rank // t.micro_batch_size
         kind = "reduce_scatter+all_gather" if d.sequence_parallel else "all_reduce"
-        add("tp", kind, n_micro * (n_ar * tokens * args.dim * e + (3 * tokens * F32 + 32 if has_head else 0)))
-    # scalars: the loss averaged over the data-parallel ranks, and the gradient norm (one 4-byte all-reduce
-    # per DTensor parameter for fsdp2 / TP / EP, one for megatron_fsdp's sharded optimizer)
-    if layout.world_size > 1:
-        add("dp_cp" if dp_cp > 1 else "tp" if layout.tp > 1 else "pp", "all_reduce", F32)
-    dtensor = d.strategy == "fsdp2" and dp_cp > 1 or layout.tp > 1 or layout.ep > 1
-    if dtensor:
-        add("dp_cp" if dp_cp > 1 else "tp", "all_reduce", F32 * sum(len(st) for st in stages))
-    elif d.strategy == "megatron_fsdp" and dp_cp > 1 and d.options.sharding_strategy != "no_shard":
+        add("tp", kind, n_micro * (n_ar * tokens * args.dim * e + (3 * tokens * F32 if has_head else 0)))
+    # scalars: the loss averaged over the data-parallel ranks; the gradient norm: one 4-byte all-reduce per
+    # DTensor gradient and mesh dimension it is sharded over (megatron_fsdp: one for its sharded optimizer),
+    # and the squares of the pipeline stages summed over pp
+    if layout.world_size > 1 and dp_cp > 1:
+        add("dp_cp", "all_reduce", F32)
+    fsdp_on = d.strategy == "fsdp2" and dp_cp > 1 and layout.world_size > 1
+    for p in (p for st in stages for p in st):
+        if p.expert and layout.ep > 1:
+            add("ep", "all_reduce", F32 * (1 + (fsdp_on and layout.size(MeshAxis.EP_SHARD) > 1)))
+            continue
+        if fsdp_on:
+            add("dp_cp", "all_reduce", F32)
+        if layout.tp > 1 and p.tp_dim is not None and (fsdp_on or p.place != "first"):
+            add("tp", "all_reduce", F32)  # (without FSDP the vocab-parallel embedding's grad is Replicate)
+    if d.strategy == "megatron_fsdp" and dp_cp > 1 and d.options.sharding_strategy != "no_shard":
         add("dp_cp", "all_reduce", F32)
     if layout.pp > 1:
         pplan = pipeline_plan_of(cfg, layout)
@@ -370,13 +382,24 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
         act = pplan.microbatch_size * t.seq_len // layout.cp * args.dim // (layout.tp if d.sequence_parallel else 1)
         add("pp", "send_recv", 2 * pplan.n_microbatches * act * e * len(pplan.rank_stages(c[MeshAxis.PP])))
         add("pp", "broadcast", F32)  # the last stage's loss to the other stages
+        add("pp", "all_reduce", F32)  # the stages' squared gradient norms
     if layout.ep > 1 and args.is_moe:
         e = 2 if (t.precision == "bf16" and _on_cuda(cfg)) else F32
         n_micro = micro_per_rank // t.micro_batch_size
         tokens = t.micro_batch_size * t.seq_len // layout.cp
         moe_layers = len({p.block for st in stages for p in st if p.expert})
-        # each token's top_k copies go to their experts and back, forward and backward
-        add("ep", "all_to_all", n_micro * moe_layers * 4 * tokens * args.top_k * args.dim * e)
+        # each token's top_k copies go to their experts and back, forward and backward (what one rank receives
+        # depends on the routing: this is the balanced count); first the per-expert counts (int64)
+        add("ep", "all_to_all", n_micro * moe_layers * (4 * tokens * args.top_k * args.dim * e + args.n_experts * 8))
+    if layout.cp > 1:
+        # per attention layer and micro batch: all-gather of the local K/V in forward, again in backward, and a
+        # reduce-scatter of the K/V gradients (distributed/context_parallel.py); checkpointing adds the forward's
+        e = 2 if (t.precision == "bf16" and _on_cuda(cfg)) else F32
+        n_micro = micro_per_rank // t.micro_batch_size
+        layers = len({p.block for st in stages for p in st if p.block is not None})
+        kv = 2 * t.micro_batch_size * (args.n_kv_heads // layout.tp) * t.seq_len * args.hd * e
+        add("cp", "all_gather", n_micro * layers * kv * (3 if d.ac_mode else 2))
+        add("cp", "reduce_scatter", n_micro * layers * kv)
     return out
 
 
