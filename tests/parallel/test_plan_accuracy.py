@@ -42,8 +42,58 @@ def plan_job(spec: dict, info) -> dict:
     return out
 
 
-HERE = f"{Path(__file__).resolve()}:plan_job"
-GROUP_JOBS = [Job("plan accuracy n4", HERE, {"configs": N4}, 4), Job("plan accuracy n2", HERE, {"configs": N2}, 2)]
+def saved_job(spec: dict, info) -> dict:
+    """{name: bytes autograd saves for one micro batch's forward and loss on rank 0} on the real TP/SP/CP model
+    (saved-tensor hooks; parameter storages, also FSDP's gathered ones, excluded)."""
+    import torch
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+
+    from meshforge.models.loss import lm_loss
+    from meshforge.training.trainer import Trainer
+
+    def ptr(t):
+        try:
+            return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
+        except RuntimeError:  # a freed (resharded) storage
+            return None
+
+    out = {}
+    for name, overrides in spec.items():
+        cfg = config(overrides, steps=STEPS, world_size=info.world_size)
+        pm = Trainer.build(cfg, info).pm
+        seen: dict = {}
+
+        def pack(t, model=pm.model, seen=seen):
+            if ptr(t) not in {ptr(p) for p in model.parameters()} and not isinstance(t, nn.Parameter):
+                seen[ptr(t)] = (t.to_local() if isinstance(t, DTensor) else t).untyped_storage().nbytes()
+            return t
+
+        b, s = cfg.training.micro_batch_size, cfg.training.seq_len
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randint(0, 256, (b, s), generator=g), torch.randint(0, 256, (b, s), generator=g)
+        positions = None
+        if pm.batch_transform is not None:
+            x, y, positions = pm.batch_transform(x, y)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            o = pm.model(x) if positions is None else pm.model(x, positions)
+            with pm.loss_context():
+                ce, _ = lm_loss(o, y)
+        with pm.loss_context():
+            ce.backward()  # every rank runs the same collectives
+        out[name] = sum(seen.values())
+    return out
+
+
+ACTS = {"tp2": ["distributed.tp_size=2"],
+        "tp2_full": ["distributed.tp_size=2", "distributed.activation_checkpointing=full"],
+        "tp2_sp_small": ["distributed.tp_size=2", "distributed.sequence_parallel=true", "model.preset=small"],
+        "cp2": ["distributed.cp_size=2"],
+        "cp2_full": ["distributed.cp_size=2", "distributed.activation_checkpointing=full"]}
+HERE = f"{Path(__file__).resolve()}"
+GROUP_JOBS = [Job("plan accuracy n4", f"{HERE}:plan_job", {"configs": N4}, 4),
+              Job("plan accuracy n2", f"{HERE}:plan_job", {"configs": N2}, 2),
+              Job("plan activations n2", f"{HERE}:saved_job", ACTS, 2)]
 
 
 def _kind(op: str) -> str:
@@ -88,3 +138,16 @@ def test_state_and_comm_n2(group):
             a2a = bench.pop("all_to_all")
             assert abs(a2a - plan.pop("all_to_all")) / a2a < 0.05
         assert bench == plan, (name, bench, plan)
+
+
+def test_activations_tp_sp_cp_n2(group):
+    from meshforge.planning.estimate import activation_bytes
+
+    for name, measured in group("plan activations n2").items():
+        cfg = config(ACTS[name], steps=STEPS, world_size=2)
+        d = cfg.distributed
+        _, args = model_params(cfg)
+        plan = activation_bytes(args, cfg, Layout.from_sizes(2, tp=d.tp_size, cp=d.cp_size), args.n_layers,
+                                True, True)["total"]
+        print(f"\n{name}: plan {plan} measured {measured} ({100 * (plan - measured) / measured:+.2f}%)")
+        assert abs(plan - measured) <= 0.10 * measured, (name, plan, measured)
