@@ -131,18 +131,19 @@ def _print_compare(plans) -> None:
 def _fit(cfg, args, dev) -> int:
     from meshforge.planning.fit import search
 
-    fits, rejected = search(cfg, args.world_size, dev, args.gpus_per_node, args.mfu)
+    fits, rejected, slower = search(cfg, args.world_size, dev, args.gpus_per_node, args.mfu)
     if args.json:
-        print(json.dumps({"fits": [dict(p.to_dict(), choice=c) for c, p in fits[:5]],
-                          "rejected": [{"choice": c, "why": w} for c, w in rejected]}, indent=1))
+        print(json.dumps({"fits": [dict(p.to_dict(), choice=c) for c, p in fits],
+                          "rejected": [{"choice": c, "why": w} for c, w in rejected], "slower_fitting": slower},
+                         indent=1))
         return 0 if fits else 1
     print(f"{'layout':58s} {'peak GB':>9} {'step s':>8} {'tokens/s':>12} {'MFU %':>6}")
-    for c, p in fits[:5]:
+    for c, p in fits:
         print(f"{c:58s} {_gb(p.peak_rank.peak):>9} {p.step_s:>8.3f} {p.tokens_per_s:>12,.0f} {100 * p.mfu:>6.1f}")
     reasons: dict[str, int] = {}
     for _c, why in rejected:
         reasons[why] = reasons.get(why, 0) + 1
-    print(f"\n{len(fits)} layouts fit, {len(rejected)} rejected:")
+    print(f"\nthe {len(fits)} fastest layouts that fit; {slower} more fit but are slower; {len(rejected)} rejected:")
     for why, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:8]:
         print(f"  {n:4d} x {why}")
     if not fits:

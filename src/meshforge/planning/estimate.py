@@ -20,6 +20,7 @@ token (the model contract's `flops_per_token`) at an assumed MFU, plus the pipel
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -104,11 +105,12 @@ class Parts:
         return self.params + self.grads + self.optimizer
 
 
-def _stage_params(params: list[ParamRec], cfg, layout: Layout, pp_rank: int) -> list[list[ParamRec]]:
+def _stage_params(params: list[ParamRec], cfg, layout: Layout, pp_rank: int,
+                  n_layers: int | None = None) -> list[list[ParamRec]]:
     """The parameters of each pipeline stage this pp rank holds (one list per stage; one list without PP)."""
     if layout.pp == 1:
         return [params]
-    pplan = pipeline_plan_of(cfg, layout)
+    pplan = pipeline_plan_of(cfg, layout, n_layers)
     stages = []
     for s in pplan.rank_stages(pp_rank):
         blocks = set(pplan.stage_layers[s])
@@ -117,12 +119,18 @@ def _stage_params(params: list[ParamRec], cfg, layout: Layout, pp_rank: int) -> 
     return stages
 
 
-def pipeline_plan_of(cfg, layout: Layout):
+def pipeline_plan_of(cfg, layout: Layout, n_layers: int | None = None):
+    pcfg = cfg.distributed.pipeline_or_default
+    return _pipeline_plan(n_layers or _n_layers(cfg), layout.pp, pcfg.model_dump_json(exclude_unset=True),
+                          cfg.training.global_batch_size // layout.dp)
+
+
+@functools.lru_cache(maxsize=256)
+def _pipeline_plan(n_layers: int, pp: int, pcfg_json: str, local_batch: int):
+    from meshforge.config.schema import PipelineConfig
     from meshforge.planning.pipeline_plan import plan_pipeline
 
-    n_layers = _n_layers(cfg)
-    return plan_pipeline(n_layers, layout.pp, cfg.distributed.pipeline_or_default,
-                         cfg.training.global_batch_size // layout.dp)
+    return plan_pipeline(n_layers, pp, PipelineConfig.model_validate_json(pcfg_json), local_batch)
 
 
 def _n_layers(cfg) -> int:
@@ -235,7 +243,8 @@ def _megatron(stage, cfg, layout, c, out: Parts) -> None:
 
 
 # ---------------------------------------------------------------------------------------- activations
-def activation_bytes(args, cfg, layout: Layout, blocks: int, first: bool, last: bool) -> dict[str, int]:
+def activation_bytes(args, cfg, layout: Layout, blocks: int, first: bool, last: bool,
+                     micro_batch: int | None = None) -> dict[str, int]:
     """Bytes autograd saves for one micro batch on one rank: {"blocks", "embedding", "head", "total",
     "recompute"} ("recompute": the transient of one block recomputed in backward under checkpointing).
 
@@ -254,7 +263,7 @@ def activation_bytes(args, cfg, layout: Layout, blocks: int, first: bool, last: 
     d, t = cfg.distributed, cfg.training
     cuda = _on_cuda(cfg)
     e = 2 if (t.precision == "bf16" and cuda) else F32
-    tokens = t.micro_batch_size * t.seq_len // layout.cp
+    tokens = (micro_batch or t.micro_batch_size) * t.seq_len // layout.cp
     tp = layout.tp
     sp = tp if d.sequence_parallel else 1
     hd, h, kv = args.hd, args.n_heads // tp, args.n_kv_heads // tp
@@ -302,7 +311,7 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
     micro_per_rank = t.global_batch_size // layout.dp
     accum = 1 if layout.pp > 1 else micro_per_rank // t.micro_batch_size
     e_param = 2 if _on_cuda(cfg) else F32
-    stages = _stage_params(params, cfg, layout, c[MeshAxis.PP])
+    stages = _stage_params(params, cfg, layout, c[MeshAxis.PP], args.n_layers)
     shard_axis = "dp_shard_cp" if layout.cp > 1 else "dp_shard"
     for stage in stages:
         dense = [p for p in stage if not (p.expert and layout.ep > 1)]
@@ -381,7 +390,7 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
     if d.strategy == "megatron_fsdp" and dp_cp > 1 and d.options.sharding_strategy != "no_shard":
         add("dp_cp", "all_reduce", F32)
     if layout.pp > 1:
-        pplan = pipeline_plan_of(cfg, layout)
+        pplan = pipeline_plan_of(cfg, layout, args.n_layers)
         e = 2 if (t.precision == "bf16" and _on_cuda(cfg)) else F32
         act = pplan.microbatch_size * t.seq_len // layout.cp * args.dim // (layout.tp if d.sequence_parallel else 1)
         add("pp", "send_recv", 2 * pplan.n_microbatches * act * e * len(pplan.rank_stages(c[MeshAxis.PP])))
@@ -470,10 +479,9 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int) -> float:
     return frac / 3 if schedule in ("zero_bubble", "v_schedule") else frac
 
 
-def _in_flight(cfg, layout: Layout, pp_rank: int, n_stages_here: int) -> int:
+def _in_flight(pplan, layout: Layout, pp_rank: int, n_stages_here: int) -> int:
     if layout.pp == 1:
         return 1
-    pplan = pipeline_plan_of(cfg, layout)
     m = pplan.n_microbatches
     if pplan.schedule == "gpipe" or pplan.schedule == "looped_bfs":
         return m * n_stages_here
@@ -498,22 +506,22 @@ def _axis_size(axis: str, layout: Layout) -> int:
 
 
 def representative_ranks(layout: Layout) -> list[int]:
-    """Every rank for small worlds; else one per pp rank at the first and last dp shard (the only ranks whose
-    bytes differ: padding lands on the last shards)."""
+    """Every rank for small worlds; else, per pp rank, the first and the last dp_shard_cp shard (the only ranks
+    whose bytes differ: the first shards hold the most optimizer state, padding lands on the last)."""
     if layout.world_size <= 64:
         return list(range(layout.world_size))
     out = set()
     for pp in range(layout.pp):
-        for sh in {0, layout.dp_shard - 1}:
-            for cp in {0, layout.cp - 1}:
-                out.add(layout.rank_of({MeshAxis.PP: pp, MeshAxis.DP_REPLICATE: 0, MeshAxis.DP_SHARD: sh,
-                                        MeshAxis.CP: cp, MeshAxis.TP: 0}))
+        for sh, cp in {(0, 0), (layout.dp_shard - 1, layout.cp - 1)}:
+            out.add(layout.rank_of({MeshAxis.PP: pp, MeshAxis.DP_REPLICATE: 0, MeshAxis.DP_SHARD: sh,
+                                    MeshAxis.CP: cp, MeshAxis.TP: 0}))
     return sorted(out)
 
 
 def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: float = 0.4,
-         params: list[ParamRec] | None = None, args=None) -> Plan:
-    """The plan of `cfg` on `world_size` devices like `device`."""
+         params: list[ParamRec] | None = None, args=None, state_cache: dict | None = None) -> Plan:
+    """The plan of `cfg` on `world_size` devices like `device` (`params`/`args` from `model_params` and a
+    `state_cache` dict let a search share the work between candidates)."""
     from meshforge.models import build_model
 
     d, t = cfg.distributed, cfg.training
@@ -522,23 +530,26 @@ def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: floa
     if params is None:
         params, args = model_params(cfg)
     ranks = []
-    n_layers = args.n_layers
-    for r in representative_ranks(layout):
-        parts = rank_state(params, cfg, layout, r)
+    pplan = pipeline_plan_of(cfg, layout, args.n_layers) if layout.pp > 1 else None
+    key = (layout, d.strategy, d.options.model_dump_json(), t.device)
+    if state_cache is None or key not in state_cache:
+        states = [(r, rank_state(params, cfg, layout, r)) for r in representative_ranks(layout)]
+        if state_cache is not None:
+            state_cache[key] = states
+    else:
+        states = state_cache[key]
+    for r, parts in states:
         c = layout.coords(r)
-        if layout.pp > 1:
-            pplan = pipeline_plan_of(cfg, layout)
+        if pplan is not None:
             here = pplan.rank_stages(c[MeshAxis.PP])
-            blocks = sum(len(pplan.stage_layers[s]) for s in here)
+            blocks = sum(len(pplan.stage_layers[s]) for s in here) // len(here)
             first, last = 0 in here, pplan.num_stages - 1 in here
-            mcfg = cfg.model_copy(deep=True)
-            mcfg.training.micro_batch_size = pplan.microbatch_size
-            acts = activation_bytes(args, mcfg, layout, blocks // len(here), first, last)
-            per_stage = activation_bytes(args, mcfg, layout, blocks // len(here), False, False)["total"]
-            in_flight = _in_flight(cfg, layout, c[MeshAxis.PP], len(here))
+            acts = activation_bytes(args, cfg, layout, blocks, first, last, pplan.microbatch_size)
+            per_stage = activation_bytes(args, cfg, layout, blocks, False, False, pplan.microbatch_size)["total"]
+            in_flight = _in_flight(pplan, layout, c[MeshAxis.PP], len(here))
             alive = in_flight * per_stage + (acts["embedding"] + acts["head"]) * max(1, in_flight // len(here))
         else:
-            acts = activation_bytes(args, cfg, layout, n_layers, True, True)
+            acts = activation_bytes(args, cfg, layout, args.n_layers, True, True)
             in_flight, alive = 1, acts["total"]
         peak = parts.total + parts.buffers + alive + acts["recompute"]
         ranks.append(RankPlan(r, parts, acts, in_flight, peak))
@@ -552,8 +563,7 @@ def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: floa
     recompute = {None: 1.0, "full": 4 / 3, "selective": 1.05}[d.ac_mode]
     compute_s = tokens * model_fpt * recompute / world_size / (device.peak_tflops * 1e12 * mfu)
     bubble = 0.0
-    if layout.pp > 1:
-        pplan = pipeline_plan_of(cfg, layout)
+    if pplan is not None:
         bubble = bubble_fraction(pplan.schedule, layout.pp, pplan.n_microbatches, pplan.stages_per_rank)
     # data-parallel traffic overlaps compute; what does not hide adds; TP/CP/EP traffic is on the critical path
     exposed = sum(n * (_axis_size(a, layout) - 1) / max(_axis_size(a, layout), 1)
@@ -570,15 +580,14 @@ def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: floa
                 device, peak <= device.memory_bytes)
 
 
+@functools.lru_cache(maxsize=64)
 def _flops_per_token(args, seq_len: int, build_model) -> float:
-    """The model contract's FLOPs per token, from a one-block meta model scaled to the real depth."""
-    one = build_model(dataclasses.replace(args, n_layers=1), device="meta")
+    """The model contract's FLOPs per token, from a one-block meta model scaled to the real depth (FLOPs are
+    affine in the number of layers: the output head once, the rest per layer)."""
     from meshforge.models import contract_of
 
-    f1 = contract_of(one).flops_per_token(seq_len)
-    f0_one = dataclasses.replace(args, n_layers=1)
-    # flops are affine in the number of layers: f(L) = f(1) + (L - 1) * per_layer
-    per_layer = f1 - _head_flops(f0_one)
+    one = dataclasses.replace(args, n_layers=1)
+    per_layer = contract_of(build_model(one, device="meta")).flops_per_token(seq_len) - _head_flops(one)
     return _head_flops(args) + args.n_layers * per_layer
 
 
