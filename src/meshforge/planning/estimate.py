@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from meshforge.planning.hardware import Device
 from meshforge.planning.layout import Layout, MeshAxis
+from meshforge.planning.theory import textbook_bubble
 
 F32 = 4
 STEP_BYTES = 4  # AdamW's per-tensor `step` (a float32 scalar)
@@ -469,13 +470,9 @@ class Plan:
 
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int) -> float:
-    """Idle fraction of a pipeline schedule: (p-1)/(m+p-1) for one stage per rank, (p-1)/(v*m+p-1) interleaved;
-    the zero-bubble schedules fill most of it (counted as a third)."""
-    if p == 1:
-        return 0.0
-    if schedule in ("1f1b", "gpipe"):
-        return (p - 1) / (m + p - 1)
-    frac = (p - 1) / (v * m + p - 1)
+    """Idle fraction of a pipeline schedule: the textbook one (`theory.textbook_bubble`); the zero-bubble
+    schedules fill most of it with the weight half of backward (counted as a third of it)."""
+    frac = textbook_bubble(schedule, p, m, v)
     return frac / 3 if schedule in ("zero_bubble", "v_schedule") else frac
 
 
