@@ -37,7 +37,11 @@ def _fail(lines) -> int:
 
 
 def _gb(n: float) -> str:
-    return f"{n / GB:.2f}"
+    """Bytes with a unit that keeps tiny CPU models readable (GB, MB or KB)."""
+    for unit, scale in (("GB", GB), ("MB", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 1e3:.2f} KB"
 
 
 def run(args) -> int:
@@ -88,14 +92,15 @@ def _plan(cfg, args, dev):
 
 def _print_plan(p, args) -> None:
     lay = p.layout
-    print(f"plan: {p.n_params / 1e9:.3f}B parameters, strategy {p.strategy}"
+    count = f"{p.n_params / 1e9:.3f}B" if p.n_params >= 1e8 else f"{p.n_params / 1e6:.3f}M"
+    print(f"plan: {count} parameters, strategy {p.strategy}"
           f"{f' ({p.mode})' if p.mode else ''}, world {p.world_size} = pp {lay.pp} x dp_replicate "
           f"{lay.dp_replicate} x dp_shard {lay.dp_shard} x cp {lay.cp} x tp {lay.tp}"
           f"{f' (ep {lay.ep})' if lay.ep > 1 else ''}, on {p.device.name} ({p.device.memory_gib:g} GiB, "
           f"{p.device.peak_tflops:g} TFLOP/s bf16)")
-    print("\nmemory per rank (GB)")
-    print(f"{'rank':>6} {'params':>9} {'grads':>9} {'optim':>9} {'buffers':>9} {'acts/mb':>9} {'in-flight':>9} "
-          f"{'recompute':>9} {'peak':>9}")
+    print("\nmemory per rank")
+    print(f"{'rank':>6} {'params':>11} {'grads':>11} {'optim':>11} {'buffers':>11} {'acts/mb':>11} {'in-flight':>9} "
+          f"{'recompute':>11} {'peak':>11}")
     shown, seen = [], set()
     for r in sorted(p.ranks, key=lambda r: -r.peak):
         key = (r.parts.total, r.activations["total"], r.in_flight)
@@ -103,16 +108,16 @@ def _print_plan(p, args) -> None:
             seen.add(key)
             shown.append(r)
     for r in shown[:8]:
-        print(f"{r.rank:>6} {_gb(r.parts.params):>9} {_gb(r.parts.grads):>9} {_gb(r.parts.optimizer):>9} "
-              f"{_gb(r.parts.buffers):>9} {_gb(r.activations['total']):>9} {r.in_flight:>9} "
-              f"{_gb(r.activations['recompute']):>9} {_gb(r.peak):>9}")
+        print(f"{r.rank:>6} {_gb(r.parts.params):>11} {_gb(r.parts.grads):>11} {_gb(r.parts.optimizer):>11} "
+              f"{_gb(r.parts.buffers):>11} {_gb(r.activations['total']):>11} {r.in_flight:>9} "
+              f"{_gb(r.activations['recompute']):>11} {_gb(r.peak):>11}")
     pr = p.peak_rank
     verdict = "fits" if p.fits else "DOES NOT FIT"
-    print(f"peak {_gb(pr.peak)} GB on rank {pr.rank} of {p.device.memory_gib:g} GiB: {verdict}"
-          + (f"; host (CPU offload) {_gb(pr.parts.host)} GB" if pr.parts.host else ""))
+    print(f"peak {_gb(pr.peak)} on rank {pr.rank} of {p.device.memory_gib:g} GiB: {verdict}"
+          + (f"; host (CPU offload) {_gb(pr.parts.host)}" if pr.parts.host else ""))
     print("\ncommunication per step (rank 0, full-buffer bytes)")
     for (axis, kind), n in sorted(p.comm.items(), key=lambda kv: -kv[1]):
-        print(f"  {axis:>12} {kind:<26} {_gb(n):>10} GB")
+        print(f"  {axis:>12} {kind:<26} {_gb(n):>11}")
     print(f"\ncompute {p.compute_s:.3f} s at MFU {args.mfu:g} ({p.flops_per_token / 1e9:.2f} GFLOP/token), "
           f"communication {p.comm_s:.3f} s, pipeline bubble {100 * p.bubble:.1f}%")
     print(f"step {p.step_s:.3f} s, {p.tokens_per_s:,.0f} tokens/s, {p.tokens_per_s / p.world_size:,.0f} tokens/s "
@@ -120,11 +125,11 @@ def _print_plan(p, args) -> None:
 
 
 def _print_compare(plans) -> None:
-    print(f"{'configuration':40s} {'peak GB':>9} {'fits':>5} {'step s':>8} {'tokens/s':>12} {'MFU %':>6} "
+    print(f"{'configuration':40s} {'peak':>11} {'fits':>5} {'step s':>8} {'tokens/s':>12} {'MFU %':>6} "
           f"{'comm GB/step':>13}")
     for c, p in plans:
         name = " ".join(c) or "(base)"
-        print(f"{name:40s} {_gb(p.peak_rank.peak):>9} {'yes' if p.fits else 'no':>5} {p.step_s:>8.3f} "
+        print(f"{name:40s} {_gb(p.peak_rank.peak):>11} {'yes' if p.fits else 'no':>5} {p.step_s:>8.3f} "
               f"{p.tokens_per_s:>12,.0f} {100 * p.mfu:>6.1f} {sum(p.comm.values()) / GB:>13.2f}")
 
 
@@ -137,9 +142,9 @@ def _fit(cfg, args, dev) -> int:
                           "rejected": [{"choice": c, "why": w} for c, w in rejected], "slower_fitting": slower},
                          indent=1))
         return 0 if fits else 1
-    print(f"{'layout':58s} {'peak GB':>9} {'step s':>8} {'tokens/s':>12} {'MFU %':>6}")
+    print(f"{'layout':58s} {'peak':>11} {'step s':>8} {'tokens/s':>12} {'MFU %':>6}")
     for c, p in fits:
-        print(f"{c:58s} {_gb(p.peak_rank.peak):>9} {p.step_s:>8.3f} {p.tokens_per_s:>12,.0f} {100 * p.mfu:>6.1f}")
+        print(f"{c:58s} {_gb(p.peak_rank.peak):>11} {p.step_s:>8.3f} {p.tokens_per_s:>12,.0f} {100 * p.mfu:>6.1f}")
     reasons: dict[str, int] = {}
     for _c, why in rejected:
         reasons[why] = reasons.get(why, 0) + 1
