@@ -35,6 +35,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from meshforge.planning.theory import textbook_state
+
 STRATEGIES = {
     "ddp": ["distributed.strategy=ddp"],
     "fsdp2": ["distributed.strategy=fsdp2"],
@@ -43,18 +45,7 @@ STRATEGIES = {
 }
 
 
-def theory(name: str, P: int, N: int) -> dict[str, float]:
-    """Theoretical bytes per rank (fp32) and collective volume per step."""
-    b = 4 * P
-    t = {
-        "ddp": (b, b, 2 * b, {"all_reduce": b}),
-        "fsdp2": (b / N, b / N, 2 * b / N, {"all_gather": 2 * b, "reduce_scatter": b}),
-        "mfsdp_no_shard": (b, b, 2 * b, {"all_reduce": b}),
-        "mfsdp_optim": (b + b / N, b, 2 * b / N, {"all_reduce": b, "all_gather": b}),
-        "mfsdp_optim_grads": (b + b / N, b / N, 2 * b / N, {"reduce_scatter": b, "all_gather": b}),
-        "mfsdp_optim_grads_params": (b / N, b / N, 2 * b / N, {"all_gather": 2 * b, "reduce_scatter": b}),
-    }[name]
-    return {"params": t[0], "grads": t[1], "optimizer": t[2], "comm": t[3]}
+theory = textbook_state  # the closed forms live in meshforge.planning (the exact plan: `meshforge plan`)
 
 
 # ------------------------------------------------------------------------------------- worker

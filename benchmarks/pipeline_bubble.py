@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+from meshforge.planning.theory import textbook_bubble
+
 ALL = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "dfs", "v_schedule", "zero_bubble")
 
 
@@ -45,10 +47,7 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
-def theory(schedule: str, p: int, m: int, v: int) -> float:
-    if schedule in ("1f1b", "gpipe"):
-        return (p - 1) / (m + p - 1)
-    return (p - 1) / (v * m + p - 1)
+theory = textbook_bubble  # the closed form lives in meshforge.planning
 
 
 def _timed(fn, acc: list, emulate_s: float = 0.0, kind: str = "F"):

@@ -19,6 +19,7 @@ from meshforge.errors import MeshforgeError
 SUBCOMMANDS = {
     "checkpoint": ("meshforge.checkpoint.cli", "inspect, export and import checkpoints"),
     "bench": ("meshforge.bench.cli", "measure throughput, memory and communication; compare configurations"),
+    "plan": ("meshforge.planning.cli", "memory per rank, communication and step time of a config, process-free"),
     "plot": ("meshforge.plot", "draw loss, lr, grad norm, tokens/s and memory of runs against step (overlaid)"),
 }
 
@@ -153,6 +154,9 @@ def cmd_validate(args) -> int:
             notes.append(f"{axis.upper()} groups span {spans[axis]} nodes (distributed.{axis}_size="
                          f"{layout.size(axis)}, --gpus-per-node={gpn}): their per-layer collectives would cross "
                          f"the network; keep {axis}_size a divisor of the GPUs per node")
+    from meshforge.planning.cli import memory_warning
+
+    notes += [w for w in [memory_warning(cfg, world)] if w]
     for w in notes:
         print(f"warning: {w}", file=sys.stderr)
     return 0

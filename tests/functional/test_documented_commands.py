@@ -31,8 +31,6 @@ from meshforge.testing.group import Job
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = Path(os.environ.get("MESHFORGE_TEST_SHARED", "/tmp"))
 
-# remove when `meshforge plan` lands (issue 17)
-EXPECTED_MISSING = {"meshforge plan examples/llama3_70b_tp_pp.yaml --world-size 64"}
 COVERED_BY = {"bench": ("tests/parallel/test_bench_sweep.py", ["--sweep", "distributed.strategy=ddp,fsdp2,megatron_fsdp",
                                                                '"--nproc-per-node", "2"'])}
 SHORT = ["training.max_steps=2", "training.seq_len=32", "logging.log_every=1", "logging.progress=none"]
@@ -128,8 +126,6 @@ def run_command_job(spec: dict, info) -> int:
 
 GROUP_JOBS, GROUPED = [], {}
 for _n, (_where, _cmd) in enumerate(COMMANDS):
-    if _cmd in EXPECTED_MISSING:
-        continue
     _a = _argv(_cmd)
     _np = _nproc(_a)
     if _a[0] == "train" and _np > 1:
@@ -155,8 +151,6 @@ def test_the_documents_show_commands():
 @pytest.mark.parametrize("where, cmd", [(w, c) for w, c in COMMANDS if c not in GROUPED],
                          ids=[_id(w, c) for w, c in COMMANDS if c not in GROUPED])
 def test_documented_command_runs(where, cmd, tmp_path, monkeypatch, capsys):
-    if cmd in EXPECTED_MISSING and "plan" not in cli.SUBCOMMANDS:
-        pytest.xfail("remove when `meshforge plan` lands (issue 17)")
     argv = _argv(cmd)
     monkeypatch.chdir(tmp_path)
     if argv[0] in COVERED_BY:

@@ -19,6 +19,7 @@ DTensor assertion in the first step.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
 
 from torch import nn
@@ -29,6 +30,7 @@ SHARDED_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_output")
 ALL_STYLES = SHARDED_STYLES + ("sequence_parallel", "sequence_gather", "replicate")
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a 70B model's ~1000 module names x the plan's patterns, checked often
 def pattern_matches(pattern: str, name: str) -> bool:
     p, n = pattern.split("."), name.split(".")
     return len(p) == len(n) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(n, p))

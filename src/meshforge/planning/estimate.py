@@ -1,0 +1,592 @@
+"""`meshforge plan`: memory per rank, communication, compute and step time of a config, without processes.
+
+State (params, grads, optimizer) is computed per parameter from the model's meta description
+(`models.meta_modules`: one block stands in for every block), its tensor-parallel plan, its pipeline split and
+the strategy's storage rules, so it equals what the bench counts (`bench/measure.py`):
+  fsdp2        each parameter's local (TP) tensor sharded on dim 0 over dp_shard*cp, padded to a multiple of
+               it (params and grads hold the padded shard; AdamW's moments the unpadded torch.chunk piece);
+               experts under EP: dim 0 over ep, dim 1 over ep_shard. HSDP replicates over dp_replicate.
+  ddp          full replicas; the reducer's buckets hold a second copy of the gradients.
+  megatron_fsdp one flat buffer per unit (each block, and everything else) padded to a multiple of dp*cp;
+               no_shard/optim/optim_grads/optim_grads_params keep full or 1/N params, grads and moments.
+  AdamW        exp_avg + exp_avg_sq (fp32) per optimizer tensor and a 4-byte `step`.
+On CUDA, fsdp2 and megatron_fsdp compute in bf16 (megatron_fsdp keeps a bf16 compute buffer beside fp32 main).
+
+Activations per micro batch are the tensors autograd saves (see `activation_bytes`); communication per step
+per axis and collective kind follows the strategies' schedules (see `comm_per_step`); compute is 6N FLOPs per
+token (the model contract's `flops_per_token`) at an assumed MFU, plus the pipeline bubble.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass, field
+
+from meshforge.planning.hardware import Device
+from meshforge.planning.layout import Layout, MeshAxis
+from meshforge.planning.theory import textbook_bubble
+
+F32 = 4
+STEP_BYTES = 4  # AdamW's per-tensor `step` (a float32 scalar)
+
+
+@dataclass(frozen=True)
+class ParamRec:
+    name: str
+    shape: tuple[int, ...]
+    block: int | None  # block index, None for the rest of the model
+    tp_dim: int | None  # dimension split over tp, None when whole
+    expert: bool  # stacked routed-expert weights (dim 0 = expert)
+    place: str  # "block", "first" (first pipeline stage), "last" or "other"
+
+
+def model_params(cfg) -> tuple[list[ParamRec], object]:
+    """Every parameter of the configured built-in model (tied weights once), from its meta description."""
+    from meshforge.models import contract_of, meta_modules, resolve_model_args
+    from meshforge.planning.tp_plan import resolve_plan, sharded_dim
+
+    args = resolve_model_args(cfg.model)
+    one, modules = meta_modules(cfg.model)
+    contract = contract_of(one)
+    layout = contract.pipeline_layout()
+    container = layout.split_points[0].rpartition(".")[0] if layout else None
+    d = cfg.distributed
+    styles = {}
+    if d.tp_size > 1:
+        styles, _, _ = resolve_plan(one, d.sequence_parallel, d.tp_plan, modules)
+    expert_ids = {id(p) for layer in contract.moe_layers() for p in layer.experts.parameters(recurse=False)}
+    out, seen = [], set()
+    for mname, mod in modules.items():
+        block = None
+        if container is not None and mname.startswith(container + "."):
+            block = int(mname[len(container) + 1:].split(".")[0])
+        for pname, p in mod.named_parameters(recurse=False):
+            key = (id(p), block)
+            if key in seen:
+                continue
+            seen.add(key)
+            place = "block" if block is not None else "other"
+            if layout is not None and block is None:
+                top = mname.split(".")[0]
+                place = "first" if top in layout.first_stage else "last" if top in layout.last_stage else "other"
+            style = styles.get(mname)
+            out.append(ParamRec(f"{mname}.{pname}" if mname else pname, tuple(p.shape), block,
+                                sharded_dim(mod, style) if style else None, id(p) in expert_ids, place))
+    return out, args
+
+
+# ---------------------------------------------------------------------------------------------- state
+def _chunk_rows(dim0: int, world: int, rank: int) -> int:
+    size = -(-dim0 // world) if dim0 else 0
+    start = min(rank * size, dim0)
+    return min(start + size, dim0) - start
+
+
+def _local_shape(p: ParamRec, layout: Layout) -> list[int]:
+    s = list(p.shape)
+    if p.tp_dim is not None:
+        s[p.tp_dim] //= layout.tp
+    if p.expert and layout.ep > 1:
+        s[0] //= layout.ep
+    return s
+
+
+@dataclass
+class Parts:
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    host: int = 0  # CPU-offloaded state (fsdp2 offload_policy)
+    buffers: int = 0  # gathered/communication buffers in flight at the peak (largest unit, buckets)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def _stage_params(params: list[ParamRec], cfg, layout: Layout, pp_rank: int,
+                  n_layers: int | None = None) -> list[list[ParamRec]]:
+    """The parameters of each pipeline stage this pp rank holds (one list per stage; one list without PP)."""
+    if layout.pp == 1:
+        return [params]
+    pplan = pipeline_plan_of(cfg, layout, n_layers)
+    stages = []
+    for s in pplan.rank_stages(pp_rank):
+        blocks = set(pplan.stage_layers[s])
+        stages.append([p for p in params if (p.block in blocks) or (p.place == "first" and s == 0)
+                       or (p.place == "last" and s == pplan.num_stages - 1) or p.place == "other"])
+    return stages
+
+
+def pipeline_plan_of(cfg, layout: Layout, n_layers: int | None = None):
+    pcfg = cfg.distributed.pipeline_or_default
+    return _pipeline_plan(n_layers or _n_layers(cfg), layout.pp, pcfg.model_dump_json(exclude_unset=True),
+                          cfg.training.global_batch_size // layout.dp)
+
+
+@functools.lru_cache(maxsize=256)
+def _pipeline_plan(n_layers: int, pp: int, pcfg_json: str, local_batch: int):
+    from meshforge.config.schema import PipelineConfig
+    from meshforge.planning.pipeline_plan import plan_pipeline
+
+    return plan_pipeline(n_layers, pp, PipelineConfig.model_validate_json(pcfg_json), local_batch)
+
+
+def _n_layers(cfg) -> int:
+    from meshforge.models import resolve_model_args
+
+    return resolve_model_args(cfg.model).n_layers
+
+
+def _on_cuda(cfg) -> bool:
+    return cfg.training.device != "cpu"
+
+
+def rank_state(params: list[ParamRec], cfg, layout: Layout, rank: int) -> Parts:
+    """Bytes of parameters, gradients and optimizer state global rank `rank` holds after a step."""
+    c = layout.coords(rank)
+    d = cfg.distributed
+    strategy = d.strategy
+    out = Parts()
+    for stage in _stage_params(params, cfg, layout, c[MeshAxis.PP]):
+        if strategy == "megatron_fsdp":
+            _megatron(stage, cfg, layout, c, out)
+        elif strategy == "fsdp2":
+            _fsdp2(stage, cfg, layout, c, out)
+        else:  # ddp and data-parallel plugins that keep full replicas
+            _replicas(stage, layout, out, buckets=strategy == "ddp" and layout.dp * layout.cp > 1)
+    return out
+
+
+def _replicas(stage, layout, out: Parts, buckets: bool) -> None:
+    n = sum(math.prod(_local_shape(p, layout)) for p in stage)
+    out.params += n * F32
+    out.grads += n * F32 * (2 if buckets else 1)
+    out.optimizer += 2 * n * F32 + STEP_BYTES * len(stage)
+    if buckets:
+        out.buffers += 0  # the buckets are counted as gradients
+
+
+def _fsdp2(stage, cfg, layout, c, out: Parts) -> None:
+    active = layout.world_size > 1 and layout.size("dp_cp") > 1
+    dense_n, dense_r = layout.dp_shard * layout.cp, c[MeshAxis.DP_SHARD_CP]
+    ep_shard_n, ep_shard_r = layout.size(MeshAxis.EP_SHARD), c[MeshAxis.EP_SHARD]
+    offload = bool(cfg.distributed.options.offload_policy)
+    largest_unit = 0
+    for p in stage:
+        s = _local_shape(p, layout)
+        full_grad = None
+        if not active:
+            stored = opt = math.prod(s)
+            if p.tp_dim is not None and p.place == "first":
+                # without FSDP the vocabulary-parallel embedding's gradient arrives Replicate: each tp rank
+                # holds the whole (vocab x dim) gradient (measured with torch 2.13)
+                full_grad = math.prod(p.shape)
+        else:
+            dim, n, r = (1, ep_shard_n, ep_shard_r) if p.expert and layout.ep > 1 else (0, dense_n, dense_r)
+            rest = math.prod(s) // s[dim] if s[dim] else 0
+            stored = -(-s[dim] // n) * rest
+            opt = _chunk_rows(s[dim], n, r) * rest
+        if offload:
+            out.host += 2 * stored * F32 + 2 * opt * F32 + STEP_BYTES
+            continue
+        out.params += stored * F32
+        out.grads += (full_grad or stored) * F32
+        out.optimizer += 2 * opt * F32 + STEP_BYTES
+        largest_unit = max(largest_unit, math.prod(s))
+    out.buffers = max(out.buffers, _largest_block(stage, layout) * (2 if _on_cuda(cfg) else F32))
+
+
+def _largest_block(stage, layout) -> int:
+    sizes: dict = {}
+    for p in stage:
+        sizes[p.block] = sizes.get(p.block, 0) + math.prod(_local_shape(p, layout))
+    return max(sizes.values(), default=0)
+
+
+def _megatron(stage, cfg, layout, c, out: Parts) -> None:
+    mode = cfg.distributed.options.sharding_strategy
+    world, rank = (layout.size("dp_cp"), c[MeshAxis.DP_CP]) if layout.world_size > 1 else (1, 0)
+    cuda = _on_cuda(cfg)
+    compute_b = 2 if cuda else F32
+    fp32_reduce = cfg.distributed.options.grad_reduce_in_fp32 is not False
+    reduce_b = F32 if fp32_reduce else compute_b
+    units: dict = {}
+    for p in stage:
+        units.setdefault(p.block, []).append(math.prod(_local_shape(p, layout)))
+    for numels in units.values():
+        total = sum(numels)
+        shard = -(-total // world) if total else 0
+        padded = shard * world
+        sharded = mode != "no_shard"
+        lo, hi = (rank * shard, (rank + 1) * shard) if sharded else (0, padded)
+        # params at rest: main (+ compute when not sharded, + a compute shard in another dtype)
+        main = (shard if sharded else padded) * F32
+        if mode == "no_shard":
+            out.params += padded * compute_b + (0 if compute_b == F32 else main)
+        elif mode in ("optim", "optim_grads"):
+            out.params += padded * compute_b + main
+        else:
+            out.params += main + (0 if compute_b == F32 else shard * compute_b)
+        if mode in ("optim_grads", "optim_grads_params"):
+            out.grads += shard * reduce_b + (0 if reduce_b == F32 else shard * F32)
+        else:
+            out.grads += padded * reduce_b + (0 if reduce_b == F32 else (hi - lo) * F32)
+        off = 0
+        for n in numels:
+            a, b = max(off, lo), min(off + n, hi)
+            if a < b:
+                out.optimizer += 2 * (b - a) * F32 + STEP_BYTES
+            off += n
+        out.buffers = max(out.buffers, padded * compute_b)
+
+
+# ---------------------------------------------------------------------------------------- activations
+def activation_bytes(args, cfg, layout: Layout, blocks: int, first: bool, last: bool,
+                     micro_batch: int | None = None) -> dict[str, int]:
+    """Bytes autograd saves for one micro batch on one rank: {"blocks", "embedding", "head", "total",
+    "recompute"} ("recompute": the transient of one block recomputed in backward under checkpointing).
+
+    Per token per block, with the Llama block's saved tensors (element size e, fp32 norms statistics):
+      no checkpointing: 6*dim (block input, the two norms' x*rsqrt and outputs, residual) + 2 rsqrt
+        + q, k, v and the attention output (2*(heads + kv_heads)*head_dim) + heads (softmax log-sum-exp)
+        + 4*ffn (w1 and w3 outputs, silu output, the product) [MoE: routed copies top_k*moe_ffn, router]
+      full: the block input (dim) only; the block is recomputed in backward.
+      selective: the block input + the matmul and attention outputs it caches (q, k, v, attention output and
+        log-sum-exp, o-proj, ffn gate and up, down).
+    TP divides heads and ffn by tp; sequence parallelism divides the norms' tensors too, but the projections
+    save the gathered sequence (dim); CP divides the tokens.
+    Head: the final norm (3*dim + 1), the fp32 log-softmax of the logits (vocab/tp per token), int64 labels.
+    Measured against saved-tensor hooks on CPU (fp32): exact without CP/SP, within 2% with them.
+    """
+    d, t = cfg.distributed, cfg.training
+    cuda = _on_cuda(cfg)
+    e = 2 if (t.precision == "bf16" and cuda) else F32
+    tokens = (micro_batch or t.micro_batch_size) * t.seq_len // layout.cp
+    tp = layout.tp
+    sp = tp if d.sequence_parallel else 1
+    hd, h, kv = args.hd, args.n_heads // tp, args.n_kv_heads // tp
+    ffn = args.ffn_dim // tp
+    if args.is_moe:
+        ffn = (args.top_k * args.moe_ffn_dim + args.n_shared_experts * args.moe_ffn_dim) // tp
+    dim_full = args.dim
+    dim_sp = args.dim // sp
+    attn = 2 * (h + kv) * hd  # q, k, v, attention output
+    mm = 4 * ffn
+    mode = d.ac_mode
+    if mode is None:
+        per_tok = (6 * dim_sp + attn + mm) * e + (2 + h) * F32
+        if sp > 1:  # each sub-layer's projections save the gathered sequence instead of the norm's shard
+            per_tok += 2 * (dim_full - dim_sp) * e
+    elif mode == "full":
+        per_tok = dim_sp * e
+    else:
+        per_tok = (dim_sp + attn + 2 * dim_full + 2 * ffn) * e + h * F32
+    full_block = (6 * dim_sp + attn + mm) * e + (2 + h) * F32
+    rope = 2 * (t.seq_len // layout.cp) * (hd // 2) * F32 if blocks else 0  # cos/sin of this rank's positions
+    out = {"blocks": blocks * per_tok * tokens + rope,
+           # int64 token ids (and the vocabulary-parallel embedding's masked copy of them)
+           "embedding": tokens * 8 * (2 if tp > 1 else 1) if first else 0,
+           "head": (tokens * ((2 * dim_sp + dim_full if sp > 1 else 3 * dim_sp) * e + F32
+                              + (args.vocab_size // tp) * F32) + F32) if last else 0,
+           "recompute": full_block * tokens if mode and blocks else 0}
+    out["total"] = out["blocks"] + out["embedding"] + out["head"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- comm
+def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int = 0) -> dict[tuple[str, str], int]:
+    """{(axis, kind): bytes} one rank hands to collectives per optimizer step (full-buffer side, as the bench
+    counts: all-gather output, reduce-scatter input, all-reduce tensor, all-to-all input, p2p tensor)."""
+    d, t = cfg.distributed, cfg.training
+    c = layout.coords(rank)
+    out: dict[tuple[str, str], int] = {}
+
+    def add(axis, kind, n):
+        if n:
+            out[(axis, kind)] = out.get((axis, kind), 0) + int(n)
+
+    dp_cp = layout.size("dp_cp")
+    micro_per_rank = t.global_batch_size // layout.dp
+    accum = 1 if layout.pp > 1 else micro_per_rank // t.micro_batch_size
+    e_param = 2 if _on_cuda(cfg) else F32
+    stages = _stage_params(params, cfg, layout, c[MeshAxis.PP], args.n_layers)
+    shard_axis = "dp_shard_cp" if layout.cp > 1 else "dp_shard"
+    for stage in stages:
+        dense = [p for p in stage if not (p.expert and layout.ep > 1)]
+        experts = [p for p in stage if p.expert and layout.ep > 1]
+        if d.strategy == "fsdp2" and dp_cp > 1 and layout.world_size > 1:
+            n, ne = layout.dp_shard * layout.cp, layout.size(MeshAxis.EP_SHARD)
+            for group, nn_, dim in ((dense, n, 0), (experts, ne, 1)):
+                units: dict = {}
+                for p in group:
+                    s = _local_shape(p, layout)
+                    rest = math.prod(s) // s[dim] if s[dim] else 0
+                    units.setdefault(p.block, 0)
+                    units[p.block] += -(-s[dim] // nn_) * nn_ * rest
+                if not units or nn_ == 1:
+                    continue
+                blocks = sorted(k for k in units if k is not None)
+                reshard = d.options.reshard_after_forward
+                regather = [b for b in blocks if (b != blocks[-1] if reshard is None else reshard)]
+                if reshard is None and layout.pp > 1:
+                    regather = []
+                total = sum(units.values())
+                gathers = total + sum(units[b] for b in regather) + (units.get(None, 0) if reshard else 0)
+                reps = accum if (layout.pp == 1) else 1
+                ax = shard_axis if dim == 0 else "ep_shard"
+                add(ax, "all_gather", gathers * reps * e_param)
+                add(ax, "reduce_scatter", total * F32)
+                if dim == 0 and layout.dp_replicate > 1:
+                    add("dp_replicate", "all_reduce", total // nn_ * F32)
+        elif d.strategy == "megatron_fsdp" and dp_cp > 1:
+            mode = d.options.sharding_strategy
+            units = {}
+            for p in stage:
+                units[p.block] = units.get(p.block, 0) + math.prod(_local_shape(p, layout))
+            padded = sum(-(-u // dp_cp) * dp_cp for u in units.values())
+            blocks = sorted(k for k in units if k is not None)
+            if mode in ("no_shard", "optim"):
+                add("dp_cp", "all_reduce", padded * F32)
+            else:
+                add("dp_cp", "reduce_scatter", padded * F32)
+            if mode in ("optim", "optim_grads"):
+                add("dp_cp", "all_gather", padded * e_param)
+            if mode == "optim_grads_params":
+                last = -(-units[blocks[-1]] // dp_cp) * dp_cp if blocks else 0
+                add("dp_cp", "all_gather", (2 * padded - last - (-(-units.get(None, 0) // dp_cp) * dp_cp))
+                    * accum * e_param)
+        elif d.strategy != "fsdp2" and dp_cp > 1:
+            add("dp", "all_reduce", sum(math.prod(_local_shape(p, layout)) for p in stage) * F32)
+    # tensor parallelism, per micro batch: an all-reduce of the activations (tokens x dim) after each
+    # row-wise projection and the vocabulary-parallel embedding (forward), of the input gradient of each
+    # column-wise projection and of the output head (backward); the vocabulary-parallel loss reduces the
+    # max, sum of exponentials and target logit of every token (3 x tokens x 4 bytes)
+    if layout.tp > 1:
+        e = 2 if (t.precision == "bf16" and _on_cuda(cfg)) else F32
+        tokens = t.micro_batch_size * t.seq_len // layout.cp
+        mine = [p for st in stages for p in st if p.tp_dim is not None]
+        n_ar = sum(1 for p in mine if p.tp_dim == 1 or p.place == "first") + \
+            sum(1 for p in mine if p.tp_dim == 0 and p.place != "first")
+        has_head = any(p.place == "last" and p.tp_dim is not None for p in mine)
+        n_micro = micro_per_rank // t.micro_batch_size
+        kind = "reduce_scatter+all_gather" if d.sequence_parallel else "all_reduce"
+        add("tp", kind, n_micro * (n_ar * tokens * args.dim * e + (3 * tokens * F32 if has_head else 0)))
+    # scalars: the loss averaged over the data-parallel ranks; the gradient norm: one 4-byte all-reduce per
+    # DTensor gradient and mesh dimension it is sharded over (megatron_fsdp: one for its sharded optimizer),
+    # and the squares of the pipeline stages summed over pp
+    if layout.world_size > 1 and dp_cp > 1:
+        add("dp_cp", "all_reduce", F32)
+    fsdp_on = d.strategy == "fsdp2" and dp_cp > 1 and layout.world_size > 1
+    for p in (p for st in stages for p in st):
+        if p.expert and layout.ep > 1:
+            add("ep", "all_reduce", F32 * (1 + (fsdp_on and layout.size(MeshAxis.EP_SHARD) > 1)))
+            continue
+        if fsdp_on:
+            add("dp_cp", "all_reduce", F32)
+        if layout.tp > 1 and p.tp_dim is not None and (fsdp_on or p.place != "first"):
+            add("tp", "all_reduce", F32)  # (without FSDP the vocab-parallel embedding's grad is Replicate)
+    if d.strategy == "megatron_fsdp" and dp_cp > 1 and d.options.sharding_strategy != "no_shard":
+        add("dp_cp", "all_reduce", F32)
+    if layout.pp > 1:
+        pplan = pipeline_plan_of(cfg, layout, args.n_layers)
+        e = 2 if (t.precision == "bf16" and _on_cuda(cfg)) else F32
+        act = pplan.microbatch_size * t.seq_len // layout.cp * args.dim // (layout.tp if d.sequence_parallel else 1)
+        add("pp", "send_recv", 2 * pplan.n_microbatches * act * e * len(pplan.rank_stages(c[MeshAxis.PP])))
+        add("pp", "broadcast", F32)  # the last stage's loss to the other stages
+        add("pp", "all_reduce", F32)  # the stages' squared gradient norms
+    if layout.ep > 1 and args.is_moe:
+        e = 2 if (t.precision == "bf16" and _on_cuda(cfg)) else F32
+        n_micro = micro_per_rank // t.micro_batch_size
+        tokens = t.micro_batch_size * t.seq_len // layout.cp
+        moe_layers = len({p.block for st in stages for p in st if p.expert})
+        # each token's top_k copies go to their experts and back, forward and backward (what one rank receives
+        # depends on the routing: this is the balanced count); first the per-expert counts (int64)
+        add("ep", "all_to_all", n_micro * moe_layers * (4 * tokens * args.top_k * args.dim * e + args.n_experts * 8))
+    if layout.cp > 1:
+        # per attention layer and micro batch: all-gather of the local K/V in forward, again in backward, and a
+        # reduce-scatter of the K/V gradients (distributed/context_parallel.py); checkpointing adds the forward's
+        e = 2 if (t.precision == "bf16" and _on_cuda(cfg)) else F32
+        n_micro = micro_per_rank // t.micro_batch_size
+        layers = len({p.block for st in stages for p in st if p.block is not None})
+        kv = 2 * t.micro_batch_size * (args.n_kv_heads // layout.tp) * t.seq_len * args.hd * e
+        add("cp", "all_gather", n_micro * layers * kv * (3 if d.ac_mode else 2))
+        add("cp", "reduce_scatter", n_micro * layers * kv)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- plan
+@dataclass
+class RankPlan:
+    rank: int
+    parts: Parts
+    activations: dict[str, int]
+    in_flight: int  # micro batches whose activations are alive at once
+    peak: int
+
+
+@dataclass
+class Plan:
+    world_size: int
+    layout: Layout
+    strategy: str
+    mode: str | None
+    ranks: list[RankPlan]
+    comm: dict[tuple[str, str], int]
+    comm_s: float
+    compute_s: float
+    bubble: float
+    step_s: float
+    tokens_per_s: float
+    mfu: float
+    flops_per_token: float
+    n_params: int
+    device: Device
+    fits: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_rank(self) -> RankPlan:
+        return max(self.ranks, key=lambda r: r.peak)
+
+    def to_dict(self) -> dict:
+        pr = self.peak_rank
+        return {
+            "world_size": self.world_size, "layout": self.layout.named_shape() | {"ep": self.layout.ep},
+            "strategy": self.strategy, "sharding": self.mode, "n_params": self.n_params,
+            "device": dataclasses.asdict(self.device),
+            "ranks": [{"rank": r.rank, **{k: getattr(r.parts, k) for k in ("params", "grads", "optimizer", "host",
+                                                                           "buffers")},
+                       "activations": r.activations, "in_flight_microbatches": r.in_flight, "peak": r.peak}
+                      for r in self.ranks],
+            "peak_bytes": pr.peak, "peak_rank": pr.rank, "fits": self.fits,
+            "comm": [{"axis": a, "kind": k, "bytes": b} for (a, k), b in self.comm.items()],
+            "comm_s": self.comm_s, "compute_s": self.compute_s, "pp_bubble": self.bubble, "step_s": self.step_s,
+            "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "flops_per_token": self.flops_per_token,
+            "notes": self.notes,
+        }
+
+
+def bubble_fraction(schedule: str, p: int, m: int, v: int) -> float:
+    """Idle fraction of a pipeline schedule: the textbook one (`theory.textbook_bubble`); the zero-bubble
+    schedules fill most of it with the weight half of backward (counted as a third of it)."""
+    frac = textbook_bubble(schedule, p, m, v)
+    return frac / 3 if schedule in ("zero_bubble", "v_schedule") else frac
+
+
+def _in_flight(pplan, layout: Layout, pp_rank: int, n_stages_here: int) -> int:
+    if layout.pp == 1:
+        return 1
+    m = pplan.n_microbatches
+    if pplan.schedule == "gpipe" or pplan.schedule == "looped_bfs":
+        return m * n_stages_here
+    # 1F1B-style: rank r warms up with (p - r) microbatches per stage
+    return min(m * n_stages_here, (layout.pp - pp_rank) + (n_stages_here - 1) * layout.pp)
+
+
+def _link_bytes_per_s(axis: str, layout: Layout, dev: Device, gpus_per_node: int) -> float:
+    """Bandwidth of an axis: NVLink when its groups fit inside one node, the fabric otherwise."""
+    span = {"tp": layout.tp, "cp": layout.cp * layout.tp, "dp_shard": layout.dp_shard * layout.cp * layout.tp,
+            "dp_shard_cp": layout.dp_shard * layout.cp * layout.tp, "ep": layout.ep * layout.tp,
+            "ep_shard": layout.world_size // layout.pp, "dp_cp": layout.world_size // layout.pp,
+            "dp": layout.world_size // layout.pp, "dp_replicate": layout.world_size // layout.pp,
+            "pp": layout.world_size}.get(axis, layout.world_size)
+    return (dev.nvlink_gbps if span <= gpus_per_node else dev.fabric_gbps) * 1e9
+
+
+def _axis_size(axis: str, layout: Layout) -> int:
+    if axis == "pp":
+        return 2
+    return layout.size(axis)
+
+
+def representative_ranks(layout: Layout) -> list[int]:
+    """Every rank for small worlds; else, per pp rank, the first and the last dp_shard_cp shard (the only ranks
+    whose bytes differ: the first shards hold the most optimizer state, padding lands on the last)."""
+    if layout.world_size <= 64:
+        return list(range(layout.world_size))
+    out = set()
+    for pp in range(layout.pp):
+        for sh, cp in {(0, 0), (layout.dp_shard - 1, layout.cp - 1)}:
+            out.add(layout.rank_of({MeshAxis.PP: pp, MeshAxis.DP_REPLICATE: 0, MeshAxis.DP_SHARD: sh,
+                                    MeshAxis.CP: cp, MeshAxis.TP: 0}))
+    return sorted(out)
+
+
+def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: float = 0.4,
+         params: list[ParamRec] | None = None, args=None, state_cache: dict | None = None) -> Plan:
+    """The plan of `cfg` on `world_size` devices like `device` (`params`/`args` from `model_params` and a
+    `state_cache` dict let a search share the work between candidates)."""
+    from meshforge.models import build_model
+
+    d, t = cfg.distributed, cfg.training
+    layout = Layout.from_sizes(world_size, tp=d.tp_size, pp=d.pp_size, cp=d.cp_size, ep=d.ep_size,
+                               dp=d.dp_size, dp_replicate=d.dp_replicate_size)
+    if params is None:
+        params, args = model_params(cfg)
+    ranks = []
+    pplan = pipeline_plan_of(cfg, layout, args.n_layers) if layout.pp > 1 else None
+    key = (layout, d.strategy, d.options.model_dump_json(), t.device)
+    if state_cache is None or key not in state_cache:
+        states = [(r, rank_state(params, cfg, layout, r)) for r in representative_ranks(layout)]
+        if state_cache is not None:
+            state_cache[key] = states
+    else:
+        states = state_cache[key]
+    for r, parts in states:
+        c = layout.coords(r)
+        if pplan is not None:
+            here = pplan.rank_stages(c[MeshAxis.PP])
+            blocks = sum(len(pplan.stage_layers[s]) for s in here) // len(here)
+            first, last = 0 in here, pplan.num_stages - 1 in here
+            acts = activation_bytes(args, cfg, layout, blocks, first, last, pplan.microbatch_size)
+            per_stage = activation_bytes(args, cfg, layout, blocks, False, False, pplan.microbatch_size)["total"]
+            in_flight = _in_flight(pplan, layout, c[MeshAxis.PP], len(here))
+            alive = in_flight * per_stage + (acts["embedding"] + acts["head"]) * max(1, in_flight // len(here))
+        else:
+            acts = activation_bytes(args, cfg, layout, args.n_layers, True, True)
+            in_flight, alive = 1, acts["total"]
+        peak = parts.total + parts.buffers + alive + acts["recompute"]
+        ranks.append(RankPlan(r, parts, acts, in_flight, peak))
+    comm = comm_per_step(params, args, cfg, layout)
+    comm_s = 0.0
+    for (axis, _kind), n in comm.items():
+        size = _axis_size(axis, layout)
+        comm_s += n * (size - 1) / max(size, 1) / _link_bytes_per_s(axis, layout, device, gpus_per_node)
+    model_fpt = _flops_per_token(args, t.seq_len, build_model)
+    tokens = t.global_batch_size * t.seq_len
+    recompute = {None: 1.0, "full": 4 / 3, "selective": 1.05}[d.ac_mode]
+    compute_s = tokens * model_fpt * recompute / world_size / (device.peak_tflops * 1e12 * mfu)
+    bubble = 0.0
+    if pplan is not None:
+        bubble = bubble_fraction(pplan.schedule, layout.pp, pplan.n_microbatches, pplan.stages_per_rank)
+    # data-parallel traffic overlaps compute; what does not hide adds; TP/CP/EP traffic is on the critical path
+    exposed = sum(n * (_axis_size(a, layout) - 1) / max(_axis_size(a, layout), 1)
+                  / _link_bytes_per_s(a, layout, device, gpus_per_node)
+                  for (a, _k), n in comm.items() if a in ("tp", "cp", "ep", "pp"))
+    hidden = comm_s - exposed
+    step_s = compute_s / (1 - bubble) + exposed + max(0.0, hidden - compute_s)
+    tps = tokens / step_s
+    achieved = tokens * model_fpt / step_s / world_size / (device.peak_tflops * 1e12)
+    peak = max(r.peak for r in ranks)
+    n_params = sum(math.prod(p.shape) for p in params)
+    return Plan(world_size, layout, d.strategy, d.options.sharding_strategy if d.strategy == "megatron_fsdp"
+                else None, ranks, comm, comm_s, compute_s, bubble, step_s, tps, achieved, model_fpt, n_params,
+                device, peak <= device.memory_bytes)
+
+
+@functools.lru_cache(maxsize=64)
+def _flops_per_token(args, seq_len: int, build_model) -> float:
+    """The model contract's FLOPs per token, from a one-block meta model scaled to the real depth (FLOPs are
+    affine in the number of layers: the output head once, the rest per layer)."""
+    from meshforge.models import contract_of
+
+    one = dataclasses.replace(args, n_layers=1)
+    per_layer = contract_of(build_model(one, device="meta")).flops_per_token(seq_len) - _head_flops(one)
+    return _head_flops(args) + args.n_layers * per_layer
+
+
+def _head_flops(args) -> float:
+    return 6 * args.dim * args.vocab_size

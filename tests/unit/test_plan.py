@@ -1,0 +1,112 @@
+"""`meshforge plan`: activations against what autograd saves, the CLI on the example configs, validate's warning."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshforge.cli import main
+from meshforge.models import blocks_of, build_model, init_weights
+from meshforge.models.loss import lm_loss
+from meshforge.planning.estimate import activation_bytes, model_params
+from meshforge.planning.layout import Layout
+from meshforge.testing.parity import config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _saved_bytes(overrides: list[str]) -> int:
+    """Bytes autograd keeps after one micro batch's forward and loss: saved-tensor hooks (storages, parameters
+    excluded) plus what selective checkpointing caches in its own storage."""
+    import meshforge.distributed.activation_checkpointing as ac
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    cfg = config(overrides, world_size=1)
+    model = build_model(cfg.model)
+    init_weights(model, 0)
+    caches = []
+
+    def context_fn():
+        ctx = create_selective_checkpoint_contexts(ac._selective_policy)
+        caches.append(ctx[0].storage)
+        return ctx
+
+    saved_ctx = ac._context_fn
+    ac._context_fn = context_fn
+    try:
+        ac.apply_activation_checkpointing(blocks_of(model), cfg.distributed.ac_mode)
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen: dict = {}
+
+        def count(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in params:
+                seen[st.data_ptr()] = st.nbytes()
+
+        def pack(t):
+            count(t)
+            return t
+
+        b, s = cfg.training.micro_batch_size, cfg.training.seq_len
+        tokens = torch.randint(0, 256, (b, s), generator=torch.Generator().manual_seed(0))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            lm_loss(model(tokens), tokens)
+        for storage in caches:  # {op key: {call index: outputs}}, each tensor in a _VersionWrapper
+            for leaf in torch.utils._pytree.tree_leaves({str(k): dict(v) for k, v in storage.items()}):
+                t = getattr(leaf, "val", leaf)
+                if isinstance(t, torch.Tensor):
+                    count(t)
+    finally:
+        ac._context_fn = saved_ctx
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+@pytest.mark.parametrize("ac", ["false", "full", "selective"])
+def test_activations_match_saved_tensors(preset, ac):
+    ov = [f"model.preset={preset}", f"distributed.activation_checkpointing={ac}"]
+    cfg = config(ov, world_size=1)
+    _, args = model_params(cfg)
+    plan = activation_bytes(args, cfg, Layout.from_sizes(1), args.n_layers, True, True)["total"]
+    measured = _saved_bytes(ov)
+    print(f"\n{preset} ac={ac}: plan {plan} measured {measured}")
+    assert abs(plan - measured) <= 0.10 * measured
+
+
+def test_plan_cli_example_json(capsys):
+    rc = main(["plan", str(ROOT / "examples" / "llama3_70b_tp_pp.yaml"), "--world-size", "64", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["layout"] == {"pp": 4, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 8, "ep": 1}
+    assert 70e9 < out["n_params"] < 71e9 and out["fits"]
+    # 70B over tp 8 x pp 4 x dp_shard 2: every rank holds about 1/64 of the fp32 params, grads and 2 moments
+    per_rank = 70.55e9 * 16 / 64
+    assert all(0.9 * per_rank < r["params"] + r["grads"] + r["optimizer"] < 1.2 * per_rank for r in out["ranks"])
+    peak = max(out["ranks"], key=lambda r: r["peak"])
+    assert out["peak_rank"] == peak["rank"] and out["peak_bytes"] == peak["peak"]
+    assert 0 < out["mfu"] < 0.4 and out["pp_bubble"] > 0
+
+
+def test_plan_compare_fit_and_bad_input(capsys, tmp_path):
+    tiny = str(ROOT / "examples" / "fsdp2_cpu_2proc.yaml")
+    assert main(["plan", tiny, "--world-size", "2", "--compare",
+                 "distributed.activation_checkpointing=false,selective,full"]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("distributed.activation_")]
+    assert len(rows) == 3
+    assert main(["plan", tiny, "--world-size", "2", "--fit", "--json"]) == 0
+    fit = json.loads(capsys.readouterr().out)
+    assert fit["fits"] and all(f["fits"] for f in fit["fits"])
+    steps = [f["step_s"] for f in fit["fits"]]
+    assert steps == sorted(steps)
+    assert main(["plan", tiny, "--world-size", "2", "--gpu", "tpu9"]) == 2
+    assert "not a known device" in capsys.readouterr().err
+    assert main(["plan", tiny, "distributed.tp_size=2", "--world-size", "3"]) == 2
+
+
+def test_validate_warns_when_plan_exceeds_memory(capsys):
+    cfg = str(ROOT / "examples" / "llama3_70b_tp_pp.yaml")
+    assert main(["validate", cfg, "distributed.pp_size=1", "--world-size", "8"]) == 0
+    assert "exceeds" in capsys.readouterr().err
