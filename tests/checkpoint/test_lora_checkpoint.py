@@ -16,7 +16,7 @@ from meshforge.checkpoint.files import dcp_tensor_shapes
 from meshforge.cli import main as cli_main
 from meshforge.errors import CheckpointError
 from meshforge.models import ModelArgs
-from meshforge.models.hf_llama import LlamaStateDictAdapter
+from meshforge.models.hf_families import dense_adapter
 from meshforge.testing.parity import config, single_info
 from meshforge.training.trainer import Trainer
 
@@ -40,7 +40,7 @@ def _train(overrides: list[str], steps: int = 4) -> Trainer:
 @pytest.fixture(scope="module")
 def flow(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora")
-    hcfg = LlamaStateDictAdapter(ModelArgs()).hf_config()
+    hcfg = dense_adapter(ModelArgs()).hf_config()
     hcfg = {k: v for k, v in hcfg.items() if k not in ("architectures", "torch_dtype")}
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(transformers.LlamaConfig(**hcfg)).save_pretrained(tmp / "base")

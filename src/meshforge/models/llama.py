@@ -178,11 +178,12 @@ class Llama(nn.Module):
         return self.head(h)
 
     def head(self, h: torch.Tensor) -> torch.Tensor | HeadInput:
-        """Logits, or with the fused loss on the head's input for the loss to project chunk by chunk (a head
-        replaced by a wrapper, e.g. LoRA or float8, has its own forward, so it computes logits as usual)."""
+        """Logits; in training with the fused loss on, the head's input for the loss to project chunk by chunk
+        (in eval mode always logits, for generation and any caller; a head replaced by a wrapper, e.g. LoRA or
+        float8, has its own forward, so it computes logits as usual)."""
         if self.output is None:
             return h
-        if self.fused_loss and type(self.output) is nn.Linear:
+        if self.fused_loss and self.training and type(self.output) is nn.Linear:  # eval: logits, for any caller
             return head_input(h, self.output.weight)
         return self.output(h)
 

@@ -26,9 +26,9 @@ names in a declaration are dotted paths of `named_modules()` (patterns: `*` matc
   role (role -> module-name pattern; roles are the Hugging Face module names, `q_proj`, ..., as PEFT's
   `target_modules` spells them) and the embedding and norm modules its freeze policy covers; None when the
   model declares none (LoRA is then refused).
-- `set_fused_loss(enabled)`: with it on, forward returns `models.loss.HeadInput` (final hidden states and the
-  output head's weight) instead of logits, so the loss projects chunk by chunk and never holds the full logits;
-  returns whether the model can (False: it keeps returning logits).
+- `set_fused_loss(enabled)`: with it on, forward in training mode returns `models.loss.HeadInput` (final hidden
+  states and the output head's weight) instead of logits, so the loss projects chunk by chunk and never holds
+  the full logits (eval mode returns logits); returns whether the model can (False: it keeps returning logits).
 
 A model meshforge did not define (bring your own `nn.Module`) gets `ForeignModel`: blocks by class name
 (`distributed.block_classes`) or the largest ModuleList/ModuleDict, and nothing else (tensor parallelism

@@ -129,7 +129,7 @@ class RunDir:
 
 
 def _writes_output_dir(cfg) -> bool:
-    return cfg.logging.jsonl or cfg.logging.tensorboard or _writes_checkpoints(cfg)
+    return bool(cfg.logging.loggers) or cfg.profiling.enabled or _writes_checkpoints(cfg)
 
 
 def claim(cfg, info, log=print) -> RunDir:
