@@ -153,6 +153,7 @@ def test_the_documents_show_commands():
 def test_documented_command_runs(where, cmd, tmp_path, monkeypatch, capsys):
     argv = _argv(cmd)
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "examples").symlink_to(ROOT / "examples")  # paths inside the examples are relative to the repo
     if argv[0] in COVERED_BY:
         test_file, needles = COVERED_BY[argv[0]]
         text = (ROOT / test_file).read_text()

@@ -58,12 +58,11 @@ def _batch(pm, seed: int = 99):
 
 
 def _eval_loss(pm, x, y) -> float:
-    import torch.nn.functional as F
+    from meshforge.models.loss import lm_loss
 
     with torch.no_grad():
-        out = pm.model(x)
-        loss = F.cross_entropy(out.flatten(0, 1).float(), y.flatten())
-    return float(pm.reduce_loss(loss))
+        parts = lm_loss(pm.model(x), y)  # logits, or the fused loss's head input: the same loss
+    return float(pm.reduce_loss(parts.ce_sum, pm.global_label_count([y])))  # over the global batch's tokens
 
 
 def _step(trainer, x, y) -> float:

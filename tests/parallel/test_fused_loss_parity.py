@@ -20,7 +20,9 @@ N2 = {
     "fused_ddp": FUSED + ["distributed.strategy=ddp"],
     "fused_fsdp2_accum": FUSED + ["distributed.strategy=fsdp2", "training.micro_batch_size=1"],
     "fused_fsdp2_tied": FUSED + ["distributed.strategy=fsdp2", "model.tie_embeddings=true"],
-    "fused_megatron_fsdp": FUSED + ["distributed.strategy=megatron_fsdp"],
+    # (optim_grads_params frees the root unit after forward: the rules refuse fused_loss=true there)
+    "fused_megatron_fsdp": FUSED + ["distributed.strategy=megatron_fsdp",
+                                    "distributed.data_parallel_sharding_strategy=optim_grads"],
     "fused_fsdp2_cp2_ac": FUSED + ["distributed.cp_size=2", "distributed.activation_checkpointing=full"],
 }
 

@@ -159,3 +159,17 @@ def test_all_examples_validate():
                 errors[world] = err.problems
         else:
             raise AssertionError(f"{f} is valid at no world size: {errors}")
+
+
+@pytest.mark.parametrize("overrides", [
+    [], ["data.source=synthetic"], ["data.source=tokenized", "data.path=x.npy"], ["distributed.strategy=megatron_fsdp"],
+    ["distributed.strategy=ddp", "peft.rank=4"], ["scheduler.name=wsd", "scheduler.decay_steps=10"],
+    ["logging.loggers=[jsonl,tensorboard]", "profiling.enabled=true"], ["training.fp8.enabled=true"],
+    ["model.preset=tiny_moe"], ["model.preset=qwen3_0_6b"]], ids=lambda o: " ".join(o) or "defaults")
+def test_a_dumped_config_loads_back_identically(overrides, tmp_path):
+    """The run's config.yaml (every key spelled out, defaults too) must load back to the same config."""
+    from meshforge.config.loader import dump_yaml
+
+    cfg = load_config(None, overrides, world_size=1)
+    (tmp_path / "c.yaml").write_text(dump_yaml(cfg))
+    assert load_config(str(tmp_path / "c.yaml"), [], world_size=1).model_dump() == cfg.model_dump()

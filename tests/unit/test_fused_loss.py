@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from meshforge.config.rules import check
+from meshforge.config.rules import check, fused_loss_on
 from meshforge.config.schema import Config, ModelConfig
 from meshforge.models import build_model, contract_of, init_weights
 from meshforge.models.loss import IGNORE_INDEX, HeadInput, chunked_cross_entropy, lm_loss
@@ -126,9 +126,19 @@ def test_fused_loss_peak_bytes_drop_at_least_4x_at_vocab_128k():
 
 def test_fused_loss_config_rules():
     cfg = Config.model_validate({"training": {"fused_loss": True}, "distributed": {"tp_size": 2}})
-    assert any(p.startswith("training.fused_loss=true needs tp_size=1") for p in check(cfg, 2))
+    assert any(p.startswith("training.fused_loss=true cannot run here (tp_size=2") for p in check(cfg, 2))
     auto = Config.model_validate({"distributed": {"tp_size": 2}})
     assert auto.training.fused_loss == "auto" and not any("fused_loss" in p for p in check(auto, 2))
+    assert not fused_loss_on(auto)
+    # layouts that free the head's weight right after forward: auto takes the plain loss, true is refused
+    for dist in ({"strategy": "fsdp2", "reshard_after_forward": True}, {"strategy": "megatron_fsdp"}):
+        auto = Config.model_validate({"distributed": dist})
+        assert not fused_loss_on(auto) and not any("fused_loss" in p for p in check(auto, 2))
+        forced = Config.model_validate({"training": {"fused_loss": True}, "distributed": dist})
+        assert any(p.startswith("training.fused_loss=true cannot run here") for p in check(forced, 2)), dist
+    keeps = Config.model_validate({"distributed": {"strategy": "megatron_fsdp",
+                                                   "data_parallel_sharding_strategy": "optim_grads"}})
+    assert fused_loss_on(keeps) and fused_loss_on(Config())
 
 
 def test_foreign_model_cannot_fuse():

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from meshforge.cli import main
-from meshforge.models import blocks_of, build_model, init_weights
+from meshforge.config.rules import fused_loss_on
+from meshforge.models import blocks_of, build_model, contract_of, init_weights
 from meshforge.models.loss import lm_loss
 from meshforge.planning.estimate import activation_bytes, model_params
 from meshforge.planning.layout import Layout
@@ -27,6 +28,7 @@ def _saved_bytes(overrides: list[str]) -> int:
     cfg = config(overrides, world_size=1)
     model = build_model(cfg.model)
     init_weights(model, 0)
+    contract_of(model).set_fused_loss(fused_loss_on(cfg))  # the loss path training takes
     caches = []
 
     def context_fn():

@@ -290,12 +290,11 @@ def _names(keys, limit: int = 5) -> str:
     return ", ".join(keys[:limit]) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-def check_model_keys(path: Path, model_sd: dict, allow_partial: bool) -> set[str] | None:
-    """None when the checkpoint's `model.*` tensors are exactly this model's (same names, same shapes); else a
-    one-line CheckpointError, or with `allow_partial` (checkpoint.allow_partial_load) the names both have
-    (their shapes must still match)."""
+def check_model_keys(path: Path, mine: dict[str, tuple[int, ...]], allow_partial: bool) -> set[str] | None:
+    """None when the checkpoint's `model.*` tensors are exactly this model's (`mine`: every name of the whole
+    model with its full shape); else a one-line CheckpointError, or with `allow_partial`
+    (checkpoint.allow_partial_load) the names both have (their shapes must still match)."""
     saved = {k.removeprefix("model."): v for k, v in dcp_tensor_shapes(path).items() if k.startswith("model.")}
-    mine = {fqn: tuple(t.shape) for fqn, t in model_sd.items()}
     for fqn in sorted(set(saved) & set(mine)):
         if saved[fqn][0] != mine[fqn]:
             raise CheckpointError(f"{path}: parameter {fqn} has shape {saved[fqn][0]} in the checkpoint but "

@@ -338,7 +338,7 @@ class CheckpointManager:
         else:
             state = self._app_state(pm, optimizer, for_save=False)
         partial = self._check_same_model(path, manifest, state)
-        if partial:
+        if partial is not None:
             weights_only = True
             state = {"model": {k: v for k, v in state["model"].items() if k in partial}}
         try:
@@ -347,7 +347,7 @@ class CheckpointManager:
             raise CheckpointError(f"{path}: DCP load failed: {dcp_error_line(err)}") from None
         self._load_app_state(pm, optimizer, state)
         self.resumed_from = path
-        if partial:
+        if partial is not None:
             log(f"loaded {len(partial)} model tensors from {path} (checkpoint.allow_partial_load; the others keep "
                 "their initialisation; no optimizer state): starting at step 0")
             return 0
@@ -383,7 +383,13 @@ class CheckpointManager:
         arguments, must be this model's. With checkpoint.allow_partial_load and another model: the names to
         load (shapes must still match)."""
         allow = self.cfg.checkpoint.allow_partial_load
-        keys = check_model_keys(path, state["model"], allow)
+        mine = {fqn: tuple(t.shape) for fqn, t in state["model"].items()}  # full shapes (DTensors say them)
+        if dist_on() and self.world > 1:  # a pipeline rank holds only its stages: the model is every rank's parts
+            every = [None] * self.world
+            dist.all_gather_object(every, mine)
+            mine = {k: v for ranks in every for k, v in ranks.items()}
+        keys = check_model_keys(path, mine, allow)
+        keys = None if keys is None else keys & set(state["model"])  # what this rank loads
         saved, mine = manifest.get("model_args"), json.loads(json.dumps(model_args_dict(self.cfg)))  # as stored
         diff = [f"{k}={saved.get(k)!r} (this model {mine.get(k)!r})" for k in sorted(set(saved) | set(mine))
                 if saved.get(k) != mine.get(k)] if isinstance(saved, dict) else []

@@ -328,14 +328,32 @@ def peft_composes(cfg: Config, world_size: int) -> list[str]:
     return out
 
 
+def fused_loss_conflict(cfg: Config) -> str | None:
+    """Why the fused loss cannot run in this layout (None: it can). `training.fused_loss=auto` then takes the plain
+    loss; an explicit true is refused."""
+    d = cfg.distributed
+    if d.tp_size > 1 or d.pp_size > 1:
+        return (f"tp_size={d.tp_size}, pp_size={d.pp_size}: tensor parallelism computes a vocabulary-parallel loss "
+                "on sharded logits and pipeline stages keep the plain loss")
+    if getattr(d.options, "reshard_after_forward", None) is True:
+        return ("distributed.reshard_after_forward=true frees the root's parameters (the output head's too) right "
+                "after forward, before the loss reads the head's weight")
+    if getattr(d.options, "sharding_strategy", None) == "optim_grads_params":
+        return ("megatron_fsdp's optim_grads_params frees the root unit (the output head's weight) right after "
+                "forward, before the loss reads it")
+    return None
+
+
+def fused_loss_on(cfg: Config) -> bool:
+    """`training.fused_loss`: auto fuses where the layout allows (see `fused_loss_conflict`)."""
+    setting = cfg.training.fused_loss
+    return fused_loss_conflict(cfg) is None if setting == "auto" else bool(setting)
+
+
 @rule
 def fused_loss_layout(cfg: Config, world_size: int) -> list[str]:
-    d = cfg.distributed
-    if cfg.training.fused_loss is True and (d.tp_size > 1 or d.pp_size > 1):
-        return [f"training.fused_loss=true needs tp_size=1 and pp_size=1 (got {d.tp_size}, {d.pp_size}): tensor "
-                "parallelism computes a vocabulary-parallel loss on sharded logits and pipeline stages keep the "
-                "plain loss; set training.fused_loss=auto"]
-    return []
+    why = fused_loss_conflict(cfg) if cfg.training.fused_loss is True else None
+    return [f"training.fused_loss=true cannot run here ({why}): set training.fused_loss=auto"] if why else []
 
 
 @rule

@@ -186,9 +186,10 @@ class DataConfig(Section):
         unread = {"format": self.source != "dataset", "text_field": self.format != "text" or self.source != "dataset",
                   "loss_on": self.format == "text", "too_long": self.format == "text",
                   "packing": self.format == "text"}
-        for key, not_read in unread.items():
-            if not_read and key in self.model_fields_set:
-                raise ValueError(f"data.{key} is not read with data.source={self.source} data.format={self.format}")
+        for key, not_read in unread.items():  # a default value is harmless (a dumped config.yaml spells them all)
+            if not_read and key in self.model_fields_set and getattr(self, key) != type(self).model_fields[key].default:
+                raise ValueError(f"data.{key}={getattr(self, key)!r} is not read with data.source={self.source} "
+                                 f"data.format={self.format}: remove it")
         return self
 
 

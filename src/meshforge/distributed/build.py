@@ -13,6 +13,7 @@ from meshforge.distributed.mesh import MeshContext
 from meshforge.distributed.parallelize import parallelize_model
 from meshforge.distributed.pipeline import build_pipeline_model
 from meshforge.distributed.runtime import ParallelModel
+from meshforge.config.rules import fused_loss_on
 from meshforge.errors import ConfigError
 from meshforge.models import build_model, contract_of, init_weights
 from meshforge.models.lora import apply_lora
@@ -22,13 +23,6 @@ def use_meta_init(cfg, world_size: int, n_params: int) -> bool:
     if cfg.model.init_device != "auto":
         return cfg.model.init_device == "meta"
     return world_size > 1 and n_params > 500_000_000
-
-
-def fused_loss_enabled(cfg, mesh_ctx: MeshContext) -> bool:
-    """`training.fused_loss`: auto fuses unless tensor parallelism is on (its vocabulary-parallel loss runs on
-    the sharded logits instead); pipeline stages keep the plain loss (`config.rules` refuses an explicit true)."""
-    setting = cfg.training.fused_loss
-    return mesh_ctx.tp_size == 1 and mesh_ctx.pp_size == 1 if setting == "auto" else bool(setting)
 
 
 def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device) -> ParallelModel:
@@ -41,7 +35,7 @@ def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device) -> Pa
     model = meta_probe if meta else build_model(cfg.model)
     if cfg.peft is not None:  # before init and wrapping: adapters initialise by name, strategies see them frozen
         apply_lora(model, cfg.peft)
-    if not contract_of(model).set_fused_loss(fused_loss_enabled(cfg, mesh_ctx)) and cfg.training.fused_loss is True:
+    if not contract_of(model).set_fused_loss(fused_loss_on(cfg)) and cfg.training.fused_loss is True:
         raise ConfigError(f"training.fused_loss=true: {type(model).__name__} returns logits and cannot hand the "
                           "loss its output head; set training.fused_loss=auto or false")
     if not meta:

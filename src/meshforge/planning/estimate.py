@@ -24,6 +24,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+from meshforge.config.rules import fused_loss_on
 from meshforge.planning.hardware import Device
 from meshforge.planning.layout import Layout, MeshAxis
 from meshforge.planning.theory import textbook_bubble
@@ -258,7 +259,8 @@ def activation_bytes(args, cfg, layout: Layout, blocks: int, first: bool, last: 
         log-sum-exp, o-proj, ffn gate and up, down).
     TP divides heads and ffn by tp; sequence parallelism divides the norms' tensors too, but the projections
     save the gathered sequence (dim); CP divides the tokens.
-    Head: the final norm (3*dim + 1), the fp32 log-softmax of the logits (vocab/tp per token), int64 labels.
+    Head: the final norm (3*dim + 1), the fp32 log-softmax of the logits (vocab/tp per token; with the fused
+    loss only its log-sum-exp, one fp32 per token: the logits are recomputed chunk by chunk), int64 labels.
     Measured against saved-tensor hooks on CPU (fp32): exact without CP/SP, within 2% with them.
     """
     d, t = cfg.distributed, cfg.training
@@ -285,12 +287,14 @@ def activation_bytes(args, cfg, layout: Layout, blocks: int, first: bool, last: 
     else:
         per_tok = (dim_sp + attn + 2 * dim_full + 2 * ffn) * e + h * F32
     full_block = (6 * dim_sp + attn + mm) * e + (2 + h) * F32
+    fused = fused_loss_on(cfg)  # the fused loss keeps one log-sum-exp per token, not the log-softmax
     rope = 2 * (t.seq_len // layout.cp) * (hd // 2) * F32 if blocks else 0  # cos/sin of this rank's positions
     out = {"blocks": blocks * per_tok * tokens + rope,
            # int64 token ids (and the vocabulary-parallel embedding's masked copy of them)
            "embedding": tokens * 8 * (2 if tp > 1 else 1) if first else 0,
            "head": (tokens * ((2 * dim_sp + dim_full if sp > 1 else 3 * dim_sp) * e + F32
-                              + (args.vocab_size // tp) * F32) + F32) if last else 0,
+                              + (F32 if fused else (args.vocab_size // tp) * F32)) + (0 if fused else F32))
+           if last else 0,
            "recompute": full_block * tokens if mode and blocks else 0}
     out["total"] = out["blocks"] + out["embedding"] + out["head"]
     return out
@@ -374,11 +378,12 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
         n_micro = micro_per_rank // t.micro_batch_size
         kind = "reduce_scatter+all_gather" if d.sequence_parallel else "all_reduce"
         add("tp", kind, n_micro * (n_ar * tokens * args.dim * e + (3 * tokens * F32 if has_head else 0)))
-    # scalars: the loss averaged over the data-parallel ranks; the gradient norm: one 4-byte all-reduce per
-    # DTensor gradient and mesh dimension it is sharded over (megatron_fsdp: one for its sharded optimizer),
-    # and the squares of the pipeline stages summed over pp
+    # scalars: the loss averaged over the data-parallel ranks and its label-token count; the gradient norm: one
+    # 4-byte all-reduce per DTensor gradient and mesh dimension it is sharded over (megatron_fsdp: one for its
+    # sharded optimizer), and the squares of the pipeline stages summed over pp
     if layout.world_size > 1 and dp_cp > 1:
         add("dp_cp", "all_reduce", F32)
+        add("dp_cp", "all_reduce", 8)  # the global count of label tokens (int64) that normalises the loss
     fsdp_on = d.strategy == "fsdp2" and dp_cp > 1 and layout.world_size > 1
     for p in (p for st in stages for p in st):
         if p.expert and layout.ep > 1:
