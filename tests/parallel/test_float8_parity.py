@@ -15,8 +15,10 @@ from meshforge.testing.parity import compare, results_of
 pytestmark = pytest.mark.dist
 
 LOSS_RTOL, WEIGHT_ATOL, STEPS = 1e-5, 5e-5, 5
+# (the plain loss everywhere: megatron_fsdp's default mode cannot fuse it, and float8's rounding would turn the
+# fused-vs-plain float differences into large ones)
 FP8 = ["training.fp8.enabled=true", "training.fp8.filter=all", "training.global_batch_size=4",
-       "training.seq_len=16"]
+       "training.seq_len=16", "training.fused_loss=false"]
 N2 = {
     "fp8_fsdp2_float8_all_gather": FP8 + ["distributed.strategy=fsdp2"],
     "fp8_megatron_fsdp": FP8 + ["distributed.strategy=megatron_fsdp"],

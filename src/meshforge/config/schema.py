@@ -188,8 +188,8 @@ class DataConfig(Section):
                   "packing": self.format == "text"}
         for key, not_read in unread.items():  # a default value is harmless (a dumped config.yaml spells them all)
             if not_read and key in self.model_fields_set and getattr(self, key) != type(self).model_fields[key].default:
-                raise ValueError(f"data.{key}={getattr(self, key)!r} is not read with data.source={self.source} "
-                                 f"data.format={self.format}: remove it")
+                raise ValueError(f"data.{key} is not read with data.source={self.source} data.format={self.format}: "
+                                 f"remove it (it is {getattr(self, key)!r})")
         return self
 
 

@@ -12,6 +12,7 @@ import importlib
 from pathlib import Path
 
 from meshforge.errors import DataError
+from meshforge.progress import track
 
 # ChatML, written into the folders `train_tokenizer` makes so that `data.format: chat` works with them
 CHATML_TEMPLATE = (
@@ -149,8 +150,18 @@ def train_tokenizer(patterns: list[str], vocab_size: int, output: str) -> tuple[
     tok.decoder = tk.decoders.ByteLevel()
     trainer = tk.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                      initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
+
+    def texts():  # file by file, so the progress shows (rich on a terminal, plain lines otherwise)
+        for f in track(files, "tokenizer train: files read"):
+            try:
+                yield Path(f).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as err:
+                raise DataError(f"data tokenizer train: {f}: not readable UTF-8 text ({err})") from None
+
     try:
-        tok.train(files, trainer)
+        tok.train_from_iterator(texts(), trainer, length=len(files))
+    except DataError:
+        raise
     except Exception as err:
         raise DataError(f"data tokenizer train: {type(err).__name__}: {err}") from None
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
