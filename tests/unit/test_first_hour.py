@@ -227,6 +227,22 @@ def test_a_fresh_run_refuses_to_overwrite_a_run_unless_asked(saved, tmp_path, ca
     assert (out / "checkpoints" / "LATEST").read_text().strip() == "step_2"
 
 
+def test_a_rerun_with_nothing_to_resume_refuses_to_overwrite_the_metrics(tmp_path):
+    """resume=auto with no LATEST is a fresh start too: the first run's metrics are not truncated."""
+    out = tmp_path / "run"
+    _train([f"run.output_dir={out}", "logging.jsonl=true", "checkpoint.resume=auto"])
+    before = (out / "metrics.jsonl").read_bytes()
+    assert before
+    with pytest.raises(ConfigError, match="holds a run .* with no checkpoint to resume"):
+        _train([f"run.output_dir={out}", "logging.jsonl=true", "checkpoint.resume=auto"])
+    assert (out / "metrics.jsonl").read_bytes() == before
+    _train([f"run.output_dir={tmp_path / 'saving'}", "logging.jsonl=true", "checkpoint.save_final=true",
+            "checkpoint.resume=auto"])
+    r = _train([f"run.output_dir={tmp_path / 'saving'}", "logging.jsonl=true", "checkpoint.save_final=true",
+                "checkpoint.resume=auto"])  # a run that saved: the same command resumes it (and is done at once)
+    assert r.start_step == r.final_step == 2
+
+
 @pytest.mark.parametrize("key", ["run.output_dir", "checkpoint.dir"])
 def test_unwritable_places_are_one_line_before_training(key, tmp_path, capsys):
     blocker = tmp_path / "a_file"

@@ -7,10 +7,10 @@
 - the lock: rank 0 creates `<run.output_dir>/.meshforge.lock` exclusively (pid, host, start time). A second
   run into the same directory fails with one line naming the holder; a lock whose process is gone (same host)
   is stale and taken over, with a line saying so;
-- a fresh run (`checkpoint.resume=none`) into a directory that holds a run (a checkpoint, or metrics) is
-  refused unless `run.overwrite=true`, which moves the old run aside into `<output_dir>.replaced-<UTC time>/`
-  and says so: otherwise its checkpoints would be overwritten, its metrics truncated, and a later
-  corrupt-checkpoint fallback could resume the old run's step;
+- a fresh run (`checkpoint.resume=none`, or `auto` with no LATEST checkpoint to resume) into a directory that
+  holds a run (a checkpoint, or metrics) is refused unless `run.overwrite=true`, which moves the old run aside
+  into `<output_dir>.replaced-<UTC time>/` and says so: otherwise its checkpoints would be overwritten, its
+  metrics truncated, and a later corrupt-checkpoint fallback could resume the old run's step;
 - rank 0 then writes the resolved `config.yaml`.
 Every rank learns the outcome (one ConfigError, exit 2, on all of them). `release()` removes the lock.
 """
@@ -24,7 +24,7 @@ import shutil
 import socket
 from pathlib import Path
 
-from meshforge.checkpoint.files import all_gather_object, checkpoint_dir, complete_checkpoints
+from meshforge.checkpoint.files import all_gather_object, checkpoint_dir, complete_checkpoints, has_checkpoint
 from meshforge.config.loader import write_yaml
 from meshforge.errors import ConfigError
 
@@ -150,13 +150,20 @@ def claim(cfg, info, log=print) -> RunDir:
                     locks.append(where / LOCK)
                     if note:
                         log(f"meshforge: {note}")
-        if problem is None and cfg.checkpoint.resume is None and (old := _holds_run(cfg, out)):
+        resume = cfg.checkpoint.resume
+        fresh = resume is None or (resume == "auto" and not has_checkpoint(cfg))  # this run starts at step 0
+        if problem is None and fresh and (old := _holds_run(cfg, out)):
             if cfg.run.overwrite:
                 log(f"meshforge: {_move_aside(cfg, out)}")
-            else:
+            elif resume is None:
                 problem = (f"run.output_dir={out} holds a run ({', '.join(str(p) for p in old)}) and "
                            "checkpoint.resume=none would overwrite it: resume it (checkpoint.resume=auto), choose "
                            "another run.output_dir, or set run.overwrite=true to move the old run aside")
+            else:
+                problem = (f"run.output_dir={out} holds a run ({', '.join(str(p) for p in old)}) with no checkpoint "
+                           "to resume (checkpoint.resume=auto found no LATEST), and a new run would overwrite it: "
+                           "choose another run.output_dir, or start over with checkpoint.resume=none "
+                           "run.overwrite=true (the old run is moved aside)")
         if problem is None:
             write_yaml(cfg, out / "config.yaml")
         else:
