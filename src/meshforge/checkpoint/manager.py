@@ -384,10 +384,8 @@ class CheckpointManager:
         load (shapes must still match)."""
         allow = self.cfg.checkpoint.allow_partial_load
         mine = {fqn: tuple(t.shape) for fqn, t in state["model"].items()}  # full shapes (DTensors say them)
-        if dist_on() and self.world > 1:  # a pipeline rank holds only its stages: the model is every rank's parts
-            every = [None] * self.world
-            dist.all_gather_object(every, mine)
-            mine = {k: v for ranks in every for k, v in ranks.items()}
+        # a pipeline rank holds only its stages: the model is every rank's parts
+        mine = {k: v for ranks in all_gather_object(mine) for k, v in ranks.items()}
         keys = check_model_keys(path, mine, allow)
         keys = None if keys is None else keys & set(state["model"])  # what this rank loads
         saved, mine = manifest.get("model_args"), json.loads(json.dumps(model_args_dict(self.cfg)))  # as stored

@@ -25,13 +25,15 @@ def stdlib_sources(max_files: int | None = None) -> list[Path]:
     return files[:max_files] if max_files else files
 
 
-def expand_paths(patterns: list[str]) -> list[Path]:
+def expand_paths(patterns: list[str], folders: bool = False) -> list[Path]:
+    """Files matched by globs (a pattern matching nothing is an error); with `folders`, matched folders too (a
+    `datasets` save_to_disk folder, for data.source=dataset)."""
     files: list[Path] = []
     for pat in patterns:
         hits = sorted(glob.glob(pat, recursive=True))
         if not hits:
             raise DataError(f"data.paths: {pat!r} matches no file")
-        files += [Path(h) for h in hits if Path(h).is_file()]
+        files += [Path(h) for h in hits if folders or Path(h).is_file()]
     return files
 
 
@@ -117,17 +119,6 @@ def load_token_file(path: str) -> np.ndarray:
     return arr
 
 
-def expand_record_paths(patterns: list[str]) -> list[Path]:
-    """Files or globs for data.source=dataset; a folder counts (a `datasets` save_to_disk folder)."""
-    out: list[Path] = []
-    for pat in patterns:
-        hits = sorted(glob.glob(pat, recursive=True))
-        if not hits:
-            raise DataError(f"data.paths: {pat!r} matches no file")
-        out += [Path(h) for h in hits]
-    return out
-
-
 def text_tokens(files: list[Path], tokenizer) -> np.ndarray:
     """Each file's text through the tokenizer, ended by the tokenizer's end-of-sequence token."""
     ids: list[int] = []
@@ -163,7 +154,7 @@ def build_source(data_cfg, seq_len: int, vocab_size: int, seed: int):
     if data_cfg.source == "tokenized":
         src = TokenStreamSource(load_token_file(data_cfg.path), seq_len, data_cfg.path)
     elif data_cfg.source == "dataset":
-        paths = expand_record_paths(data_cfg.paths)
+        paths = expand_paths(data_cfg.paths, folders=True)
         if data_cfg.format == "text":
             name = f"{tok.name}:" + ",".join(data_cfg.paths)
             src = TokenStreamSource(record_tokens(paths, tok, data_cfg.text_field), seq_len, name)
