@@ -365,6 +365,29 @@ def fp8_layout(cfg: Config, world_size: int) -> list[str]:
     return []
 
 
+@rule
+def bf16_params_layout(cfg: Config, world_size: int) -> list[str]:
+    """bf16_params keeps fp32 master weights in one of two places: the optimizer (the model unwrapped: world size
+    1, or ddp at world size 1) or fsdp2's fp32 shards (its mixed-precision policy gathers bf16)."""
+    if cfg.training.precision != "bf16_params":
+        return []
+    d, fix = cfg.distributed, "set training.precision=bf16 (autocast over fp32 parameters)"
+    if d.pp_size > 1:
+        return [f"training.precision=bf16_params does not run with pp_size={d.pp_size}: {fix}"]
+    if d.strategy == "megatron_fsdp":
+        return [f"training.precision=bf16_params: megatron_fsdp keeps its own main weights and mixed precision; {fix}"]
+    sharded = d.strategy == "fsdp2" and (_dp(cfg, world_size) or 1) * d.cp_size > 1
+    if world_size > 1 and not sharded:
+        return [f"training.precision=bf16_params keeps fp32 master weights at world size 1 or in fsdp2's fp32 shards "
+                f"(data or context parallel size > 1), not with strategy {d.strategy} over {world_size} ranks with "
+                f"no fsdp2 sharding: set distributed.strategy=fsdp2 with dp or cp > 1, or {fix}"]
+    mp = getattr(d.options, "mp_policy", None)
+    if mp is not None and mp.param_dtype not in (None, "bfloat16"):
+        return [f"training.precision=bf16_params contradicts distributed.mp_policy.param_dtype={mp.param_dtype}: "
+                "remove one of them"]
+    return []
+
+
 def check(cfg: Config, world_size: int | None = None) -> list[str]:
     """Every violation, one line each (empty when the config is valid for this world size)."""
     ws = world_size if world_size is not None else default_world_size(cfg)

@@ -384,7 +384,9 @@ class TrainingConfig(Section):
     micro_batch_size: int = Field(2, gt=0)  # sequences per forward pass per data-parallel rank
     seq_len: int = Field(128, gt=0)
     grad_clip: float | None = Field(1.0, gt=0)
-    precision: Literal["fp32", "bf16"] = "fp32"
+    # fp32; bf16: autocast over fp32 parameters; bf16_params: bf16 parameters and no autocast, with fp32 master
+    # weights in the optimizer (world size 1: training/master_weights.py) or in fsdp2's shards (it gathers bf16)
+    precision: Literal["fp32", "bf16", "bf16_params"] = "fp32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     compile: Literal["auto"] | bool = "auto"  # torch.compile each block (regional); auto: on CUDA, off on CPU
     # output head + cross-entropy a chunk of tokens at a time, never holding the full logits (models/loss.py);

@@ -42,7 +42,9 @@ def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device) -> Pa
         init_weights(model, cfg.run.seed)
         model.to(device)
     part = parallelize_model(model, mesh_ctx, cfg.distributed, device, compile=cfg.training.compile,
-                             fp8=cfg.training.fp8)
+                             fp8=cfg.training.fp8, precision=cfg.training.precision)
     if meta:
         part.strategy.materialize(part.model, cfg.run.seed)
+    if cfg.training.precision == "bf16_params" and not part.strategy.active:
+        part.model.to(torch.bfloat16)  # the fp32 master weights live in the optimizer (training/master_weights.py)
     return ParallelModel([part], mesh_ctx, device, cfg.training.precision)

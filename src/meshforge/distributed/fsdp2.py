@@ -2,7 +2,7 @@
 
 Sharding runs over `dp_shard_cp` (context-parallel ranks hold the same
 parameters, so they shard them too). Defaults: mixed precision bf16 params with
-fp32 reduction on CUDA, fp32 on CPU; reshard after forward for every block but
+fp32 reduction on CUDA (and on CPU under training.precision=bf16_params), fp32 on CPU; reshard after forward for every block but
 the last (its parameters are needed again at once by backward), and for none under
 pipeline parallelism (a stage's parameters stay gathered across microbatches);
 gradient reduce-scatter deferred to the last micro-batch of an accumulation.
@@ -33,8 +33,9 @@ class FSDP2Strategy(Strategy):
     def mp_policy(self, root: bool) -> MixedPrecisionPolicy:
         mp = self.options.mp_policy
         cuda = self.device.type == "cuda"
-        param = _DTYPES[mp.param_dtype] if mp and mp.param_dtype else (torch.bfloat16 if cuda else None)
-        reduce = _DTYPES[mp.reduce_dtype] if mp and mp.reduce_dtype else (torch.float32 if cuda else None)
+        low = self.param_dtype or (torch.bfloat16 if cuda else None)  # bf16_params: bf16 on CPU too
+        param = _DTYPES[mp.param_dtype] if mp and mp.param_dtype else low
+        reduce = _DTYPES[mp.reduce_dtype] if mp and mp.reduce_dtype else (torch.float32 if low else None)
         output = _DTYPES[mp.output_dtype] if mp and mp.output_dtype else None
         # output_dtype only on the root: set on every block it breaks the next block's matmul (TORCH_NOTES)
         return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce, output_dtype=output if root else None)

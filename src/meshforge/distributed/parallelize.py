@@ -51,9 +51,10 @@ class Parallelized:
 
 
 def parallelize_model(model: nn.Module, mesh_ctx: MeshContext, dcfg, device: torch.device | None = None,
-                      compile: bool | str = False, fp8=None) -> Parallelized:
+                      compile: bool | str = False, fp8=None, precision: str = "fp32") -> Parallelized:
     device = device or torch.device("cpu")
     strategy = build_strategy(dcfg, mesh_ctx, device)
+    strategy.param_dtype = torch.bfloat16 if precision == "bf16_params" else None
     out = Parallelized(model, strategy)
     if fp8 is not None and fp8.enabled:  # module swap first: everything after wraps the float8 linears
         apply_float8(model, fp8, device, isinstance(strategy, FSDP2Strategy) and strategy.active)

@@ -45,6 +45,8 @@ class Strategy:
     def __init__(self, dcfg, mesh_ctx, device: torch.device):
         self.dcfg, self.options, self.mesh_ctx, self.device = dcfg, dcfg.options, mesh_ctx, device
         self.name = dcfg.strategy
+        # training.precision=bf16_params: the dtype a sharding strategy gathers its fp32 shards in (fsdp2)
+        self.param_dtype: torch.dtype | None = None
 
     @property
     def active(self) -> bool:

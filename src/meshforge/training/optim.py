@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from meshforge.training.master_weights import MasterWeightAdamW, needs_master_weights
+
 
 def optimizer_impl(ocfg) -> str:
     """`auto` is fused on every device: one kernel per step, and it skips a non-finite step on the device
@@ -22,8 +24,10 @@ def optimizer_impl(ocfg) -> str:
 def build_optimizer(param_groups: list[dict], ocfg) -> torch.optim.Optimizer:
     impl = optimizer_impl(ocfg)
     kwargs = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
-    return torch.optim.AdamW(param_groups, lr=ocfg.lr, betas=tuple(ocfg.betas), eps=ocfg.eps,
-                             weight_decay=ocfg.weight_decay, **kwargs)
+    # bf16 parameters (training.precision=bf16_params at world size 1): the update runs on fp32 masters
+    cls = MasterWeightAdamW if needs_master_weights(param_groups) else torch.optim.AdamW
+    return cls(param_groups, lr=ocfg.lr, betas=tuple(ocfg.betas), eps=ocfg.eps,
+               weight_decay=ocfg.weight_decay, **kwargs)
 
 
 def lr_factor(step: int, scfg, max_steps: int) -> float:
