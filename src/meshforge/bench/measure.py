@@ -32,6 +32,8 @@ from collections import defaultdict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from meshforge.distributed.master_weights import master_tensors
+
 _NAMESPACES = ("c10d::", "_c10d_functional::", "_c10d_functional_autograd::")
 _PLAIN = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
 _FREE = {"barrier", "monitored_barrier_", "check_for_nan", "wait_tensor", "_wrap_tensor_autograd"}
@@ -156,6 +158,7 @@ def _storage_count(models: list, optimizer: torch.optim.Optimizer) -> dict:
     out["grads"] = sum(seen.add(p.grad) for p in params) + sum(_ddp_bucket_bytes(m) for m in models)
     out["optimizer"] = sum(seen.add(t) for st in optimizer.state.values() for t in st.values()
                            if isinstance(t, torch.Tensor))
+    out["optimizer"] += sum(seen.add(t) for t in master_tensors(optimizer))  # bf16_params: fp32 masters
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return {"source": "storages", **out}
 

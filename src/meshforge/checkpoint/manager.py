@@ -82,6 +82,7 @@ from meshforge.checkpoint.files import (
 from meshforge.checkpoint.hf import export_checkpoint, tokenizer_of
 from meshforge.checkpoint.peft import adapter_manifest, check_adapter_checkpoint, trainable_names
 from meshforge.config.rules import resolved_ckpt_format
+from meshforge.distributed.master_weights import MasterWeightAdamW
 from meshforge.errors import CheckpointError
 from meshforge.models import resolve_model_args
 
@@ -118,6 +119,12 @@ def set_rng_state(state: dict) -> None:
     random.setstate((p["version"], tuple(p["internal"]), p["gauss"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _with_masters(model_state: dict, optimizer) -> dict:
+    """training.precision=bf16_params at world size 1: the checkpoint holds the fp32 master weights in place of
+    the bf16 parameters (loading them rounds them into the parameters), so a resume is exact."""
+    return optimizer.master_state_dict(model_state) if isinstance(optimizer, MasterWeightAdamW) else model_state
 
 
 # ---------------------------------------------------------------------------- manager
@@ -177,7 +184,7 @@ class CheckpointManager:
         if self.cfg.peft is not None:  # adapter-only: the frozen base comes from peft_base, not the checkpoint
             trainable = trainable_names(pm)
             msd = {k: v for k, v in msd.items() if k in trainable}
-        return {"model": msd, "optim": s.optimizer_state_dict(parts, optimizer, full=full)}
+        return {"model": _with_masters(msd, optimizer), "optim": s.optimizer_state_dict(parts, optimizer, full=full)}
 
     def _load_app_state(self, pm, optimizer, state: dict) -> None:
         s, parts = pm.strategy, pm.state_parts()
@@ -335,6 +342,7 @@ class CheckpointManager:
             state = {"model": {}}
             for part in pm.state_parts():
                 state["model"].update(pm.strategy.model_state_dict(part))
+            state["model"] = _with_masters(state["model"], optimizer)
         else:
             state = self._app_state(pm, optimizer, for_save=False)
         partial = self._check_same_model(path, manifest, state)

@@ -385,7 +385,7 @@ class TrainingConfig(Section):
     seq_len: int = Field(128, gt=0)
     grad_clip: float | None = Field(1.0, gt=0)
     # fp32; bf16: autocast over fp32 parameters; bf16_params: bf16 parameters and no autocast, with fp32 master
-    # weights in the optimizer (world size 1: training/master_weights.py) or in fsdp2's shards (it gathers bf16)
+    # weights in the optimizer (world size 1: distributed/master_weights.py) or in fsdp2's shards (it gathers bf16)
     precision: Literal["fp32", "bf16", "bf16_params"] = "fp32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     compile: Literal["auto"] | bool = "auto"  # torch.compile each block (regional); auto: on CUDA, off on CPU

@@ -46,5 +46,5 @@ def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device) -> Pa
     if meta:
         part.strategy.materialize(part.model, cfg.run.seed)
     if cfg.training.precision == "bf16_params" and not part.strategy.active:
-        part.model.to(torch.bfloat16)  # the fp32 master weights live in the optimizer (training/master_weights.py)
+        part.model.to(torch.bfloat16)  # the fp32 master weights live in the optimizer (master_weights.py)
     return ParallelModel([part], mesh_ctx, device, cfg.training.precision)

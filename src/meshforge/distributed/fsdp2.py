@@ -2,9 +2,9 @@
 
 Sharding runs over `dp_shard_cp` (context-parallel ranks hold the same
 parameters, so they shard them too). Defaults: mixed precision bf16 params with
-fp32 reduction on CUDA (and on CPU under training.precision=bf16_params), fp32 on CPU; reshard after forward for every block but
-the last (its parameters are needed again at once by backward), and for none under
-pipeline parallelism (a stage's parameters stay gathered across microbatches);
+fp32 reduction on CUDA (and on CPU under training.precision=bf16_params), fp32 on CPU;
+reshard after forward for every block but the last (its parameters are needed again at once by backward), and
+for none under pipeline parallelism (a stage's parameters stay gathered across microbatches);
 gradient reduce-scatter deferred to the last micro-batch of an accumulation.
 Expert parallelism hands over each MoE layer's experts (`shard_experts`), which
 are then sharded over ep_shard and left alone by the dense wrapping.

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from meshforge.training.master_weights import MasterWeightAdamW, needs_master_weights
+from meshforge.distributed.master_weights import MasterWeightAdamW, needs_master_weights
 
 
 def optimizer_impl(ocfg) -> str:

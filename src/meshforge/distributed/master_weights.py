@@ -1,0 +1,97 @@
+"""AdamW over fp32 master weights for a model whose parameters are bf16 (`training.precision: bf16_params`).
+
+Why: bf16 parameters run forward and backward in bf16 with no autocast (no per-op casts, no cast cache), but
+an update smaller than half a bf16 ulp of the weight (lr 1e-4 on a weight near 1: ulp 2^-7) would round away.
+So the optimizer keeps an fp32 copy of every trainable parameter (`masters`), steps it with the plain AdamW
+kernel (fused on every device) from the bf16 gradient upcast to fp32, and rounds the result back into the
+bf16 parameter: the parameter is always `master.to(bf16)`.
+
+Where the masters go:
+- checkpoints: they stand in for the bf16 parameters in the model's state dict (`master_state_dict`), so a
+  checkpoint holds the fp32 weights, a resume is bitwise exact, and it loads into any precision or layout
+  (fsdp2's fp32 shards, an fp32 run) like any other checkpoint;
+- the optimizer's state dict holds the fp32 moments only, as plain AdamW's (torch's `load_state_dict` casts
+  floating state to the parameter's dtype: `load_state_dict` here puts the fp32 values back);
+- the bench counts them with the optimizer state (`master_tensors`): 4 bytes per trainable parameter beside
+  the 8 of the moments, with 2 + 2 for the bf16 parameter and gradient.
+
+Under fsdp2 with more than one data rank the strategy keeps the fp32 shards itself (its mixed-precision policy
+gathers bf16), the parameters the optimizer sees are fp32, and plain AdamW runs.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from itertools import chain
+
+import torch
+
+
+class MasterWeightAdamW(torch.optim.AdamW):
+    """AdamW whose parameters are bf16 and whose update runs on fp32 masters."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **kwargs)
+        self.masters: dict[torch.Tensor, torch.Tensor] = {
+            p: p.detach().to(torch.float32, copy=True) for g in self.param_groups for p in g["params"]}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("MasterWeightAdamW.step takes no closure")
+        saved_params, saved_state = [g["params"] for g in self.param_groups], self.state
+        pairs, swapped = [], defaultdict(dict)  # AdamW sees the masters, keyed to the parameters' state dicts
+        for group in self.param_groups:
+            masters = []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                master = self.masters[p]
+                master.grad = p.grad.to(torch.float32)
+                swapped[master] = saved_state[p]
+                masters.append(master)
+                pairs.append((p, master))
+            group["params"] = masters
+        try:
+            self.state = swapped
+            super().step()
+        finally:
+            self.state = saved_state
+            for group, params in zip(self.param_groups, saved_params):
+                group["params"] = params
+        for p, master in pairs:
+            master.grad = None
+            p.copy_(master)  # round to nearest: the bf16 parameter is the master's rounding
+        return None
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As torch's, but the moments stay fp32 (torch casts them to the bf16 parameter's dtype)."""
+        saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
+        fp32 = {pid: {k: v for k, v in st.items() if k != "step" and isinstance(v, torch.Tensor)}
+                for pid, st in state_dict["state"].items()}
+        super().load_state_dict(state_dict)
+        params = list(chain.from_iterable(g["params"] for g in self.param_groups))
+        for pid, p in zip(saved_ids, params):
+            for key, value in fp32.get(pid, {}).items():
+                self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True)
+
+    def master_state_dict(self, model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The model's state dict with each bf16 parameter replaced by its fp32 master (what a checkpoint saves
+        and loads into; `load_masters_into_params` then rounds them into the parameters)."""
+        by_ptr = {p.data_ptr(): m for p, m in self.masters.items() if p.numel()}
+        return {k: by_ptr.get(v.data_ptr(), v) if v.numel() else v for k, v in model_state.items()}
+
+    @torch.no_grad()
+    def load_masters_into_params(self) -> None:
+        for p, master in self.masters.items():
+            p.copy_(master)
+
+
+def needs_master_weights(param_groups: list[dict]) -> bool:
+    """True when a trainable parameter is stored below fp32 (training.precision=bf16_params at world size 1)."""
+    return any(p.is_floating_point() and p.dtype != torch.float32 for g in param_groups for p in g["params"])
+
+
+def master_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The fp32 master weights an optimizer holds outside its state (none for a plain optimizer)."""
+    return list(optimizer.masters.values()) if isinstance(optimizer, MasterWeightAdamW) else []
