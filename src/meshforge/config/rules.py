@@ -366,6 +366,15 @@ def fp8_layout(cfg: Config, world_size: int) -> list[str]:
 
 
 @rule
+def compile_backend_read(cfg: Config, world_size: int) -> list[str]:
+    t = cfg.training
+    if t.compile is False and t.compile_backend != "inductor":
+        return [f"training.compile_backend={t.compile_backend} is not read with training.compile=false: remove it "
+                "or set training.compile=true"]
+    return []
+
+
+@rule
 def bf16_params_layout(cfg: Config, world_size: int) -> list[str]:
     """bf16_params keeps fp32 master weights in one of two places: the optimizer (the model unwrapped: world size
     1, or ddp at world size 1) or fsdp2's fp32 shards (its mixed-precision policy gathers bf16)."""

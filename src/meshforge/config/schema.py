@@ -389,6 +389,9 @@ class TrainingConfig(Section):
     precision: Literal["fp32", "bf16", "bf16_params"] = "fp32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     compile: Literal["auto"] | bool = "auto"  # torch.compile each block (regional); auto: on CUDA, off on CPU
+    # torch.compile's backend (torchtitan's compile.backend); aot_eager traces forward and backward as inductor
+    # does but runs them with eager kernels (no code generation: seconds, for CI); read only when compile is on
+    compile_backend: Literal["inductor", "aot_eager"] = "inductor"
     # output head + cross-entropy a chunk of tokens at a time, never holding the full logits (models/loss.py);
     # auto: on wherever it applies (a meshforge model, no tensor or pipeline parallelism), else the plain loss
     fused_loss: Literal["auto"] | bool = "auto"

@@ -42,7 +42,8 @@ def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device) -> Pa
         init_weights(model, cfg.run.seed)
         model.to(device)
     part = parallelize_model(model, mesh_ctx, cfg.distributed, device, compile=cfg.training.compile,
-                             fp8=cfg.training.fp8, precision=cfg.training.precision)
+                             fp8=cfg.training.fp8, precision=cfg.training.precision,
+                             compile_backend=cfg.training.compile_backend)
     if meta:
         part.strategy.materialize(part.model, cfg.run.seed)
     if cfg.training.precision == "bf16_params" and not part.strategy.active:

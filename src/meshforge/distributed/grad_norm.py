@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 def _group_key(g: torch.Tensor):
     if isinstance(g, DTensor):
         return (id(g.device_mesh), tuple(g.placements))
-    return ("plain", g.device)
+    return ("plain", g.device, g.dtype)
 
 
 def total_grad_norm(params: list[torch.Tensor], mesh_ctx=None, extra_sq: torch.Tensor | None = None) -> torch.Tensor:
@@ -28,7 +28,10 @@ def total_grad_norm(params: list[torch.Tensor], mesh_ctx=None, extra_sq: torch.T
     device = grads[0].device if grads else torch.device("cpu")
     sq = torch.zeros((), dtype=torch.float32, device=device)
     for gs in groups.values():
-        n = torch.nn.utils.get_total_norm(gs, 2.0, foreach=None)
+        if gs[0].dtype != torch.float32 and not isinstance(gs[0], DTensor):  # bf16 grads: an fp32 norm, not bf16
+            n = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in gs]))
+        else:
+            n = torch.nn.utils.get_total_norm(gs, 2.0, foreach=None)
         if isinstance(n, DTensor):
             n = n.full_tensor()
         sq = sq + n.float().to(device) ** 2

@@ -51,7 +51,8 @@ class Parallelized:
 
 
 def parallelize_model(model: nn.Module, mesh_ctx: MeshContext, dcfg, device: torch.device | None = None,
-                      compile: bool | str = False, fp8=None, precision: str = "fp32") -> Parallelized:
+                      compile: bool | str = False, fp8=None, precision: str = "fp32",
+                      compile_backend: str = "inductor") -> Parallelized:
     device = device or torch.device("cpu")
     strategy = build_strategy(dcfg, mesh_ctx, device)
     strategy.param_dtype = torch.bfloat16 if precision == "bf16_params" else None
@@ -68,7 +69,7 @@ def parallelize_model(model: nn.Module, mesh_ctx: MeshContext, dcfg, device: tor
     blocks = blocks_of(model, dcfg.block_classes)
     apply_activation_checkpointing(blocks, dcfg.ac_mode)
     if compile_enabled(compile, device):
-        apply_compile(blocks)
+        apply_compile(blocks, compile_backend)
     out.model = strategy.parallelize(model)
     return out
 

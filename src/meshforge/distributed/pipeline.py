@@ -264,7 +264,8 @@ def build_pipeline_model(cfg, mesh_ctx: MeshContext, device: torch.device, meta:
         module = build_stage_module(cfg, plan, s, device, meta)
         if s > 0 and dcfg.sequence_parallel and mesh_ctx.tp_size > 1:
             _full_positions_from_sequence_shard(module, mesh_ctx.tp_size)
-        part = parallelize_model(module, mesh_ctx, dcfg, device, compile=cfg.training.compile)
+        part = parallelize_model(module, mesh_ctx, dcfg, device, compile=cfg.training.compile,
+                                 compile_backend=cfg.training.compile_backend)
         if meta:
             part.strategy.materialize(part.model, cfg.run.seed)
         parts.append(part)

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -78,6 +79,20 @@ class ReplicateSP(ParallelStyle):
         return module
 
 
+class EmbeddingParallel(RowwiseParallel):
+    """`RowwiseParallel` on the embedding, whose output is a plain tensor that has waited for its collective.
+
+    torch returns the output of this (asynchronous) redistribution as an `AsyncCollectiveTensor`; fed into a
+    compiled block (`training.compile`), the block's backward hands that input's gradient back as a plain tensor,
+    which the redistribution's backward cannot take ("'Tensor' object has no attribute '_local_tensor'", torch
+    2.13, measured). `clone` waits for the collective and keeps the autograd graph (`wait()` would cut it)."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        out = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return out.clone() if isinstance(out, AsyncCollectiveTensor) else out
+
+
 def _styles(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     seq = Shard(1) if sequence_parallel else Replicate()
     return {
@@ -85,7 +100,7 @@ def _styles(sequence_parallel: bool) -> dict[str, ParallelStyle]:
         "rowwise": RowwiseParallel(output_layouts=seq),
         "sequence_parallel": SequenceParallel(),
         "sequence_gather": SequenceGather(),
-        "vocab_embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "vocab_embedding": EmbeddingParallel(input_layouts=Replicate(), output_layouts=seq),
         "vocab_output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
     }
 
