@@ -1,6 +1,7 @@
 """The fast step at N=2, inside the suite's shared N=2 launch:
 
-- regional compile composes with fsdp2 + full activation checkpointing, with tensor + sequence parallelism,
+- regional compile composes with fsdp2 + full activation checkpointing, with tensor + sequence parallelism
+  (the embedding's all-gathered output enters the first compiled block: tensor_parallel.EmbeddingParallel),
   and with megatron_fsdp's hooks: each run compiles its blocks (`training.compile_backend=aot_eager`:
   dynamo and AOT autograd trace forward and backward exactly as for inductor, without inductor's code
   generation, which costs minutes per process on this machine) and reproduces the single-process EAGER run;
@@ -24,21 +25,25 @@ from meshforge.training.trainer import train
 
 pytestmark = pytest.mark.dist
 
-STEPS = 4
+STEPS = 3
 # bf16_params, fsdp2 vs one process: step 1 agrees to 4e-5 (grad norm); from there the bf16 weights differ by
 # rounding and Adam at lr 1e-2 turns a gradient that is mostly rounding noise into a full lr step either way
-# (measured over 4 steps: loss 1.7e-4, grad norm 1.3e-2, weights 3.9e-2 = about lr * steps)
+# (measured over 4 steps: loss 1.7e-4, grad norm 1.3e-2, weights 3.9e-2 = about lr * steps; 3 are run)
 LOSS_RTOL_BF16, WEIGHT_ATOL_BF16, GRAD_NORM_RTOL_BF16 = 1e-3, 8e-2, 3e-2
+LOSS_RTOL_FP8_CP, WEIGHT_ATOL_FP8_CP = 5e-3, 5e-2
 SMALL = ["training.global_batch_size=4", "training.seq_len=16"]
 COMPILE = SMALL + ["training.compile=true", "training.compile_backend=aot_eager"]
 BF16 = SMALL + ["training.precision=bf16_params"]
 COMPILED = {
     "compile_fsdp2_ac": COMPILE + ["distributed.strategy=fsdp2", "distributed.activation_checkpointing=full"],
-    "compile_tp": COMPILE + ["distributed.tp_size=2"],
     "compile_tp_sp": COMPILE + ["distributed.tp_size=2", "distributed.sequence_parallel=true"],
     "compile_megatron_fsdp": COMPILE + ["distributed.strategy=megatron_fsdp"],
 }
-N2 = {**COMPILED, "bf16_params_fsdp2": BF16 + ["distributed.strategy=fsdp2"]}
+# FP8 (torchao, every block linear) with context parallelism: each cp rank scales its half of the sequence's
+# activations by their own amax, one process by the whole sequence's, so the runs differ by fp8 rounding
+FP8 = SMALL + ["training.fp8.enabled=true", "training.fp8.filter=all", "training.fused_loss=false"]
+N2 = {**COMPILED, "bf16_params_fsdp2": BF16 + ["distributed.strategy=fsdp2"],
+      "fp8_cp2": FP8 + ["distributed.cp_size=2"]}
 
 
 def fast_step_job(spec: dict, info) -> dict:
@@ -78,3 +83,8 @@ def test_bf16_params_under_fsdp2_tracks_one_process(reference, group):
     assert got.get("logits_dtype") == "torch.bfloat16", got.get("error") or got["logits_dtype"]  # gathered in bf16
     compare(reference(BF16, STEPS), results_of({"x": got})["x"], "bf16_params_fsdp2", LOSS_RTOL_BF16,
             WEIGHT_ATOL_BF16, GRAD_NORM_RTOL_BF16)
+
+
+def test_fp8_with_context_parallelism_tracks_one_process(reference, group):
+    compare(reference(FP8, STEPS), results_of({"x": group("fast step n2")["fp8_cp2"]})["x"], "fp8_cp2",
+            LOSS_RTOL_FP8_CP, WEIGHT_ATOL_FP8_CP, LOSS_RTOL_FP8_CP)

@@ -26,3 +26,13 @@ def test_regional_inductor_compile_with_activation_checkpointing_matches_eager()
         assert abs(a - b) <= 1e-5 * abs(a), (eager.losses, compiled.losses)
     worst = max((eager.weights[k] - compiled.weights[k]).abs().max().item() for k in eager.weights)
     assert worst <= 2e-4, worst
+
+
+def test_compile_backend_is_read_only_with_compile_on():
+    from meshforge.config import load_config
+    from meshforge.errors import ConfigError
+
+    base = ["model.preset=tiny", "data.source=synthetic", "training.compile_backend=aot_eager"]
+    assert load_config(None, base + ["training.compile=true"]).training.compile_backend == "aot_eager"
+    with pytest.raises(ConfigError, match="training.compile_backend=aot_eager is not read with training.compile=false"):
+        load_config(None, base + ["training.compile=false"])

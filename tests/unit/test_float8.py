@@ -70,3 +70,12 @@ def test_fsdp2_sharding_turns_on_float8_all_gather_for_tensorwise_only():
         model = build_model(ModelConfig(preset="tiny"))
         apply_float8(model, FP8Config(enabled=True, recipe=recipe, filter="all"), torch.device("cpu"), sharded)
         assert model.layers["0"].attention.wq.config.enable_fsdp_float8_all_gather is expect
+
+
+def test_keep_fp8_transpose_cache_is_inert_and_says_so():
+    from meshforge.config import load_config
+    from meshforge.config.rules import warnings
+
+    cfg = load_config(None, ["model.preset=tiny", "data.source=synthetic", "distributed.strategy=megatron_fsdp",
+                             "distributed.keep_fp8_transpose_cache=true"], world_size=1)
+    assert any("keep_fp8_transpose_cache" in w and "no effect" in w for w in warnings(cfg, 1))

@@ -2,7 +2,8 @@
 
 `python -m meshforge.bench.baseline SPEC OUT` builds, in ONE process, both
 - the bare loop: `build_model` + `init_weights` (same seed), AdamW with the same
-  hyper-parameters, implementation and decay/no-decay split, autocast for bf16,
+  hyper-parameters, implementation and decay/no-decay split, autocast for bf16 (bf16 weights and fp32
+  master weights in the optimizer for bf16_params),
   cross-entropy with gradient accumulation, `clip_grad_norm_`, the same lr
   schedule set by hand; its batches are the same global batches, materialised as
   tensors before timing (a hand-written loop's data is "just there");
@@ -34,6 +35,7 @@ from meshforge.bench.measure import percentile, step_stats, sync, throughput_fie
 from meshforge.config import load_config
 from meshforge.data import ShardedBatchLoader, build_source
 from meshforge.distributed.env import DistInfo, pick_device
+from meshforge.distributed.master_weights import MasterWeightAdamW
 from meshforge.models import build_model, contract_of, init_weights, resolve_model_args
 from meshforge.training.metrics import device_peak_tflops
 from meshforge.training.optim import lr_factor, optimizer_impl
@@ -47,15 +49,16 @@ class BareLoop:
         torch.manual_seed(cfg.run.seed)
         self.model = build_model(cfg.model)
         init_weights(self.model, cfg.run.seed)
-        self.model.to(device).train()
+        bf16_params = cfg.training.precision == "bf16_params"  # bf16 weights, fp32 masters in the optimizer
+        self.model.to(device=device, dtype=torch.bfloat16 if bf16_params else None).train()
         o = cfg.optimizer
         impl = optimizer_impl(o)
         kw = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
         params = [p for p in self.model.parameters() if p.requires_grad]
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-        self.opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                     **kw)
+        adamw = MasterWeightAdamW if bf16_params else torch.optim.AdamW
+        self.opt = adamw([g for g in groups if g["params"]], lr=o.lr, betas=tuple(o.betas), eps=o.eps, **kw)
         self.lr, self.sched_cfg, self.max_steps = o.lr, cfg.scheduler, cfg.training.max_steps
         self.lr_factor = lr_factor
         for g in self.opt.param_groups:

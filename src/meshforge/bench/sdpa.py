@@ -17,6 +17,8 @@ import argparse
 import dataclasses
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from meshforge.models import build_model, init_weights, resolve_model_args
 
@@ -28,6 +30,57 @@ _BACKENDS = {"flash_attention": "flash", "cudnn_attention": "cudnn", "efficient_
 def _backend_of(op_names: set[str]) -> str:
     found = sorted({b for name in op_names for frag, b in _BACKENDS.items() if frag in name})
     return "+".join(found) if found else "none"
+
+
+def sdpa_calls(model_cfg, seq_len: int, batch: int, dtype: torch.dtype = torch.bfloat16,
+               packed: bool = False) -> list[dict]:
+    """The arguments the model's own attention hands `F.scaled_dot_product_attention` at this shape (one block,
+    built and run on the meta device: no memory, no compute). `packed`: with document ids (a packed batch)."""
+    args = dataclasses.replace(resolve_model_args(model_cfg), n_layers=1)
+    model = build_model(args, device="meta").to(dtype)
+    calls: list[dict] = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, a=(), kw=None):
+            kw = kw or {}
+            if func is F.scaled_dot_product_attention:
+                q, k, v = a[:3]
+                calls.append({"q": q, "k": k, "v": v, "attn_mask": kw.get("attn_mask", a[3] if len(a) > 3 else None),
+                              "dropout_p": kw.get("dropout_p", 0.0), "is_causal": kw.get("is_causal", False),
+                              "enable_gqa": kw.get("enable_gqa", False)})
+            return func(*a, **kw)
+
+    tokens = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+    with Record(), torch.no_grad():
+        if packed:
+            docs = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+            model(tokens, torch.zeros_like(docs), docs)
+        else:
+            model(tokens)
+    return calls
+
+
+def flash_ineligible(call: dict) -> list[str]:
+    """Why flash attention cannot take this call (empty: it can), by the conditions torch's flash backend checks:
+    no dense mask, no dropout (training here has none), bf16/fp16, head dim <= 256 and a multiple of 8, the
+    last dimension contiguous; `is_causal` for the causal mask without materialising it."""
+    q, k, v = call["q"], call["k"], call["v"]
+    out = []
+    if call["attn_mask"] is not None:
+        out.append("a dense attention mask (packed documents)")
+    if not call["is_causal"]:
+        out.append("is_causal=False")
+    if call["dropout_p"]:
+        out.append(f"dropout {call['dropout_p']}")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        out.append(f"dtype {q.dtype}")
+    if q.shape[-1] > 256 or q.shape[-1] % 8:
+        out.append(f"head dim {q.shape[-1]}")
+    if any(t.stride(-1) != 1 for t in (q, k, v)):
+        out.append("last dimension not contiguous")
+    if k.shape[1] != q.shape[1] and not call["enable_gqa"]:
+        out.append("fewer kv heads without enable_gqa")
+    return out
 
 
 def sdpa_report(model_cfg, seq_len: int, batch: int, device: torch.device, dtype: torch.dtype = torch.bfloat16,
