@@ -28,12 +28,16 @@ import torch
 
 
 class MasterWeightAdamW(torch.optim.AdamW):
-    """AdamW whose parameters are bf16 and whose update runs on fp32 masters."""
+    """AdamW whose parameters are bf16 and whose update runs on fp32 masters (`masters`: parameter -> master)."""
 
-    def __init__(self, params, **kwargs):
-        super().__init__(params, **kwargs)
-        self.masters: dict[torch.Tensor, torch.Tensor] = {
-            p: p.detach().to(torch.float32, copy=True) for g in self.param_groups for p in g["params"]}
+    masters: dict[torch.Tensor, torch.Tensor]
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Every parameter gets its fp32 master when it joins (torch's __init__ adds the groups through here)."""
+        super().add_param_group(param_group)
+        masters = self.__dict__.setdefault("masters", {})
+        for p in self.param_groups[-1]["params"]:
+            masters[p] = p.detach().to(torch.float32, copy=True)
 
     @torch.no_grad()
     def step(self, closure=None):
