@@ -30,7 +30,9 @@ STEPS = 3
 # rounding and Adam at lr 1e-2 turns a gradient that is mostly rounding noise into a full lr step either way
 # (measured over 4 steps: loss 1.7e-4, grad norm 1.3e-2, weights 3.9e-2 = about lr * steps; 3 are run)
 LOSS_RTOL_BF16, WEIGHT_ATOL_BF16, GRAD_NORM_RTOL_BF16 = 1e-3, 8e-2, 3e-2
-LOSS_RTOL_FP8_CP, WEIGHT_ATOL_FP8_CP = 5e-3, 5e-2
+# fp8 + cp2 vs one process (measured: loss 7e-4, first-step grad norm 2.6e-3, later grad norms 3.9e-2 and weights
+# 4.6e-2 as lr 1e-2 turns rounding differences into full steps)
+LOSS_RTOL_FP8_CP, WEIGHT_ATOL_FP8_CP, GRAD_NORM_RTOL_FP8_CP, FIRST_GRAD_NORM_RTOL_FP8_CP = 2e-3, 8e-2, 6e-2, 5e-3
 SMALL = ["training.global_batch_size=4", "training.seq_len=16"]
 COMPILE = SMALL + ["training.compile=true", "training.compile_backend=aot_eager"]
 BF16 = SMALL + ["training.precision=bf16_params"]
@@ -86,5 +88,7 @@ def test_bf16_params_under_fsdp2_tracks_one_process(reference, group):
 
 
 def test_fp8_with_context_parallelism_tracks_one_process(reference, group):
-    compare(reference(FP8, STEPS), results_of({"x": group("fast step n2")["fp8_cp2"]})["x"], "fp8_cp2",
-            LOSS_RTOL_FP8_CP, WEIGHT_ATOL_FP8_CP, LOSS_RTOL_FP8_CP)
+    ref, got = reference(FP8, STEPS), results_of({"x": group("fast step n2")["fp8_cp2"]})["x"]
+    compare(ref, got, "fp8_cp2", LOSS_RTOL_FP8_CP, WEIGHT_ATOL_FP8_CP, GRAD_NORM_RTOL_FP8_CP)
+    # the first step's gradient comes from identical weights: only the activation scales differ
+    assert abs(got.grad_norms[0] - ref.grad_norms[0]) <= FIRST_GRAD_NORM_RTOL_FP8_CP * ref.grad_norms[0]
