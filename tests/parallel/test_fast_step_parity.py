@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_float8_parity import FP8 as _FP8_PARITY, STEPS as _FP8_PARITY_STEPS
 
 from meshforge.testing.group import Job
 from meshforge.testing.parity import compare, config, results_of
@@ -30,9 +31,11 @@ STEPS = 3
 # rounding and Adam at lr 1e-2 turns a gradient that is mostly rounding noise into a full lr step either way
 # (measured over 4 steps: loss 1.7e-4, grad norm 1.3e-2, weights 3.9e-2 = about lr * steps; 3 are run)
 LOSS_RTOL_BF16, WEIGHT_ATOL_BF16, GRAD_NORM_RTOL_BF16 = 1e-3, 8e-2, 3e-2
-# fp8 + cp2 vs one process (measured: loss 7e-4, first-step grad norm 2.6e-3, later grad norms 3.9e-2 and weights
-# 4.6e-2 as lr 1e-2 turns rounding differences into full steps)
-LOSS_RTOL_FP8_CP, WEIGHT_ATOL_FP8_CP, GRAD_NORM_RTOL_FP8_CP, FIRST_GRAD_NORM_RTOL_FP8_CP = 2e-3, 8e-2, 6e-2, 5e-3
+# fp8 + cp2 vs one process, 5 steps at lr 1e-2 on random tokens. The first step runs identical weights, so it
+# differs by the activation scales only (measured: loss 7.5e-6, grad norm 2.6e-3); after it, lr 1e-2 turns those
+# differences into full Adam steps (measured: loss 3.2e-3, grad norm 3.9e-2, weights 5.9e-2 ~ lr * steps, so no
+# weight bound is asserted: it would not discriminate)
+FIRST_LOSS_RTOL_FP8_CP, FIRST_GRAD_NORM_RTOL_FP8_CP, LOSS_RTOL_FP8_CP, GRAD_NORM_RTOL_FP8_CP = 1e-4, 5e-3, 1e-2, 6e-2
 SMALL = ["training.global_batch_size=4", "training.seq_len=16"]
 COMPILE = SMALL + ["training.compile=true", "training.compile_backend=aot_eager"]
 BF16 = SMALL + ["training.precision=bf16_params"]
@@ -43,19 +46,20 @@ COMPILED = {
 }
 # FP8 (torchao, every block linear) with context parallelism: each cp rank scales its half of the sequence's
 # activations by their own amax, one process by the whole sequence's, so the runs differ by fp8 rounding
-FP8 = SMALL + ["training.fp8.enabled=true", "training.fp8.filter=all", "training.fused_loss=false"]
-N2 = {**COMPILED, "bf16_params_fsdp2": BF16 + ["distributed.strategy=fsdp2"],
-      "fp8_cp2": FP8 + ["distributed.cp_size=2"]}
+# (the overrides and steps of test_float8_parity.py: the suite computes that single-process reference once)
+FP8, FP8_STEPS = list(_FP8_PARITY), _FP8_PARITY_STEPS
+N2 = {**{k: (v, STEPS) for k, v in COMPILED.items()}, "bf16_params_fsdp2": (BF16 + ["distributed.strategy=fsdp2"], STEPS),
+      "fp8_cp2": (FP8 + ["distributed.cp_size=2"], FP8_STEPS)}
 
 
 def fast_step_job(spec: dict, info) -> dict:
     """Each config in this group, with the number of graphs dynamo captured for it."""
     out = {}
-    for name, overrides in spec.items():
+    for name, (overrides, steps) in spec.items():
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         try:
-            res = train(config(overrides, STEPS, info.world_size), info)
+            res = train(config(overrides, steps, info.world_size), info)
             out[name] = {"losses": res.losses, "grad_norms": res.grad_norms}
             out[name]["graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
             model = res.parallel_model.model
@@ -88,7 +92,7 @@ def test_bf16_params_under_fsdp2_tracks_one_process(reference, group):
 
 
 def test_fp8_with_context_parallelism_tracks_one_process(reference, group):
-    ref, got = reference(FP8, STEPS), results_of({"x": group("fast step n2")["fp8_cp2"]})["x"]
-    compare(ref, got, "fp8_cp2", LOSS_RTOL_FP8_CP, WEIGHT_ATOL_FP8_CP, GRAD_NORM_RTOL_FP8_CP)
-    # the first step's gradient comes from identical weights: only the activation scales differ
+    ref, got = reference(FP8, FP8_STEPS), results_of({"x": group("fast step n2")["fp8_cp2"]})["x"]
+    compare(ref, got, "fp8_cp2", LOSS_RTOL_FP8_CP, None, GRAD_NORM_RTOL_FP8_CP)
+    assert abs(got.losses[0] - ref.losses[0]) <= FIRST_LOSS_RTOL_FP8_CP * ref.losses[0], (ref.losses, got.losses)
     assert abs(got.grad_norms[0] - ref.grad_norms[0]) <= FIRST_GRAD_NORM_RTOL_FP8_CP * ref.grad_norms[0]
