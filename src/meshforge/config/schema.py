@@ -167,6 +167,11 @@ class DataConfig(Section):
     packing: bool = False
     # held-out data evaluated every training.val_every steps (val_loss, val_ppl)
     validation: ValidationDataConfig | None = None
+    # background worker processes building each step's batches ahead of it (torchdata StatefulDataLoader, in the
+    # checkpoint); 0 = built in the step, in the training process. Which batches, and their order, never change
+    num_workers: int = Field(0, ge=0)
+    # batches each worker keeps ready (read with num_workers > 0)
+    prefetch_factor: int = Field(2, gt=0)
 
     @model_validator(mode="after")
     def _source_inputs(self) -> DataConfig:
@@ -183,6 +188,8 @@ class DataConfig(Section):
             raise ValueError("data.tokenizer and data.validation are not read by data.source=synthetic")
         if self.source == "tokenized" and self.validation and len(self.validation.paths) > 1:
             raise ValueError("data.validation.paths: data.source=tokenized reads one .npy file")
+        if self.num_workers == 0 and self.prefetch_factor != type(self).model_fields["prefetch_factor"].default:
+            raise ValueError(f"data.prefetch_factor={self.prefetch_factor} is only read with data.num_workers > 0")
         unread = {"format": self.source != "dataset", "text_field": self.format != "text" or self.source != "dataset",
                   "loss_on": self.format == "text", "too_long": self.format == "text",
                   "packing": self.format == "text"}

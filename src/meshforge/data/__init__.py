@@ -2,5 +2,6 @@
 
 from meshforge.data.loader import ShardedBatchLoader
 from meshforge.data.sources import DataError, build_source
+from meshforge.data.workers import background
 
-__all__ = ["DataError", "ShardedBatchLoader", "build_source"]
+__all__ = ["DataError", "ShardedBatchLoader", "background", "build_source"]
