@@ -156,3 +156,76 @@ def test_worker_keys():
     assert load_config(None, ["data.num_workers=2", "data.prefetch_factor=4"], world_size=1).data.num_workers == 2
     with pytest.raises(ConfigError, match="data.prefetch_factor=4 is only read with data.num_workers > 0"):
         load_config(None, ["data.prefetch_factor=4"], world_size=1)
+
+
+@pytest.fixture(scope="module")
+def stream_files(tmp_path_factory):
+    """Two jsonl files of texts from 3 to 60 bytes: windows of 17 span records and records span windows."""
+    import json
+
+    d = tmp_path_factory.mktemp("stream")
+    rng = np.random.default_rng(0)
+    for name, n in (("a.jsonl", 23), ("b.jsonl", 17)):
+        with open(d / name, "w") as f:
+            for i in range(n):
+                f.write(json.dumps({"text": f"{name}{i}:" + "xyz"[i % 3] * int(rng.integers(0, 55))}) + "\n")
+    return [str(d / "a.jsonl"), str(d / "b.jsonl")]
+
+
+def _stream_cfg(files, streaming=True):
+    return DataConfig(source="dataset", paths=files, streaming=streaming)
+
+
+def test_streaming_reads_the_in_memory_windows_in_order_at_any_world_size(stream_files):
+    from meshforge.data import batch_loader
+
+    memory = build_source(_stream_cfg(stream_files, False), seq_len=16, vocab_size=256, seed=0)
+    stream = build_source(_stream_cfg(stream_files), seq_len=16, vocab_size=256, seed=0)
+    n_batches = 3 * memory.num_samples // 8 + 1  # three epochs and more: the stream wraps like the windows do
+    ref = ShardedBatchLoader(memory, 8, 8, shuffle=False)
+    want = [ref.next_batch() for _ in range(n_batches)]
+    one = batch_loader(stream, 8, 8, 0, 1, seed=0)
+    assert _same_batches([one.next_batch() for _ in range(n_batches)], want)
+    ranks = [batch_loader(stream, 8, 2, r, 2, seed=0) for r in range(2)]
+    for k in range(n_batches):  # dp 2 x micro 2: the slices of the same global batch
+        got = torch.cat([x for ld in ranks for x, _ in ld.next_batch()])
+        assert torch.equal(got, want[k][0][0])
+
+
+def test_streaming_resumes_exactly_mid_epoch_with_and_without_a_worker(stream_files, tmp_path):
+    from meshforge.data import batch_loader
+    from meshforge.data.workers import BackgroundLoader
+
+    stream = build_source(_stream_cfg(stream_files), seq_len=16, vocab_size=256, seed=0)
+    ref = batch_loader(stream, 8, 2, 1, 2, seed=0)
+    want = [ref.next_batch() for _ in range(16)]  # an epoch is 92 windows, 11.5 global batches
+    bg = BackgroundLoader(batch_loader(stream, 8, 2, 1, 2, seed=0), num_workers=1, prefetch_factor=2)
+    got = [bg.next_batch() for _ in range(12)]  # tokenized in the worker, batches 12.. prefetched
+    torch.save(bg.state_dict(), tmp_path / "state.pt")
+    bg.close()
+    state = torch.load(tmp_path / "state.pt", weights_only=True)
+    assert state["step"] == 12 and state["position"][0] == 1  # mid second epoch
+    assert _same_batches(got, want[:12])
+    for resumed in (batch_loader(stream, 8, 2, 1, 2, 0), BackgroundLoader(batch_loader(stream, 8, 2, 1, 2, 0), 1, 2)):
+        resumed.load_state_dict(state)
+        assert _same_batches([resumed.next_batch() for _ in range(4)], want[12:])
+        resumed.close()
+    at_one = batch_loader(stream, 8, 8, 0, 1, seed=0)  # the same state at another world size: the same batch 12
+    at_one.load_state_dict(state)
+    assert torch.equal(at_one.next_batch()[0][0][4:], torch.cat([x for x, _ in want[12]]))
+    with pytest.raises(ValueError, match="global_batch_size"):
+        batch_loader(stream, 4, 2, 0, 1, seed=0).load_state_dict(state)
+
+
+def test_streaming_keys():
+    from meshforge.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="data.streaming is not read with data.source=dataset data.format=chat"):
+        load_config(None, ["data.source=dataset", "data.paths=[x.jsonl]", "data.format=chat", "data.streaming=true"],
+                    world_size=1)
+    with pytest.raises(ConfigError, match="data.num_workers=2 must be 0 or 1"):
+        load_config(None, ["data.source=dataset", "data.paths=[x.jsonl]", "data.streaming=true",
+                           "data.num_workers=2"], world_size=1)
+    with pytest.raises(ConfigError, match="with data.streaming give data.validation.paths"):
+        load_config(None, ["data.source=dataset", "data.paths=[x.jsonl]", "data.streaming=true",
+                           "data.validation.fraction=0.1", "training.val_every=2"], world_size=1)

@@ -167,6 +167,9 @@ class DataConfig(Section):
     packing: bool = False
     # held-out data evaluated every training.val_every steps (val_loss, val_ppl)
     validation: ValidationDataConfig | None = None
+    # dataset + format text: read and tokenize the records while training, in file order (no shuffle), never
+    # holding the corpus in memory; every dp rank reads the whole stream (docs/data.md)
+    streaming: bool = False
     # background worker processes building each step's batches ahead of it (torchdata StatefulDataLoader, in the
     # checkpoint); 0 = built in the step, in the training process. Which batches, and their order, never change
     num_workers: int = Field(0, ge=0)
@@ -190,9 +193,15 @@ class DataConfig(Section):
             raise ValueError("data.validation.paths: data.source=tokenized reads one .npy file")
         if self.num_workers == 0 and self.prefetch_factor != type(self).model_fields["prefetch_factor"].default:
             raise ValueError(f"data.prefetch_factor={self.prefetch_factor} is only read with data.num_workers > 0")
+        if self.streaming and self.num_workers > 1:
+            raise ValueError(f"data.streaming reads one stream in order: data.num_workers={self.num_workers} "
+                             "must be 0 or 1")
+        if self.streaming and self.validation and self.validation.fraction is not None:
+            raise ValueError("data.validation.fraction needs random access to the samples; with data.streaming "
+                             "give data.validation.paths")
         unread = {"format": self.source != "dataset", "text_field": self.format != "text" or self.source != "dataset",
                   "loss_on": self.format == "text", "too_long": self.format == "text",
-                  "packing": self.format == "text"}
+                  "packing": self.format == "text", "streaming": self.format != "text" or self.source != "dataset"}
         for key, not_read in unread.items():  # a default value is harmless (a dumped config.yaml spells them all)
             if not_read and key in self.model_fields_set and getattr(self, key) != type(self).model_fields[key].default:
                 raise ValueError(f"data.{key} is not read with data.source={self.source} data.format={self.format}: "

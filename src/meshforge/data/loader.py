@@ -75,5 +75,9 @@ class ShardedBatchLoader:
                                  "resume with the same data and batch settings")
         self.step = int(state["step"])
 
+    def cursor(self) -> None:
+        """Random access: the step is the whole position (a streaming loader has more, see `data.streaming`)."""
+        return None
+
     def close(self) -> None:
         """Nothing to stop: batches are built in the step (`data.workers` has processes to stop)."""

@@ -155,6 +155,10 @@ def build_source(data_cfg, seq_len: int, vocab_size: int, seed: int):
         src = TokenStreamSource(load_token_file(data_cfg.path), seq_len, data_cfg.path)
     elif data_cfg.source == "dataset":
         paths = expand_paths(data_cfg.paths, folders=True)
+        if data_cfg.streaming:  # read and tokenized while training (data/streaming.py)
+            from meshforge.data.streaming import StreamingTextSource
+
+            return StreamingTextSource(paths, tok, data_cfg.text_field, seq_len, vocab_size)
         if data_cfg.format == "text":
             name = f"{tok.name}:" + ",".join(data_cfg.paths)
             src = TokenStreamSource(record_tokens(paths, tok, data_cfg.text_field), seq_len, name)
@@ -222,5 +226,18 @@ def split_validation(data_cfg, source, seq_len: int, vocab_size: int, seed: int)
     if data_cfg.source == "tokenized":
         vcfg = data_cfg.model_copy(update={"path": val.paths[0], "validation": None})
     else:
-        vcfg = data_cfg.model_copy(update={"paths": list(val.paths), "validation": None, "max_files": None})
+        vcfg = data_cfg.model_copy(update={"paths": list(val.paths), "validation": None, "max_files": None,
+                                           "streaming": False})  # validation batches are read in memory
     return source, build_source(vcfg, seq_len, vocab_size, seed)
+
+
+def batch_loader(source, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int, seed: int):
+    """The loader of `source`: random access (`ShardedBatchLoader`, seeded shuffle) or a stream, in order."""
+    from meshforge.data.loader import ShardedBatchLoader
+
+    if getattr(source, "streaming", False):
+        from meshforge.data.streaming import StreamingBatchLoader
+
+        return StreamingBatchLoader(source, global_batch_size, micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+    return ShardedBatchLoader(source, global_batch_size, micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                              seed=seed)

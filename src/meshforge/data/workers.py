@@ -21,13 +21,14 @@ from meshforge.errors import DataError
 
 
 class _GlobalBatches(torch.utils.data.Dataset):
-    """Map-style: item k = (k, this rank's micro batches of global batch k)."""
+    """Map-style: item k = (k, this rank's micro batches of global batch k, the loader's cursor after it)."""
 
     def __init__(self, loader):
         self.loader = loader
 
     def __getitem__(self, k: int):
-        return k, self.loader.batch(k)
+        batch = self.loader.batch(k)
+        return k, batch, self.loader.cursor()  # a stream's position after batch k travels back with it
 
 
 class _Steps:
@@ -86,10 +87,13 @@ class BackgroundLoader:
     def next_batch(self) -> list[tuple[torch.Tensor, ...]]:
         if self._it is None:
             self._start()
-        k, batch = next(self._it)
+        k, batch, cursor = next(self._it)
         if k != self.loader.step:  # the worker pipeline and the consumed count disagree: never train on it
             raise RuntimeError(f"background data loader returned global batch {k}, expected {self.loader.step}")
-        self.loader.step += 1
+        if cursor is None:
+            self.loader.step += 1
+        else:  # a stream: the main process's loader takes the position the worker reached
+            self.loader.seek(k + 1, cursor)
         return batch
 
     def state_dict(self) -> dict:
