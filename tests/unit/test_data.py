@@ -229,3 +229,12 @@ def test_streaming_keys():
     with pytest.raises(ConfigError, match="with data.streaming give data.validation.paths"):
         load_config(None, ["data.source=dataset", "data.paths=[x.jsonl]", "data.streaming=true",
                            "data.validation.fraction=0.1", "training.val_every=2"], world_size=1)
+
+
+def test_max_files_is_read_only_by_text():
+    from meshforge.config import ConfigError, load_config
+
+    assert load_config("examples/tiny_cpu.yaml", [], world_size=1).data.max_files == 60
+    with pytest.raises(ConfigError, match="data.max_files is not read with data.source=synthetic"):
+        load_config("examples/tiny_cpu.yaml", ["data.source=synthetic"], world_size=1)
+    assert load_config("examples/tiny_cpu.yaml", ["data.source=synthetic", "data.max_files=null"], world_size=1)

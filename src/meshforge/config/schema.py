@@ -153,6 +153,7 @@ class DataConfig(Section):
     paths: list[str] = Field(default_factory=list)
     # tokenized: a .npy token file (uint16 or uint32) made by `meshforge data prepare`
     path: str | None = None
+    # text: read only the first max_files files
     max_files: int | None = Field(None, gt=0)
     # a local tokenizer.json or Hugging Face tokenizer folder; None = byte-level (vocab 256, documents end in NUL)
     tokenizer: str | None = None
@@ -201,7 +202,8 @@ class DataConfig(Section):
                              "give data.validation.paths")
         unread = {"format": self.source != "dataset", "text_field": self.format != "text" or self.source != "dataset",
                   "loss_on": self.format == "text", "too_long": self.format == "text",
-                  "packing": self.format == "text", "streaming": self.format != "text" or self.source != "dataset"}
+                  "packing": self.format == "text", "streaming": self.format != "text" or self.source != "dataset",
+                  "max_files": self.source != "text"}
         for key, not_read in unread.items():  # a default value is harmless (a dumped config.yaml spells them all)
             if not_read and key in self.model_fields_set and getattr(self, key) != type(self).model_fields[key].default:
                 raise ValueError(f"data.{key} is not read with data.source={self.source} data.format={self.format}: "

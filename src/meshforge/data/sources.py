@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import sysconfig
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -119,28 +120,52 @@ def load_token_file(path: str) -> np.ndarray:
     return arr
 
 
-def text_tokens(files: list[Path], tokenizer) -> np.ndarray:
-    """Each file's text through the tokenizer, ended by the tokenizer's end-of-sequence token."""
-    ids: list[int] = []
-    for f in files:
+def documents(files: Iterable[Path], text_field: str | None = None) -> Iterator[str]:
+    """Each document's text, in order: the one reader behind data.source=text, dataset format=text, streaming and
+    `data prepare`. With `text_field`, a record file (jsonl/json, parquet, arrow) or saved dataset folder gives
+    one document per record; any other file is one document of UTF-8 text."""
+    return (text for _, _, text in positioned_documents(files, text_field))
+
+
+def positioned_documents(files: Iterable[Path], text_field: str | None, file: int = 0, record: int = 0
+                         ) -> Iterator[tuple[int, int, str]]:
+    """`documents` as (file index, record index, text), from document `record` of file `file` on (the records
+    before it are read, not returned: a streaming resume)."""
+    from meshforge.data.records import RECORD_SUFFIXES, field, iter_records
+
+    for fi, f in enumerate(files):  # any iterable of paths (`data prepare` passes its progress tracker)
+        if fi < file:
+            continue
+        if text_field is not None and (f.suffix in RECORD_SUFFIXES or f.is_dir()):
+            for ri, (where, rec) in enumerate(iter_records([f])):
+                if fi > file or ri >= record:
+                    yield fi, ri, field(rec, text_field, where)
+            continue
         try:
-            text = f.read_text(encoding="utf-8")
+            yield fi, 0, f.read_text(encoding="utf-8")
         except UnicodeDecodeError:
             raise DataError(f"data.paths: {f} is not UTF-8 text (a tokenizer reads text)") from None
+
+
+def text_tokens(docs: Iterator[str], tokenizer) -> np.ndarray:
+    """Each document through the tokenizer, ended by the tokenizer's end-of-sequence token, as one token stream."""
+    ids: list[int] = []
+    for text in docs:
         ids += tokenizer.encode(text) + [tokenizer.eos_id]
     if not ids:
         raise DataError("data: no text files to read")
     return np.asarray(ids, dtype=np.int64)
 
 
-def record_tokens(paths: list[Path], tokenizer, text_field: str) -> np.ndarray:
-    """The `text_field` of every record, each ended by the end-of-sequence token, as one token stream."""
-    from meshforge.data.records import field, iter_records
+def record_paths(paths: list[Path]) -> list[Path]:
+    """data.source=dataset reads record files and saved dataset folders only (a text file is data.source=text)."""
+    from meshforge.data.records import RECORD_SUFFIXES
 
-    ids: list[int] = []
-    for where, rec in iter_records(paths):
-        ids += tokenizer.encode(field(rec, text_field, where)) + [tokenizer.eos_id]
-    return np.asarray(ids, dtype=np.int64)
+    for p in paths:
+        if not (p.is_dir() or p.suffix in RECORD_SUFFIXES):
+            raise DataError(f"data.paths: {p} has an unknown extension; data.source=dataset reads "
+                            f"{', '.join(RECORD_SUFFIXES)} files and `datasets` save_to_disk folders")
+    return paths
 
 
 def build_source(data_cfg, seq_len: int, vocab_size: int, seed: int):
@@ -154,14 +179,14 @@ def build_source(data_cfg, seq_len: int, vocab_size: int, seed: int):
     if data_cfg.source == "tokenized":
         src = TokenStreamSource(load_token_file(data_cfg.path), seq_len, data_cfg.path)
     elif data_cfg.source == "dataset":
-        paths = expand_paths(data_cfg.paths, folders=True)
+        paths = record_paths(expand_paths(data_cfg.paths, folders=True))
         if data_cfg.streaming:  # read and tokenized while training (data/streaming.py)
             from meshforge.data.streaming import StreamingTextSource
 
             return StreamingTextSource(paths, tok, data_cfg.text_field, seq_len, vocab_size)
         if data_cfg.format == "text":
             name = f"{tok.name}:" + ",".join(data_cfg.paths)
-            src = TokenStreamSource(record_tokens(paths, tok, data_cfg.text_field), seq_len, name)
+            src = TokenStreamSource(text_tokens(documents(paths, data_cfg.text_field), tok), seq_len, name)
         else:
             from meshforge.data.examples import ExampleSource
 
@@ -173,7 +198,7 @@ def build_source(data_cfg, seq_len: int, vocab_size: int, seed: int):
             files = files[:data_cfg.max_files]
         name = ",".join(data_cfg.paths) if data_cfg.paths else "python-stdlib"
         if data_cfg.tokenizer:
-            src = TokenStreamSource(text_tokens(files, tok), seq_len, f"{tok.name}:{name}")
+            src = TokenStreamSource(text_tokens(documents(files), tok), seq_len, f"{tok.name}:{name}")
         else:
             src = TokenStreamSource(byte_tokens(files), seq_len, name)
     if src.max_token() >= vocab_size:

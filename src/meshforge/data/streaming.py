@@ -39,18 +39,14 @@ class StreamingTextSource:
 
     def records(self, file: int, record: int):
         """(file, record, token ids + EOS) from that position on, to the end of the last file."""
-        from meshforge.data.records import field, iter_records
+        from meshforge.data.sources import positioned_documents
 
-        for fi in range(file, len(self.paths)):
-            for ri, (where, rec) in enumerate(iter_records([self.paths[fi]])):
-                if fi == file and ri < record:
-                    continue
-                ids = np.asarray(self.tok.encode(field(rec, self.text_field, where)) + [self.tok.eos_id],
-                                 dtype=np.int64)
-                if ids.max() >= self.vocab_size:
-                    raise DataError(f"data: token id {int(ids.max())} in {where} is outside "
-                                    f"model.vocab_size={self.vocab_size}")
-                yield fi, ri, ids
+        for fi, ri, text in positioned_documents(self.paths, self.text_field, file, record):
+            ids = np.asarray(self.tok.encode(text) + [self.tok.eos_id], dtype=np.int64)
+            if ids.max() >= self.vocab_size:
+                raise DataError(f"data: token id {int(ids.max())} in {self.paths[fi]} record {ri} is outside "
+                                f"model.vocab_size={self.vocab_size}")
+            yield fi, ri, ids
 
     def digest(self) -> str:
         h = hashlib.sha256(f"{self.name}:{self.text_field}:{self.seq_len}".encode())
