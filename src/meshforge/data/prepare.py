@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from meshforge.data.sources import byte_tokens, documents, expand_paths, stdlib_sources
+from meshforge.data.records import documents
+from meshforge.data.sources import byte_tokens, expand_paths, stdlib_sources
 from meshforge.errors import DataError
 from meshforge.progress import track
 

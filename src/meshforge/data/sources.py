@@ -11,7 +11,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import sysconfig
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -120,33 +120,6 @@ def load_token_file(path: str) -> np.ndarray:
     return arr
 
 
-def documents(files: Iterable[Path], text_field: str | None = None) -> Iterator[str]:
-    """Each document's text, in order: the one reader behind data.source=text, dataset format=text, streaming and
-    `data prepare`. With `text_field`, a record file (jsonl/json, parquet, arrow) or saved dataset folder gives
-    one document per record; any other file is one document of UTF-8 text."""
-    return (text for _, _, text in positioned_documents(files, text_field))
-
-
-def positioned_documents(files: Iterable[Path], text_field: str | None, file: int = 0, record: int = 0
-                         ) -> Iterator[tuple[int, int, str]]:
-    """`documents` as (file index, record index, text), from document `record` of file `file` on (the records
-    before it are read, not returned: a streaming resume)."""
-    from meshforge.data.records import RECORD_SUFFIXES, field, iter_records
-
-    for fi, f in enumerate(files):  # any iterable of paths (`data prepare` passes its progress tracker)
-        if fi < file:
-            continue
-        if text_field is not None and (f.suffix in RECORD_SUFFIXES or f.is_dir()):
-            for ri, (where, rec) in enumerate(iter_records([f])):
-                if fi > file or ri >= record:
-                    yield fi, ri, field(rec, text_field, where)
-            continue
-        try:
-            yield fi, 0, f.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise DataError(f"data.paths: {f} is not UTF-8 text (a tokenizer reads text)") from None
-
-
 def text_tokens(docs: Iterator[str], tokenizer) -> np.ndarray:
     """Each document through the tokenizer, ended by the tokenizer's end-of-sequence token, as one token stream."""
     ids: list[int] = []
@@ -169,6 +142,7 @@ def record_paths(paths: list[Path]) -> list[Path]:
 
 
 def build_source(data_cfg, seq_len: int, vocab_size: int, seed: int):
+    from meshforge.data.records import documents
     from meshforge.data.tokenizer import check_vocab, load_tokenizer
 
     if data_cfg.source == "synthetic":

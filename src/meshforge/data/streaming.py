@@ -39,7 +39,7 @@ class StreamingTextSource:
 
     def records(self, file: int, record: int):
         """(file, record, token ids + EOS) from that position on, to the end of the last file."""
-        from meshforge.data.sources import positioned_documents
+        from meshforge.data.records import positioned_documents
 
         for fi, ri, text in positioned_documents(self.paths, self.text_field, file, record):
             ids = np.asarray(self.tok.encode(text) + [self.tok.eos_id], dtype=np.int64)
