@@ -89,7 +89,13 @@ class StreamingBatchLoader:
                 pending.append(nxt)
                 have += len(nxt[2])
             if have >= n:
-                tokens = np.concatenate([ids for _, _, ids in pending])[offset:offset + n]
+                parts, need, start = [], n, offset  # only the records the window covers
+                for _, _, ids in pending:
+                    parts.append(ids[start:start + need])
+                    need, start = need - len(parts[-1]), 0
+                    if not need:
+                        break
+                tokens = np.concatenate(parts)
                 offset += s
                 while offset >= len(pending[0][2]):  # drop the records the next window starts after
                     offset -= len(pending.pop(0)[2])
