@@ -238,3 +238,14 @@ def test_max_files_is_read_only_by_text():
     with pytest.raises(ConfigError, match="data.max_files is not read with data.source=synthetic"):
         load_config("examples/tiny_cpu.yaml", ["data.source=synthetic"], world_size=1)
     assert load_config("examples/tiny_cpu.yaml", ["data.source=synthetic", "data.max_files=null"], world_size=1)
+
+
+def test_streaming_validation_files_are_read_in_memory(stream_files):
+    from meshforge.config import load_config
+    from meshforge.data.sources import split_validation
+
+    cfg = load_config(None, ["data.source=dataset", f"data.paths=[{stream_files[0]}]", "data.streaming=true",
+                             f"data.validation.paths=[{stream_files[1]}]", "training.val_every=2"], world_size=1)
+    train_src, val_src = split_validation(cfg.data, build_source(cfg.data, 16, 256, 0), 16, 256, 0)
+    assert train_src.streaming and val_src.num_samples == build_source(
+        _stream_cfg(stream_files[1:], False), seq_len=16, vocab_size=256, seed=0).num_samples
