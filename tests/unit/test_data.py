@@ -249,3 +249,18 @@ def test_streaming_validation_files_are_read_in_memory(stream_files):
     train_src, val_src = split_validation(cfg.data, build_source(cfg.data, 16, 256, 0), 16, 256, 0)
     assert train_src.streaming and val_src.num_samples == build_source(
         _stream_cfg(stream_files[1:], False), seq_len=16, vocab_size=256, seed=0).num_samples
+
+
+def test_bad_data_in_a_worker_is_one_line(tmp_path):
+    from meshforge.data import batch_loader
+    from meshforge.data.workers import BackgroundLoader
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "' + "a" * 40 + '"}\n{"txt": "no text field"}\n')
+    ld = BackgroundLoader(batch_loader(build_source(_stream_cfg([str(bad)]), seq_len=16, vocab_size=256, seed=0),
+                                       2, 2, 0, 1, 0), num_workers=1, prefetch_factor=2)
+    assert len(ld.next_batch()) == 1  # the first record holds the first batch
+    with pytest.raises(DataError) as err:
+        ld.next_batch()
+    assert err.value.problems == [f"data: {bad} record 1 has no field 'text' (fields: txt)"]
+    ld.close()

@@ -29,7 +29,10 @@ class _GlobalBatches(torch.utils.data.Dataset):
     def __getitem__(self, k: int):
         # numpy arrays travel pickled through the worker's queue: for a step's few small arrays that is ~10x
         # faster than torch's shared-memory tensors (a file descriptor each; measured in the j15 note)
-        batch = [tuple(t.numpy() for t in mb) for mb in self.loader.batch(k)]
+        try:
+            batch = [tuple(t.numpy() for t in mb) for mb in self.loader.batch(k)]
+        except DataError as err:  # bad data read in a worker stays one line (the data loader would wrap it)
+            return k, err.problems, None
         return k, batch, self.loader.cursor()  # a stream's position after batch k travels back with it
 
 
@@ -95,6 +98,8 @@ class BackgroundLoader:
         if self._it is None:
             self._start()
         k, arrays, cursor = next(self._it)
+        if arrays and isinstance(arrays[0], str):
+            raise DataError(arrays)
         batch = [tuple(torch.from_numpy(a) for a in mb) for mb in arrays]
         if k != self.loader.step:  # the worker pipeline and the consumed count disagree: never train on it
             raise RuntimeError(f"background data loader returned global batch {k}, expected {self.loader.step}")
