@@ -206,8 +206,10 @@ class DataConfig(Section):
                   "max_files": self.source != "text"}
         for key, not_read in unread.items():  # a default value is harmless (a dumped config.yaml spells them all)
             if not_read and key in self.model_fields_set and getattr(self, key) != type(self).model_fields[key].default:
+                default = type(self).model_fields[key].default
                 raise ValueError(f"data.{key} is not read with data.source={self.source} data.format={self.format}: "
-                                 f"remove it (it is {getattr(self, key)!r})")
+                                 f"remove it (it is {getattr(self, key)!r}) or override "
+                                 f"data.{key}={'null' if default is None else str(default).lower()}")
         return self
 
 
