@@ -188,7 +188,10 @@ class SubsetSource:
         self.num_samples, self.seq_len = len(self.indices), source.seq_len
         self.name = f"{source.name}[{tag}]"
         if hasattr(source, "batch"):
-            self.batch = lambda idx: source.batch(self._map(idx))
+            self.batch = self._batch  # a method, not a lambda: the source pickles (spawned data workers)
+
+    def _batch(self, idx):
+        return self.source.batch(self._map(idx))
 
     def _map(self, idx) -> list[int]:
         return [int(self.indices[i % self.num_samples]) for i in idx]

@@ -6,6 +6,9 @@ own: batch k is a pure function of k (global batch k the same at any world size 
 disjoint slice), so workers change when a batch is built, never which. Each item carries its k and the main
 process checks it against the batches it has consumed, so a wrong order cannot pass silently.
 
+Workers are forked on Linux (whatever Python's default start method), so an in-memory source is shared
+copy-on-write instead of pickled into each worker; elsewhere the platform's default applies.
+
 Position: `step` counts the batches the training loop has taken (not those prefetched). The checkpoint holds it
 plus the `StatefulDataLoader` state; a resume with the same `num_workers` restores that state, any other resume
 (another worker count, another world size, 0 workers) restarts the workers at `step`, which is the same batch.
@@ -13,6 +16,7 @@ plus the `StatefulDataLoader` state; a resume with the same `num_workers` restor
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import torch
@@ -88,7 +92,8 @@ class BackgroundLoader:
             warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
             self._dl = StatefulDataLoader(_GlobalBatches(self.loader), batch_size=None,
                                           sampler=_Steps(self.loader.step), num_workers=self.num_workers,
-                                          prefetch_factor=self.prefetch_factor, collate_fn=_as_is)
+                                          prefetch_factor=self.prefetch_factor, collate_fn=_as_is,
+                                          multiprocessing_context="fork" if sys.platform == "linux" else None)
             if self._resume_state is not None:
                 self._dl.load_state_dict(self._resume_state)
                 self._resume_state = None
