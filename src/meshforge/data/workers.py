@@ -16,6 +16,7 @@ plus the `StatefulDataLoader` state; a resume with the same `num_workers` restor
 
 from __future__ import annotations
 
+import signal
 import sys
 import warnings
 
@@ -38,6 +39,12 @@ class _GlobalBatches(torch.utils.data.Dataset):
         except DataError as err:  # bad data read in a worker stays one line (the data loader would wrap it)
             return k, err.problems, None
         return k, batch, self.loader.cursor()  # a stream's position after batch k travels back with it
+
+
+def _ignore_interrupts(_worker_id: int) -> None:
+    """Ctrl-C reaches the whole process group: the training process finishes its step and saves (it stops the
+    workers itself), so the workers leave the signal to it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _as_is(item):
@@ -93,7 +100,8 @@ class BackgroundLoader:
             self._dl = StatefulDataLoader(_GlobalBatches(self.loader), batch_size=None,
                                           sampler=_Steps(self.loader.step), num_workers=self.num_workers,
                                           prefetch_factor=self.prefetch_factor, collate_fn=_as_is,
-                                          multiprocessing_context="fork" if sys.platform == "linux" else None)
+                                          multiprocessing_context="fork" if sys.platform == "linux" else None,
+                                          worker_init_fn=_ignore_interrupts)
             if self._resume_state is not None:
                 self._dl.load_state_dict(self._resume_state)
                 self._resume_state = None
