@@ -1,6 +1,6 @@
 """The loss is normalised by the global batch's label-token count: with uneven label masks (prompt/completion
 examples whose prompts carry no loss, truncated at seq_len, some with no label at all) every parallel layout
-(and packed sequences under ddp and TP+SP) reproduces the single-process losses, grad norms and weights (fp32, 3 steps; tolerances as the dp parity tests).
+(and packed sequences under ddp, TP+SP and CP) reproduces the single-process losses, grad norms and weights (fp32, 3 steps; tolerances as the dp parity tests).
 
 A mean of per-micro-batch means would differ here (each micro batch holds a different number of label tokens):
 `test_accumulation_does_not_change_the_loss` shows the single process itself agrees at micro batch 1 and 8.
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.dist
 DATA = Path(__file__).resolve().parents[2] / "examples" / "data" / "prompt_completion_tiny.jsonl"
 SFT = ["data.source=dataset", f"data.paths=[{DATA}]", "data.format=prompt_completion", "training.seq_len=32"]
 STEPS, LOSS_RTOL, WEIGHT_ATOL = 3, 1e-5, 5e-5
-PACKED = ["data.packing=true", "training.seq_len=64"]
+PACKED = ["data.packing=true", "training.seq_len=128"]  # 2-3 examples a row: the mask matters
 PP = ["model.n_layers=4", "distributed.pp_size=2", "distributed.pipeline.pp_microbatch_size=2"]
 
 N2 = {
@@ -31,15 +31,18 @@ N2 = {
     "cp2": ["distributed.cp_size=2"],
     "pp2": PP,
     "pp2 scale_grads_in_schedule": PP + ["distributed.pipeline.scale_grads_in_schedule=true"],
-    # packed sequences (document masks; seq_len 64): data parallel and tensor + sequence parallel
+    # packed sequences (document masks; seq_len 128): data parallel and tensor + sequence parallel
     "packed ddp accum": PACKED + ["distributed.strategy=ddp", "training.micro_batch_size=1"],
     "packed tp2+sp": PACKED + ["distributed.tp_size=2", "distributed.sequence_parallel=true"],
+    # context parallel: the load-balanced chunks are masked with the full document ids
+    "packed cp2 accum": PACKED + ["distributed.cp_size=2", "training.micro_batch_size=1"],
 }
 N4 = {
     "fsdp2 n4": ["distributed.strategy=fsdp2", "training.micro_batch_size=1"],
     "megatron_fsdp n4": ["distributed.strategy=megatron_fsdp", "training.micro_batch_size=1"],
     "fsdp2 2 x cp2": ["distributed.cp_size=2"],
     "pp2 x fsdp2 2": PP,
+    "packed fsdp2 2 x cp2": PACKED + ["distributed.cp_size=2"],
 }
 GROUP_JOBS = [Job(f"loss normalisation n{n}", "meshforge.testing.parity:configs_job",
                   {"configs": {k: SFT + v for k, v in configs.items()}, "steps": STEPS}, n)

@@ -139,7 +139,7 @@ def test_state_bytes_are_exact_for_a_plain_model():
 
 def _fake_result(device="cpu"):
     row = {"name": "strategy=ddp", "nproc": 1, "world_size": 1, "strategy": "ddp", "step_s_median": 0.01,
-           "spread_pct": 4.0, "tokens_per_s_per_device": 25600.0, "tflops_per_device": 0.017, "mfu": None,
+           "spread_pct": 4.0, "data_wait_s_median": 0.0025, "data_wait_s_mean": 0.004, "tokens_per_s_per_device": 25600.0, "tflops_per_device": 0.017, "mfu": None,
            "state_bytes_max": 2004052, "cuda_max_allocated_max": None, "comm_bytes_per_step": 0,
            "device_name": device, "seq_len": 32, "global_batch_size": 8, "micro_batch_size": 2,
            "precision": "fp32", "n_params": 125248}
@@ -157,7 +157,7 @@ def test_report_files(tmp_path, monkeypatch):
     paths = report.write_outputs(_fake_result(), tmp_path)
     md = (tmp_path / "bench.md").read_text().splitlines()
     assert md[0].startswith("| config | N | strategy | step ms")
-    assert md[2].startswith("| strategy=ddp | 1 | ddp | 10.00 | 4% | 25,600 |") and md[2].endswith("| 1.250 |")
+    assert md[2].startswith("| strategy=ddp | 1 | ddp | 10.00 | 4% | 2.50 / 4.00 | 25,600 |") and md[2].endswith("| 1.250 |")
     assert "failed: RuntimeError: boom" in md[3] and md[4].startswith("| bare PyTorch loop | 1 |")
     assert any("meshforge / bare PyTorch step time at world size 1: 1.020" in line for line in md)
     assert json.loads((tmp_path / "bench.json").read_text())["rows"][0]["tokens_per_s_per_device"] == 25600.0

@@ -67,9 +67,9 @@ def test_packed_loss_equals_unpacked(model):
 def test_packing_refused_where_the_mask_is_not_carried():
     base = ["data.source=dataset", f"data.paths=[{DATA}]", "data.format=prompt_completion", "data.packing=true",
             "training.seq_len=32"]
-    for extra, match in ((["distributed.cp_size=2"], "cp_size 1"), (["distributed.pp_size=2"], "pp_size 1"),
-                         (["model.preset=tiny_moe"], "mixture-of-experts")):
+    for extra, match in ((["distributed.pp_size=2"], "pp_size 1"), (["model.preset=tiny_moe"], "mixture-of-experts")):
         with pytest.raises(ConfigError, match=match):
             load_config(None, base + extra, world_size=2)
+    assert load_config(None, base + ["distributed.cp_size=2"], world_size=2).data.packing  # cp carries the mask
     with pytest.raises(ConfigError, match="data.packing is not read"):
         load_config(None, ["data.packing=true"], world_size=1)

@@ -45,6 +45,7 @@ def test_schedules():
 
 def test_bad_inputs_exit_2_without_traceback(tmp_path, capsys):
     assert main(["train", "examples/tiny_cpu.yaml", "data.source=tokenized", f"data.path={tmp_path}/none.npy",
+                 "data.max_files=null",
                  f"run.output_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "does not exist" in err and "Traceback" not in err

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from meshforge.bench.measure import percentile, step_stats, sync, throughput_fields
 from meshforge.config import load_config
-from meshforge.data import ShardedBatchLoader, build_source
+from meshforge.data import batch_loader, build_source
 from meshforge.distributed.env import DistInfo, pick_device
 from meshforge.distributed.master_weights import MasterWeightAdamW
 from meshforge.models import build_model, contract_of, init_weights, resolve_model_args
@@ -135,7 +135,7 @@ def compare(cfg, steps: int, warmup: int, rounds: int, peak_override: float | No
     # the bare loop's data: the same global batches the trainer will see, as plain tensors
     t = cfg.training
     source = build_source(cfg.data, t.seq_len, resolve_model_args(cfg.model).vocab_size, cfg.run.seed)
-    data = ShardedBatchLoader(source, t.global_batch_size, t.micro_batch_size, seed=cfg.run.seed)
+    data = batch_loader(source, t.global_batch_size, t.micro_batch_size, 0, 1, cfg.run.seed)
     bare = BareLoop(cfg, device, [data.next_batch() for _ in range(min(4, warmup + steps))])
 
     timed_loader = trainer.loader = _TimedLoader(trainer.loader)

@@ -2,7 +2,9 @@
 
 One row per configuration plus, with `--baseline`, one for the bare PyTorch loop.
 Columns (all per device / per rank, so rows at different world sizes compare):
-step time median and spread (p10..p90 as % of the median), tokens/s per device,
+step time median and spread (p10..p90 as % of the median), the median and mean time a step waited for its
+batch (the mean is what throughput pays: a streaming source's occasional long record hides from the median;
+data.num_workers > 0 builds batches ahead, so with spare cores it falls to a queue read), tokens/s per device,
 TFLOP/s per device, MFU (null where no device peak is known, e.g. CPU), the bytes
 of params+grads+optimizer state the largest rank holds, peak CUDA memory
 (allocated / reserved; CUDA only), bytes passed to collectives per step, and, for
@@ -15,7 +17,7 @@ import json
 import time
 from pathlib import Path
 
-COLUMNS = ["config", "N", "strategy", "step ms", "spread", "tok/s/dev", "TFLOP/s/dev", "MFU",
+COLUMNS = ["config", "N", "strategy", "step ms", "spread", "data wait ms med/mean", "tok/s/dev", "TFLOP/s/dev", "MFU",
            "state/rank", "peak alloc/res", "comm/step", "x bare"]
 
 
@@ -51,13 +53,15 @@ def table_rows(result: dict) -> list[list[str]]:
             cuda = f"{r['cuda_max_allocated_max'] / 2**30:.1f} / {r['cuda_max_reserved_max'] / 2**30:.1f} GiB"
         xb = f"{r['step_s_median'] / bare['step_s_median']:.3f}" if bare and _same_settings(r, base) else "-"
         rows.append([r["name"], str(r["world_size"]), r["strategy"], f"{r['step_s_median'] * 1e3:.2f}",
-                     f"{r['spread_pct']:.0f}%", f"{r['tokens_per_s_per_device']:,.0f}",
+                     f"{r['spread_pct']:.0f}%",
+                     f"{r['data_wait_s_median'] * 1e3:.2f} / {r['data_wait_s_mean'] * 1e3:.2f}",
+                     f"{r['tokens_per_s_per_device']:,.0f}",
                      _num(r["tflops_per_device"], ".3g"), _num(r["mfu"] and 100 * r["mfu"], ".1f") +
                      ("%" if r["mfu"] else ""), fmt_bytes(r["state_bytes_max"]), cuda,
                      fmt_bytes(r["comm_bytes_per_step"]), xb])
     if bare:
         rows.append(["bare PyTorch loop", "1", "-", f"{bare['step_s_median'] * 1e3:.2f}", f"{bare['spread_pct']:.0f}%",
-                     f"{bare['tokens_per_s_per_device']:,.0f}", _num(bare["tflops_per_device"], ".3g"),
+                     "-", f"{bare['tokens_per_s_per_device']:,.0f}", _num(bare["tflops_per_device"], ".3g"),
                      _num(bare["mfu"] and 100 * bare["mfu"], ".1f") + ("%" if bare["mfu"] else ""), "-", "-",
                      "0 B", "1.000"])
     return rows

@@ -2,7 +2,8 @@
 
 It builds the run with `Trainer.build`, exactly as training does, and times `Trainer.train_step`, the
 training loop's own step (which never reads the loss back; the bench synchronises the device around each
-timed step instead).
+timed step instead). Each timed step also records how long it waited for its batch (`data_wait_s_*`: the
+loader's time in the step, the slowest rank's), to set against the step time.
 
 Timing: `warmup` untimed steps, then `steps` timed ones, each bracketed by a device
 synchronisation; a step's time is the slowest rank's. After them one more
@@ -12,6 +13,7 @@ untimed step counts collective bytes (`measure.CommCounter`) and, before its
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -42,13 +44,20 @@ def measure(cfg, info, steps: int, warmup: int, peak_override: float | None = No
         torch.cuda.reset_peak_memory_stats(device)
     if dist_on:
         dist.barrier()
-    times, losses = [], []
+    times, waits, losses = [], [], []
+    marks: dict = {}
+
+    def mark(part: str) -> None:
+        marks.setdefault(part, time.perf_counter())
+
     for _ in range(steps):
         sync(device)
+        marks.clear()
         t0 = time.perf_counter()
-        loss, _ = trainer.train_step()
+        loss, _ = trainer.train_step(mark)
         sync(device)
         times.append(time.perf_counter() - t0)
+        waits.append(marks["data"] - t0)  # the step waited this long for its batch (data.num_workers hides it)
         losses.append(loss)
     losses = torch.stack(losses).tolist() if losses else []
     cuda_mem = None
@@ -74,9 +83,9 @@ def measure(cfg, info, steps: int, warmup: int, peak_override: float | None = No
         comm.update(total=after - before, source="strategy.comm_bytes", dispatch_total=counter.total)
 
     if dist_on:  # the slowest rank sets each step's time
-        tt = torch.tensor(times, dtype=torch.float64, device=device)
+        tt = torch.tensor([times, waits], dtype=torch.float64, device=device)
         dist.all_reduce(tt, op=dist.ReduceOp.MAX)
-        times = tt.tolist()
+        times, waits = tt.tolist()
         ranks: list = [None] * info.world_size
         dist.all_gather_object(ranks, {"rank": info.rank, "state_bytes": held, "cuda_memory": cuda_mem,
                                        "comm_bytes_per_step": comm["total"]})
@@ -98,7 +107,9 @@ def measure(cfg, info, steps: int, warmup: int, peak_override: float | None = No
         "tokens_per_step": tokens_per_step, "flops_per_token": fpt,
         "n_params": sum(p.numel() for p in model_ref.parameters()),
         "steps": steps, "warmup": warmup, "losses": losses,
-        **stats, **throughput_fields(stats["step_s_median"], tokens_per_step, info.world_size, fpt, peak),
+        **stats, "data_wait_s_median": statistics.median(waits), "data_wait_s_mean": statistics.mean(waits),
+        "data_wait_s_all": waits,
+        **throughput_fields(stats["step_s_median"], tokens_per_step, info.world_size, fpt, peak),
         "comm": comm, "comm_bytes_per_step": comm["total"],
         "per_rank": ranks,
         "state_bytes_max": max(r["state_bytes"].get("total", 0) for r in ranks),

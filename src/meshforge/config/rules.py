@@ -457,13 +457,12 @@ def validation_data(cfg: Config, world_size: int) -> list[str]:
 
 @rule
 def packing_support(cfg: Config, world_size: int) -> list[str]:
-    """Packed sequences need the document mask in every attention: the dense model's, without cp or pp (the
-    context-parallel attention and the pipeline stages do not carry it yet)."""
+    """Packed sequences need the document mask in every attention: the dense model's or the context-parallel one
+    (which masks its load-balanced chunks with the full document ids), not through pipeline stages (they do not
+    carry it yet)."""
     if not cfg.data.packing:
         return []
     d, out = cfg.distributed, []
-    if d.cp_size > 1:
-        out.append(f"data.packing=true with distributed.cp_size={d.cp_size} is not supported yet: set cp_size 1")
     if d.pp_size > 1:
         out.append(f"data.packing=true with distributed.pp_size={d.pp_size} is not supported yet: set pp_size 1")
     args = _model_args(cfg)

@@ -153,6 +153,7 @@ class DataConfig(Section):
     paths: list[str] = Field(default_factory=list)
     # tokenized: a .npy token file (uint16 or uint32) made by `meshforge data prepare`
     path: str | None = None
+    # text: read only the first max_files files
     max_files: int | None = Field(None, gt=0)
     # a local tokenizer.json or Hugging Face tokenizer folder; None = byte-level (vocab 256, documents end in NUL)
     tokenizer: str | None = None
@@ -167,6 +168,14 @@ class DataConfig(Section):
     packing: bool = False
     # held-out data evaluated every training.val_every steps (val_loss, val_ppl)
     validation: ValidationDataConfig | None = None
+    # dataset + format text: read and tokenize the records while training, in file order (no shuffle), never
+    # holding the corpus in memory; every dp rank reads the whole stream (docs/data.md)
+    streaming: bool = False
+    # background worker processes building each step's batches ahead of it (torchdata StatefulDataLoader, in the
+    # checkpoint); 0 = built in the step, in the training process. Which batches, and their order, never change
+    num_workers: int = Field(0, ge=0)
+    # batches each worker keeps ready (read with num_workers > 0)
+    prefetch_factor: int = Field(2, gt=0)
 
     @model_validator(mode="after")
     def _source_inputs(self) -> DataConfig:
@@ -183,13 +192,24 @@ class DataConfig(Section):
             raise ValueError("data.tokenizer and data.validation are not read by data.source=synthetic")
         if self.source == "tokenized" and self.validation and len(self.validation.paths) > 1:
             raise ValueError("data.validation.paths: data.source=tokenized reads one .npy file")
+        if self.num_workers == 0 and self.prefetch_factor != type(self).model_fields["prefetch_factor"].default:
+            raise ValueError(f"data.prefetch_factor={self.prefetch_factor} is only read with data.num_workers > 0")
+        if self.streaming and self.num_workers > 1:
+            raise ValueError(f"data.streaming reads one stream in order: data.num_workers={self.num_workers} "
+                             "must be 0 or 1")
+        if self.streaming and self.validation and self.validation.fraction is not None:
+            raise ValueError("data.validation.fraction needs random access to the samples; with data.streaming "
+                             "give data.validation.paths")
         unread = {"format": self.source != "dataset", "text_field": self.format != "text" or self.source != "dataset",
                   "loss_on": self.format == "text", "too_long": self.format == "text",
-                  "packing": self.format == "text"}
+                  "packing": self.format == "text", "streaming": self.format != "text" or self.source != "dataset",
+                  "max_files": self.source != "text"}
         for key, not_read in unread.items():  # a default value is harmless (a dumped config.yaml spells them all)
             if not_read and key in self.model_fields_set and getattr(self, key) != type(self).model_fields[key].default:
+                default = type(self).model_fields[key].default
                 raise ValueError(f"data.{key} is not read with data.source={self.source} data.format={self.format}: "
-                                 f"remove it (it is {getattr(self, key)!r})")
+                                 f"remove it (it is {getattr(self, key)!r}) or override "
+                                 f"data.{key}={'null' if default is None else str(default).lower()}")
         return self
 
 

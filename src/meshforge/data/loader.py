@@ -43,13 +43,18 @@ class ShardedBatchLoader:
     def global_batch_indices(self, k: int) -> list[int]:
         return [self._index(k * self.G + j) for j in range(self.G)]
 
-    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's micro batches of the next global batch, as (inputs, labels) int64 tensors (plus document
-        ids for packed sequences)."""
-        idx = self.global_batch_indices(self.step)
+    def next_batch(self) -> list[tuple[torch.Tensor, ...]]:
+        """This rank's micro batches of the next global batch (see `batch`)."""
+        out = self.batch(self.step)
+        self.step += 1
+        return out
+
+    def batch(self, k: int) -> list[tuple[torch.Tensor, ...]]:
+        """This rank's micro batches of global batch k, as (inputs, labels) int64 tensors (plus document ids for
+        packed sequences): a pure function of k, so background workers (`data.workers`) can build any of them."""
+        idx = self.global_batch_indices(k)
         local = self.G // self.dp_size
         mine = idx[self.dp_rank * local:(self.dp_rank + 1) * local]
-        self.step += 1
         out = []
         for i in range(0, local, self.m):
             if hasattr(self.source, "batch"):  # examples with label masks (SFT): (x, y[, document ids])
@@ -69,3 +74,10 @@ class ShardedBatchLoader:
                 raise ValueError(f"data loader state was saved with {key}={state[key]!r} but this run has {mine!r}; "
                                  "resume with the same data and batch settings")
         self.step = int(state["step"])
+
+    def cursor(self) -> None:
+        """Random access: the step is the whole position (a streaming loader has more, see `data.streaming`)."""
+        return None
+
+    def close(self) -> None:
+        """Nothing to stop: batches are built in the step (`data.workers` has processes to stop)."""

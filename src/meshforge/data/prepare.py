@@ -13,25 +13,12 @@ from pathlib import Path
 
 import numpy as np
 
+from meshforge.data.records import documents
 from meshforge.data.sources import byte_tokens, expand_paths, stdlib_sources
 from meshforge.errors import DataError
 from meshforge.progress import track
 
 CHUNK_DOCS = 1024
-
-
-def _documents(files: list[Path], text_field: str) -> Iterator[str]:
-    from meshforge.data.records import RECORD_SUFFIXES, field, iter_records
-
-    for f in files:
-        if f.suffix in RECORD_SUFFIXES:
-            for where, rec in iter_records([f]):
-                yield field(rec, text_field, where)
-        else:
-            try:
-                yield f.read_text(encoding="utf-8")
-            except UnicodeDecodeError:
-                raise DataError(f"data prepare: {f} is not UTF-8 text") from None
 
 
 def _write_npy(out: Path, chunks: Iterator[np.ndarray], dtype: np.dtype) -> int:
@@ -78,7 +65,7 @@ def prepare(inputs: list[str], output: str, dtype: str = "uint16", tokenizer: st
 
     def chunks() -> Iterator[np.ndarray]:
         batch: list[str] = []
-        for doc in _documents(track(files, "data prepare: files tokenized"), text_field):
+        for doc in documents(track(files, "data prepare: files tokenized"), text_field):
             batch.append(doc)
             if len(batch) == CHUNK_DOCS:
                 yield from _encode(batch)

@@ -8,7 +8,7 @@ streams files larger than memory; the training sources hold the tokenized record
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from meshforge.errors import DataError
@@ -110,3 +110,28 @@ def field(rec: dict, name: str, where: str, kind: type = str):
     if not isinstance(value, kind):
         raise DataError(f"data: {where} field {name!r} is a {type(value).__name__}, expected {kind.__name__}")
     return value
+
+
+def documents(files: Iterable[Path], text_field: str | None = None) -> Iterator[str]:
+    """Each document's text, in order: the one reader behind data.source=text, dataset format=text, streaming and
+    `data prepare`. With `text_field`, a record file (jsonl/json, parquet, arrow) or saved dataset folder gives
+    one document per record; any other file is one document of UTF-8 text."""
+    return (text for _, _, text in positioned_documents(files, text_field))
+
+
+def positioned_documents(files: Iterable[Path], text_field: str | None, file: int = 0, record: int = 0
+                         ) -> Iterator[tuple[int, int, str]]:
+    """`documents` as (file index, record index, text), from document `record` of file `file` on (the records
+    before it are read, not returned: a streaming resume)."""
+    for fi, f in enumerate(files):  # any iterable of paths (`data prepare` passes its progress tracker)
+        if fi < file:
+            continue
+        if text_field is not None and (f.suffix in RECORD_SUFFIXES or f.is_dir()):
+            for ri, (where, rec) in enumerate(iter_records([f])):
+                if fi > file or ri >= record:
+                    yield fi, ri, field(rec, text_field, where)
+            continue
+        try:
+            yield fi, 0, f.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise DataError(f"data.paths: {f} is not UTF-8 text (a tokenizer reads text)") from None

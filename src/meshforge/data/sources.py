@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -119,31 +120,29 @@ def load_token_file(path: str) -> np.ndarray:
     return arr
 
 
-def text_tokens(files: list[Path], tokenizer) -> np.ndarray:
-    """Each file's text through the tokenizer, ended by the tokenizer's end-of-sequence token."""
+def text_tokens(docs: Iterator[str], tokenizer) -> np.ndarray:
+    """Each document through the tokenizer, ended by the tokenizer's end-of-sequence token, as one token stream."""
     ids: list[int] = []
-    for f in files:
-        try:
-            text = f.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise DataError(f"data.paths: {f} is not UTF-8 text (a tokenizer reads text)") from None
+    for text in docs:
         ids += tokenizer.encode(text) + [tokenizer.eos_id]
     if not ids:
         raise DataError("data: no text files to read")
     return np.asarray(ids, dtype=np.int64)
 
 
-def record_tokens(paths: list[Path], tokenizer, text_field: str) -> np.ndarray:
-    """The `text_field` of every record, each ended by the end-of-sequence token, as one token stream."""
-    from meshforge.data.records import field, iter_records
+def record_paths(paths: list[Path]) -> list[Path]:
+    """data.source=dataset reads record files and saved dataset folders only (a text file is data.source=text)."""
+    from meshforge.data.records import RECORD_SUFFIXES
 
-    ids: list[int] = []
-    for where, rec in iter_records(paths):
-        ids += tokenizer.encode(field(rec, text_field, where)) + [tokenizer.eos_id]
-    return np.asarray(ids, dtype=np.int64)
+    for p in paths:
+        if not (p.is_dir() or p.suffix in RECORD_SUFFIXES):
+            raise DataError(f"data.paths: {p} has an unknown extension; data.source=dataset reads "
+                            f"{', '.join(RECORD_SUFFIXES)} files and `datasets` save_to_disk folders")
+    return paths
 
 
 def build_source(data_cfg, seq_len: int, vocab_size: int, seed: int):
+    from meshforge.data.records import documents
     from meshforge.data.tokenizer import check_vocab, load_tokenizer
 
     if data_cfg.source == "synthetic":
@@ -154,10 +153,14 @@ def build_source(data_cfg, seq_len: int, vocab_size: int, seed: int):
     if data_cfg.source == "tokenized":
         src = TokenStreamSource(load_token_file(data_cfg.path), seq_len, data_cfg.path)
     elif data_cfg.source == "dataset":
-        paths = expand_paths(data_cfg.paths, folders=True)
+        paths = record_paths(expand_paths(data_cfg.paths, folders=True))
+        if data_cfg.streaming:  # read and tokenized while training (data/streaming.py)
+            from meshforge.data.streaming import StreamingTextSource
+
+            return StreamingTextSource(paths, tok, data_cfg.text_field, seq_len, vocab_size)
         if data_cfg.format == "text":
             name = f"{tok.name}:" + ",".join(data_cfg.paths)
-            src = TokenStreamSource(record_tokens(paths, tok, data_cfg.text_field), seq_len, name)
+            src = TokenStreamSource(text_tokens(documents(paths, data_cfg.text_field), tok), seq_len, name)
         else:
             from meshforge.data.examples import ExampleSource
 
@@ -169,7 +172,7 @@ def build_source(data_cfg, seq_len: int, vocab_size: int, seed: int):
             files = files[:data_cfg.max_files]
         name = ",".join(data_cfg.paths) if data_cfg.paths else "python-stdlib"
         if data_cfg.tokenizer:
-            src = TokenStreamSource(text_tokens(files, tok), seq_len, f"{tok.name}:{name}")
+            src = TokenStreamSource(text_tokens(documents(files), tok), seq_len, f"{tok.name}:{name}")
         else:
             src = TokenStreamSource(byte_tokens(files), seq_len, name)
     if src.max_token() >= vocab_size:
@@ -185,7 +188,10 @@ class SubsetSource:
         self.num_samples, self.seq_len = len(self.indices), source.seq_len
         self.name = f"{source.name}[{tag}]"
         if hasattr(source, "batch"):
-            self.batch = lambda idx: source.batch(self._map(idx))
+            self.batch = self._batch  # a method, not a lambda: the source pickles (spawned data workers)
+
+    def _batch(self, idx):
+        return self.source.batch(self._map(idx))
 
     def _map(self, idx) -> list[int]:
         return [int(self.indices[i % self.num_samples]) for i in idx]
@@ -222,5 +228,18 @@ def split_validation(data_cfg, source, seq_len: int, vocab_size: int, seed: int)
     if data_cfg.source == "tokenized":
         vcfg = data_cfg.model_copy(update={"path": val.paths[0], "validation": None})
     else:
-        vcfg = data_cfg.model_copy(update={"paths": list(val.paths), "validation": None, "max_files": None})
+        vcfg = data_cfg.model_copy(update={"paths": list(val.paths), "validation": None, "max_files": None,
+                                           "streaming": False})  # validation batches are read in memory
     return source, build_source(vcfg, seq_len, vocab_size, seed)
+
+
+def batch_loader(source, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int, seed: int):
+    """The loader of `source`: random access (`ShardedBatchLoader`, seeded shuffle) or a stream, in order."""
+    from meshforge.data.loader import ShardedBatchLoader
+
+    if getattr(source, "streaming", False):
+        from meshforge.data.streaming import StreamingBatchLoader
+
+        return StreamingBatchLoader(source, global_batch_size, micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+    return ShardedBatchLoader(source, global_batch_size, micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                              seed=seed)

@@ -61,15 +61,32 @@ def load_balanced_indices(seq_len: int, cp_size: int, cp_rank: int, device=None)
     return torch.cat([early, late])
 
 
+class _Documents:
+    """The document ids (B, S) of the micro batch in flight, in global order, shared by the batch transform (which
+    sets them) and every cp attention (which masks with them). The step transforms a micro batch and runs its
+    forward and backward before the next (activation checkpointing recomputes within that backward), and each
+    attention call keeps its own reference for its backward, so the ids always belong to the batch computed."""
+
+    def __init__(self):
+        self.ids: torch.Tensor | None = None
+
+
 class CPBatchTransform:
-    """(x, y) full sequences -> (x_local, y_local, positions_local) for this cp rank (dim 1 is the sequence)."""
+    """(x, y[, positions, document ids]) full sequences -> (x_local, y_local, positions_local[, document ids_local])
+    for this cp rank (dim 1 is the sequence). Packed sequences bring their restarting positions and document ids;
+    the full ids stay with the cp attention, so the load-balanced chunks see the same document boundaries."""
 
-    def __init__(self, cp_size: int, cp_rank: int):
+    def __init__(self, cp_size: int, cp_rank: int, documents: _Documents | None = None):
         self.cp_size, self.cp_rank = cp_size, cp_rank
+        self.documents = documents or _Documents()
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor):
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, positions: torch.Tensor | None = None,
+                 document_ids: torch.Tensor | None = None):
         idx = load_balanced_indices(x.shape[1], self.cp_size, self.cp_rank, device=x.device)
-        return x.index_select(1, idx), y.index_select(1, idx), idx
+        self.documents.ids = document_ids
+        local = (x.index_select(1, idx), y.index_select(1, idx), idx if positions is None else
+                 positions.index_select(1, idx))
+        return local if document_ids is None else local + (document_ids.index_select(1, idx),)
 
 
 # ------------------------------------------------------------------------------ attention
@@ -115,8 +132,10 @@ class _CPGroup:
         _reduce_scatter(out, per_rank, self.group)
         return out[0], out[1]
 
-    def local_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Exact causal attention of this rank's two query chunks against the full-sequence k, v."""
+    def local_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Exact causal attention of this rank's two query chunks against the full-sequence k, v; with the full
+        (B, S) `documents` of packed sequences, also within a document (a dense boolean mask per chunk)."""
         if k.shape[1] != q.shape[1]:  # grouped-query attention: expand kv heads (transient)
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -125,7 +144,11 @@ class _CPGroup:
         for j, chunk in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
             kv_len = (chunk + 1) * c
             qj = q[..., j * c:(j + 1) * c, :]
-            if q.device.type == "cuda":
+            if documents is not None:
+                causal = torch.ones(c, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - c)
+                same = documents[:, kv_len - c:kv_len, None] == documents[:, None, :kv_len]
+                mask = same.logical_and(causal)[:, None]  # (B, 1, c, kv_len)
+            elif q.device.type == "cuda":
                 from torch.nn.attention.bias import causal_lower_right
 
                 mask = causal_lower_right(c, kv_len)
@@ -137,11 +160,11 @@ class _CPGroup:
 
 class _AllGatherKVAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp: _CPGroup):
+    def forward(ctx, q, k, v, cp: _CPGroup, documents):
         kf, vf = cp.gather_kv(k, v)
-        out = cp.local_attention(q, kf, vf)
+        out = cp.local_attention(q, kf, vf, documents)
         ctx.save_for_backward(q, k, v)
-        ctx.cp = cp
+        ctx.cp, ctx.documents = cp, documents
         return out
 
     @staticmethod
@@ -151,23 +174,33 @@ class _AllGatherKVAttention(torch.autograd.Function):
         kf, vf = cp.gather_kv(k, v)
         with torch.enable_grad():
             q_, kf_, vf_ = (t.detach().requires_grad_(True) for t in (q, kf, vf))
-            out = cp.local_attention(q_, kf_, vf_)
+            out = cp.local_attention(q_, kf_, vf_, ctx.documents)
             dq, dkf, dvf = torch.autograd.grad(out, (q_, kf_, vf_), dout)
         dk, dv = cp.reduce_scatter_kv(dkf, dvf)
-        return dq, dk, dv, None
+        return dq, dk, dv, None, None
 
 
 class ContextParallelAttention(nn.Module):
     """Drop-in for a model's attention op: q, k, v are this rank's (B, H, S/cp, D) load-balanced shards."""
 
-    def __init__(self, group, cp_size: int, cp_rank: int):
+    def __init__(self, group, cp_size: int, cp_rank: int, documents: _Documents | None = None):
         super().__init__()
         self.cp = _CPGroup(group, cp_size, cp_rank)
+        self.documents = documents or _Documents()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """`mask` (the model's document mask of packed sequences, built from this rank's shard) only says the
+        batch is packed: the exact mask comes from the full document ids the batch transform kept."""
         if q.shape[-2] % 2:
             raise ValueError(f"context-parallel attention needs an even local sequence length, got {q.shape[-2]}")
-        return _AllGatherKVAttention.apply(q, k, v, self.cp)
+        documents = None
+        if mask is not None:
+            documents = self.documents.ids
+            if documents is None or documents.shape != (q.shape[0], q.shape[-2] * self.cp.size):
+                raise RuntimeError("context-parallel attention got a document mask but not the micro batch's "
+                                   "document ids (packed batches must go through the cp batch transform)")
+        return _AllGatherKVAttention.apply(q, k, v, self.cp, documents)
 
     def extra_repr(self) -> str:
         return f"cp_size={self.cp.size}, cp_rank={self.cp.rank}, all-gather K/V"
@@ -182,6 +215,7 @@ def apply_cp(model: nn.Module, mesh_ctx, dcfg) -> CPBatchTransform:
         raise ConfigError(f"distributed.cp_size={cp_size} needs a model that declares its attention slots "
                           f"(the model contract); {type(model).__name__} declares none: use a built-in model or "
                           "cp_size 1")
+    documents = _Documents()  # packed sequences: the transform sets the micro batch's ids, the attentions read them
     for name in slots:
-        set_submodule(model, name, ContextParallelAttention(group, cp_size, cp_rank))
-    return CPBatchTransform(cp_size, cp_rank)
+        set_submodule(model, name, ContextParallelAttention(group, cp_size, cp_rank, documents))
+    return CPBatchTransform(cp_size, cp_rank, documents)

@@ -66,9 +66,9 @@ class ParallelModel:
         scale = self.mesh_ctx.size("dp_cp") / count
         total = torch.zeros((), device=self.device)
         for i, (x, y, *docs) in enumerate(micro_batches):
-            positions = None
+            positions = packed_positions(docs[0]) if docs else None
             if self.batch_transform is not None:
-                x, y, positions = self.batch_transform(x, y)
+                x, y, positions, *docs = self.batch_transform(x, y, positions, *docs)
             with self.strategy.micro_step(model, is_last=i == n - 1):
                 with self.autocast():
                     out = self._forward(model, x, positions, docs)
@@ -90,9 +90,9 @@ class ParallelModel:
         count = self.global_label_count([mb[1] for mb in micro_batches], clamp=False)
         total = torch.zeros((), device=self.device)
         for x, y, *docs in micro_batches:
-            positions = None
+            positions = packed_positions(docs[0]) if docs else None
             if self.batch_transform is not None:
-                x, y, positions = self.batch_transform(x, y)
+                x, y, positions, *docs = self.batch_transform(x, y, positions, *docs)
             with self.autocast():
                 out = self._forward(self.model, x, positions, docs)
             with self.loss_context():
@@ -102,9 +102,9 @@ class ParallelModel:
     @staticmethod
     def _forward(model, x, positions, docs):
         """The model on one micro batch; packed sequences (`docs`: their document ids) get positions that restart
-        per document and a document mask (config rules refuse packing with cp and pp)."""
+        per document and a document mask (config rules refuse packing with pp)."""
         if docs:
-            return model(x, packed_positions(docs[0]), docs[0])
+            return model(x, positions, docs[0])
         return model(x) if positions is None else model(x, positions)
 
     def global_label_count(self, labels: list[torch.Tensor], clamp: bool = True) -> torch.Tensor:

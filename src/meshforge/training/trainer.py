@@ -31,7 +31,7 @@ from meshforge.checkpoint.manager import CheckpointManager
 from meshforge.checkpoint.peft import load_peft_adapter
 from meshforge.config import rules as config_rules
 from meshforge.config.schema import Config
-from meshforge.data import ShardedBatchLoader, build_source
+from meshforge.data import ShardedBatchLoader, background, batch_loader, build_source
 from meshforge.data.sources import split_validation
 from meshforge.distributed.build import build_parallel_model
 from meshforge.distributed.env import (
@@ -110,8 +110,9 @@ class Trainer:
         vocab = resolve_model_args(cfg.model).vocab_size
         source, val_source = split_validation(cfg.data, build_source(cfg.data, t.seq_len, vocab, cfg.run.seed),
                                               t.seq_len, vocab, cfg.run.seed)
-        loader = ShardedBatchLoader(source, t.global_batch_size, t.micro_batch_size, dp_rank=mesh_ctx.dp_rank,
-                                    dp_size=mesh_ctx.dp_size, seed=cfg.run.seed)
+        loader = background(batch_loader(source, t.global_batch_size, t.micro_batch_size, mesh_ctx.dp_rank,
+                                         mesh_ctx.dp_size, cfg.run.seed),
+                            cfg.data)  # data.num_workers: batches built ahead in worker processes
         pm.train()
         trainer = cls(cfg, info, mesh_ctx, pm, optimizer, scheduler, loader)
         trainer.validation = Validation.build(cfg, mesh_ctx, pm, val_source)
@@ -204,6 +205,7 @@ class Trainer:
                     break
         finally:
             signals.close()
+            self.loader.close()  # stops background data workers, if any
             profiler.close()
             if ckpt is not None:
                 ckpt.close()
