@@ -18,6 +18,7 @@ from meshforge.testing.parity import config
 
 pytestmark = pytest.mark.dist
 
+LORA = ["peft.rank=4", "peft.target_modules=[q_proj,v_proj,o_proj,gate_proj,down_proj]"]
 MFSDP = {f"mfsdp_{m}": ["distributed.strategy=megatron_fsdp", f"distributed.data_parallel_sharding_strategy={m}"]
          for m in ("no_shard", "optim", "optim_grads", "optim_grads_params")}
 N4 = {"ddp": ["distributed.strategy=ddp"], "fsdp2": ["distributed.strategy=fsdp2"], **MFSDP,
@@ -25,9 +26,16 @@ N4 = {"ddp": ["distributed.strategy=ddp"], "fsdp2": ["distributed.strategy=fsdp2
       "fsdp2_tp2": ["distributed.strategy=fsdp2", "distributed.tp_size=2"]}
 N2 = {"ddp": ["distributed.strategy=ddp"], "fsdp2": ["distributed.strategy=fsdp2"], **MFSDP,
       "fsdp2_tp2": ["distributed.strategy=fsdp2", "distributed.tp_size=2"],
+      "fsdp2_tp2_sp_full": ["distributed.strategy=fsdp2", "distributed.tp_size=2", "distributed.sequence_parallel=true",
+                            "distributed.activation_checkpointing=full"],
+      "tp2_full": ["distributed.strategy=fsdp2", "distributed.tp_size=2", "distributed.activation_checkpointing=full"],
       "fsdp2_cp2": ["distributed.strategy=fsdp2", "distributed.cp_size=2"],
       "fsdp2_pp2": ["distributed.strategy=fsdp2", "distributed.pp_size=2"],
-      "fsdp2_ep2": ["distributed.strategy=fsdp2", "model.preset=tiny_moe", "distributed.ep_size=2"]}
+      "fsdp2_ep2": ["distributed.strategy=fsdp2", "model.preset=tiny_moe", "distributed.ep_size=2"],
+      # LoRA: frozen base weights hold no gradient and no optimizer state; adapters (and norms, unfrozen) do
+      "lora_ddp": ["distributed.strategy=ddp", *LORA],
+      "lora_fsdp2": ["distributed.strategy=fsdp2", *LORA, "peft.freeze=[embeddings]"],
+      "lora_tp2": ["distributed.strategy=fsdp2", "distributed.tp_size=2", *LORA]}
 STEPS = 3
 
 

@@ -41,15 +41,20 @@ class ParamRec:
     tp_dim: int | None  # dimension split over tp, None when whole
     expert: bool  # stacked routed-expert weights (dim 0 = expert)
     place: str  # "block", "first" (first pipeline stage), "last" or "other"
+    trainable: bool = True  # False: frozen (LoRA's base weights): no gradient, no optimizer state
+    seq_par: bool = False  # of a module replicated over tp under sequence parallelism (the norms)
 
 
 def model_params(cfg) -> tuple[list[ParamRec], object]:
     """Every parameter of the configured built-in model (tied weights once), from its meta description."""
     from meshforge.models import contract_of, meta_modules, resolve_model_args
+    from meshforge.models.lora import ADAPTER_PARTS
     from meshforge.planning.tp_plan import resolve_plan, sharded_dim
 
     args = resolve_model_args(cfg.model)
     one, modules = meta_modules(cfg.model)
+    if cfg.peft is not None:
+        one, modules = _with_lora(one, modules, cfg.peft)
     contract = contract_of(one)
     layout = contract.pipeline_layout()
     container = layout.split_points[0].rpartition(".")[0] if layout else None
@@ -73,9 +78,36 @@ def model_params(cfg) -> tuple[list[ParamRec], object]:
                 top = mname.split(".")[0]
                 place = "first" if top in layout.first_stage else "last" if top in layout.last_stage else "other"
             style = styles.get(mname)
-            out.append(ParamRec(f"{mname}.{pname}" if mname else pname, tuple(p.shape), block,
-                                sharded_dim(mod, style) if style else None, id(p) in expert_ids, place))
+            tp_dim = sharded_dim(mod, style) if style else None
+            parent, _, part = mname.rpartition(".")
+            if part in ADAPTER_PARTS and styles.get(parent):
+                # LoRA factors follow their base layer's style (distributed/tensor_parallel.py): under colwise B is
+                # split by rows and A whole; under rowwise A is split by columns and B whole
+                tp_dim = {("colwise", "lora_B"): 0, ("rowwise", "lora_A"): 1}.get((styles[parent], part))
+            out.append(ParamRec(f"{mname}.{pname}" if mname else pname, tuple(p.shape), block, tp_dim,
+                                id(p) in expert_ids, place, p.requires_grad, style == "sequence_parallel"))
     return out, args
+
+
+def _with_lora(one, modules: dict, peft):
+    """The one-block meta model with LoRA applied (adapters on the targeted linears, the freeze policy) and
+    the whole model's {name: module} rebuilt from it, each block's modules standing in for every block's."""
+    from meshforge.models.lora import apply_lora
+
+    names = {id(m): [n for n, mm in modules.items() if mm is m] for m in modules.values()}
+    before = dict(one.named_modules())
+    apply_lora(one, peft)
+    out = {}
+    for name, mod in one.named_modules():
+        old = before.get(name)
+        if old is not None:
+            for whole in names[id(old)]:
+                out[whole] = mod
+        else:  # a new adapter module under `parent`: under each of the parent's whole-model names
+            parent, _, child = name.rpartition(".")
+            for whole in names[id(before[parent])] if parent in before else []:
+                out[f"{whole}.{child}"] = mod
+    return one, out
 
 
 # ---------------------------------------------------------------------------------------------- state
@@ -83,6 +115,10 @@ def _chunk_rows(dim0: int, world: int, rank: int) -> int:
     size = -(-dim0 // world) if dim0 else 0
     start = min(rank * size, dim0)
     return min(start + size, dim0) - start
+
+
+def _adapter(p: ParamRec) -> bool:
+    return ".lora_A." in p.name or ".lora_B." in p.name
 
 
 def _local_shape(p: ParamRec, layout: Layout) -> list[int]:
@@ -162,12 +198,14 @@ def rank_state(params: list[ParamRec], cfg, layout: Layout, rank: int) -> Parts:
 
 
 def _replicas(stage, layout, out: Parts, buckets: bool) -> None:
+    """Full replicas; gradients, the reducer's buckets (counted as gradients) and optimizer state only for the
+    trainable parameters."""
+    train = [p for p in stage if p.trainable]
     n = sum(math.prod(_local_shape(p, layout)) for p in stage)
+    n_train = sum(math.prod(_local_shape(p, layout)) for p in train)
     out.params += n * F32
-    out.grads += n * F32 * (2 if buckets else 1)
-    out.optimizer += 2 * n * F32 + STEP_BYTES * len(stage)
-    if buckets:
-        out.buffers += 0  # the buckets are counted as gradients
+    out.grads += n_train * F32 * (2 if buckets else 1)
+    out.optimizer += 2 * n_train * F32 + STEP_BYTES * len(train)
 
 
 def _fsdp2(stage, cfg, layout, c, out: Parts) -> None:
@@ -190,6 +228,10 @@ def _fsdp2(stage, cfg, layout, c, out: Parts) -> None:
             rest = math.prod(s) // s[dim] if s[dim] else 0
             stored = -(-s[dim] // n) * rest
             opt = _chunk_rows(s[dim], n, r) * rest
+        if not p.trainable:  # frozen: the (sharded) parameter only
+            out.host += stored * F32 if offload else 0
+            out.params += 0 if offload else stored * F32
+            continue
         if offload:
             out.host += 2 * stored * F32 + 2 * opt * F32 + STEP_BYTES
             continue
@@ -325,11 +367,13 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
             n, ne = layout.dp_shard * layout.cp, layout.size(MeshAxis.EP_SHARD)
             for group, nn_, dim in ((dense, n, 0), (experts, ne, 1)):
                 units: dict = {}
+                grads: dict = {}  # the trainable part of each unit: what its reduce-scatter carries
                 for p in group:
                     s = _local_shape(p, layout)
                     rest = math.prod(s) // s[dim] if s[dim] else 0
                     units.setdefault(p.block, 0)
                     units[p.block] += -(-s[dim] // nn_) * nn_ * rest
+                    grads[p.block] = grads.get(p.block, 0) + (-(-s[dim] // nn_) * nn_ * rest if p.trainable else 0)
                 if not units or nn_ == 1:
                     continue
                 blocks = sorted(k for k in units if k is not None)
@@ -342,9 +386,9 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
                 reps = accum if (layout.pp == 1) else 1
                 ax = shard_axis if dim == 0 else "ep_shard"
                 add(ax, "all_gather", gathers * reps * e_param)
-                add(ax, "reduce_scatter", total * F32)
+                add(ax, "reduce_scatter", sum(grads.values()) * F32)
                 if dim == 0 and layout.dp_replicate > 1:
-                    add("dp_replicate", "all_reduce", total // nn_ * F32)
+                    add("dp_replicate", "all_reduce", sum(grads.values()) // nn_ * F32)
         elif d.strategy == "megatron_fsdp" and dp_cp > 1:
             mode = d.options.sharding_strategy
             units = {}
@@ -363,21 +407,42 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
                 add("dp_cp", "all_gather", (2 * padded - last - (-(-units.get(None, 0) // dp_cp) * dp_cp))
                     * accum * e_param)
         elif d.strategy != "fsdp2" and dp_cp > 1:
-            add("dp", "all_reduce", sum(math.prod(_local_shape(p, layout)) for p in stage) * F32)
-    # tensor parallelism, per micro batch: an all-reduce of the activations (tokens x dim) after each
-    # row-wise projection and the vocabulary-parallel embedding (forward), of the input gradient of each
-    # column-wise projection and of the output head (backward); the vocabulary-parallel loss reduces the
-    # max, sum of exponentials and target logit of every token (3 x tokens x 4 bytes)
+            add("dp", "all_reduce", sum(math.prod(_local_shape(p, layout)) for p in stage if p.trainable) * F32)
+    # tensor parallelism, per micro batch (measured on torch's DTensor styles). Without sequence parallelism: an
+    # all-reduce of the activations (tokens x dim) after each row-wise projection and the vocabulary-parallel
+    # embedding (forward), of the input gradient of each column-wise projection and of the output head
+    # (backward). With it, each sub-layer all-gathers its sequence-sharded input and reduce-scatters its output
+    # (forward), the output's gradient is all-gathered (backward) and each column-wise projection all-reduces
+    # its input gradient as without it; the embedding reduce-scatters (forward) and the head all-gathers
+    # (forward), each with its mirror in backward. Full checkpointing runs the block's forward collectives
+    # again, except the last reduction of each block: the recomputation stops at the last tensor backward
+    # needs (non-reentrant checkpoint), and the block's output is not one. The vocabulary-parallel loss
+    # reduces the max, sum of exponentials and target logit of every token (3 x tokens x 4 bytes).
     if layout.tp > 1:
         e = 2 if (t.precision == "bf16" and _on_cuda(cfg)) else F32
         tokens = t.micro_batch_size * t.seq_len // layout.cp
-        mine = [p for st in stages for p in st if p.tp_dim is not None]
-        n_ar = sum(1 for p in mine if p.tp_dim == 1 or p.place == "first") + \
-            sum(1 for p in mine if p.tp_dim == 0 and p.place != "first")
-        has_head = any(p.place == "last" and p.tp_dim is not None for p in mine)
+        act = tokens * args.dim * e
+        mine_all = [p for st in stages for p in st]
+        mine = [p for p in mine_all if p.tp_dim is not None and not _adapter(p)]
+        in_blocks = [p for p in mine if p.block is not None]
+        rows = sum(1 for p in in_blocks if p.tp_dim == 1)  # row-wise projections: one per sub-layer
+        cols = sum(1 for p in in_blocks if p.tp_dim == 0)
+        n_blocks = len({p.block for p in in_blocks})
+        first = any(p.place == "first" for p in mine)
+        head = any(p.place == "last" for p in mine)
         n_micro = micro_per_rank // t.micro_batch_size
-        kind = "reduce_scatter+all_gather" if d.sequence_parallel else "all_reduce"
-        add("tp", kind, n_micro * (n_ar * tokens * args.dim * e + (3 * tokens * F32 if has_head else 0)))
+        full = d.ac_mode == "full"
+        loss = 3 * tokens * F32 if head else 0
+        if d.sequence_parallel:
+            add("tp", "all_gather", n_micro * (2 * rows + first + head + (rows if full else 0)) * act)
+            add("tp", "reduce_scatter", n_micro * (rows + first + head + (rows - n_blocks if full else 0)) * act)
+            add("tp", "all_reduce", n_micro * (cols * act + loss))
+            # the replicated norms' gradients arrive Partial (their input is sequence-sharded) and are all-reduced
+            # twice per step, by the gradient norm and by the optimizer step (measured, torch 2.13, dp 1)
+            add("tp", "all_reduce", 2 * F32 * sum(math.prod(p.shape) for p in mine_all if p.seq_par and p.trainable))
+        else:
+            redo = rows - n_blocks if full else 0
+            add("tp", "all_reduce", n_micro * ((rows + cols + first + head + redo) * act + loss))
     # scalars: the loss averaged over the data-parallel ranks and its label-token count; the gradient norm: one
     # 4-byte all-reduce per DTensor gradient and mesh dimension it is sharded over (megatron_fsdp: one for its
     # sharded optimizer), and the squares of the pipeline stages summed over pp
@@ -385,7 +450,7 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
         add("dp_cp", "all_reduce", F32)
         add("dp_cp", "all_reduce", 8)  # the global count of label tokens (int64) that normalises the loss
     fsdp_on = d.strategy == "fsdp2" and dp_cp > 1 and layout.world_size > 1
-    for p in (p for st in stages for p in st):
+    for p in (p for st in stages for p in st if p.trainable):
         if p.expert and layout.ep > 1:
             add("ep", "all_reduce", F32 * (1 + (fsdp_on and layout.size(MeshAxis.EP_SHARD) > 1)))
             continue
@@ -481,14 +546,46 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int) -> float:
     return frac / 3 if schedule in ("zero_bubble", "v_schedule") else frac
 
 
-def _in_flight(pplan, layout: Layout, pp_rank: int, n_stages_here: int) -> int:
-    if layout.pp == 1:
-        return 1
-    m = pplan.n_microbatches
-    if pplan.schedule == "gpipe" or pplan.schedule == "looped_bfs":
-        return m * n_stages_here
-    # 1F1B-style: rank r warms up with (p - r) microbatches per stage
-    return min(m * n_stages_here, (layout.pp - pp_rank) + (n_stages_here - 1) * layout.pp)
+def _alive_peak(schedule: str, p: int, r: int, m: int, weights: tuple[int, ...]) -> tuple[int, int]:
+    """(peak bytes, stage-microbatches alive then) of the activations pp rank `r` keeps, replaying the order in
+    which torch's schedule runs its forwards (F) and backwards (B); `weights` are the bytes one micro batch keeps
+    on each local stage, in order. A stage's micro batch is alive from its F to its B."""
+    v = len(weights)
+    if schedule in ("gpipe", "looped_bfs"):  # every forward before any backward
+        return m * sum(weights), m * v
+    if schedule == "v_schedule":  # ScheduleZBVZeroBubble: 2(p-r)-1 forwards on chunk 0, r on each chunk, one more
+        n0, n1 = min(m, 2 * p - r - 1), min(m, r + 1)
+        return n0 * weights[0] + n1 * weights[1], n0 + n1
+    total = m * v
+    if v == 1:  # Schedule1F1B: p - 1 - r warm-up forwards
+        warmup = min(m, p - 1 - r)
+        f_stage = b_stage = lambda k: 0  # noqa: E731
+    else:  # ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble (`_get_warmup_ops` and their stage order)
+        per_round = m // max(1, m // p)
+        hop = 1 if schedule == "zero_bubble" else 2
+        warmup = min(total, (v - 1) * per_round + hop * (p - 1 - r))
+
+        def f_stage(k):
+            return (k // per_round) % v
+
+        def b_stage(k):
+            return v - 1 - ((k - warmup) // per_round) % v
+    live, peak, count, n = [0] * v, 0, 0, 0
+    f = b = 0
+    order = ["F"] * warmup + ["F", "B"] * (total - warmup) + ["B"] * warmup
+    for op in order:
+        if op == "F":
+            live[f_stage(f)] += 1
+            f += 1
+            n += 1
+            now = sum(c * w for c, w in zip(live, weights))
+            if now > peak:
+                peak, count = now, n
+        else:
+            live[b_stage(warmup + b)] -= 1
+            b += 1
+            n -= 1
+    return peak, count
 
 
 def _link_bytes_per_s(axis: str, layout: Layout, dev: Device, gpus_per_node: int) -> float:
@@ -499,6 +596,16 @@ def _link_bytes_per_s(axis: str, layout: Layout, dev: Device, gpus_per_node: int
             "dp": layout.world_size // layout.pp, "dp_replicate": layout.world_size // layout.pp,
             "pp": layout.world_size}.get(axis, layout.world_size)
     return (dev.nvlink_gbps if span <= gpus_per_node else dev.fabric_gbps) * 1e9
+
+
+def _comm_seconds(key: tuple[str, str], n: int, layout: Layout, dev: Device, gpus_per_node: int) -> float:
+    """Time of `n` full-buffer bytes of one collective kind on a ring: each rank sends (size-1)/size of the buffer
+    for an all-gather, reduce-scatter or all-to-all, twice that for an all-reduce (a reduce-scatter followed by
+    an all-gather)."""
+    axis, kind = key
+    size = _axis_size(axis, layout)
+    passes = 2 if kind == "all_reduce" else 1
+    return passes * n * (size - 1) / max(size, 1) / _link_bytes_per_s(axis, layout, dev, gpus_per_node)
 
 
 def _axis_size(axis: str, layout: Layout) -> int:
@@ -547,19 +654,19 @@ def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: floa
             blocks = sum(len(pplan.stage_layers[s]) for s in here) // len(here)
             first, last = 0 in here, pplan.num_stages - 1 in here
             acts = activation_bytes(args, cfg, layout, blocks, first, last, pplan.microbatch_size)
-            per_stage = activation_bytes(args, cfg, layout, blocks, False, False, pplan.microbatch_size)["total"]
-            in_flight = _in_flight(pplan, layout, c[MeshAxis.PP], len(here))
-            alive = in_flight * per_stage + (acts["embedding"] + acts["head"]) * max(1, in_flight // len(here))
+            weights = tuple(activation_bytes(args, cfg, layout, len(pplan.stage_layers[s]), s == 0,
+                                             s == pplan.num_stages - 1, pplan.microbatch_size)["total"]
+                            for s in here)
+            alive, in_flight = _alive_peak(pplan.schedule, layout.pp, c[MeshAxis.PP], pplan.n_microbatches,
+                                           weights)
         else:
             acts = activation_bytes(args, cfg, layout, args.n_layers, True, True)
             in_flight, alive = 1, acts["total"]
         peak = parts.total + parts.buffers + alive + acts["recompute"]
         ranks.append(RankPlan(r, parts, acts, in_flight, peak))
     comm = comm_per_step(params, args, cfg, layout)
-    comm_s = 0.0
-    for (axis, _kind), n in comm.items():
-        size = _axis_size(axis, layout)
-        comm_s += n * (size - 1) / max(size, 1) / _link_bytes_per_s(axis, layout, device, gpus_per_node)
+    secs = {key: _comm_seconds(key, n, layout, device, gpus_per_node) for key, n in comm.items()}
+    comm_s = sum(secs.values())
     model_fpt = _flops_per_token(args, t.seq_len, build_model)
     tokens = t.global_batch_size * t.seq_len
     recompute = {None: 1.0, "full": 4 / 3, "selective": 1.05}[d.ac_mode]
@@ -568,9 +675,7 @@ def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: floa
     if pplan is not None:
         bubble = bubble_fraction(pplan.schedule, layout.pp, pplan.n_microbatches, pplan.stages_per_rank)
     # data-parallel traffic overlaps compute; what does not hide adds; TP/CP/EP traffic is on the critical path
-    exposed = sum(n * (_axis_size(a, layout) - 1) / max(_axis_size(a, layout), 1)
-                  / _link_bytes_per_s(a, layout, device, gpus_per_node)
-                  for (a, _k), n in comm.items() if a in ("tp", "cp", "ep", "pp"))
+    exposed = sum(sec for (a, _k), sec in secs.items() if a in ("tp", "cp", "ep", "pp"))
     hidden = comm_s - exposed
     step_s = compute_s / (1 - bubble) + exposed + max(0.0, hidden - compute_s)
     tps = tokens / step_s
