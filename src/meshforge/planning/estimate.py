@@ -42,7 +42,9 @@ class ParamRec:
     expert: bool  # stacked routed-expert weights (dim 0 = expert)
     place: str  # "block", "first" (first pipeline stage), "last" or "other"
     trainable: bool = True  # False: frozen (LoRA's base weights): no gradient, no optimizer state
-    seq_par: bool = False  # of a module replicated over tp under sequence parallelism (the norms)
+    # replicated over tp while its gradient arrives Partial: the norms under sequence parallelism (their input is
+    # sequence-sharded) and the LoRA factor kept whole beside a split base layer
+    partial_grad: bool = False
 
 
 def model_params(cfg) -> tuple[list[ParamRec], object]:
@@ -79,13 +81,15 @@ def model_params(cfg) -> tuple[list[ParamRec], object]:
                 place = "first" if top in layout.first_stage else "last" if top in layout.last_stage else "other"
             style = styles.get(mname)
             tp_dim = sharded_dim(mod, style) if style else None
+            partial = style == "sequence_parallel"
             parent, _, part = mname.rpartition(".")
             if part in ADAPTER_PARTS and styles.get(parent):
                 # LoRA factors follow their base layer's style (distributed/tensor_parallel.py): under colwise B is
                 # split by rows and A whole; under rowwise A is split by columns and B whole
                 tp_dim = {("colwise", "lora_B"): 0, ("rowwise", "lora_A"): 1}.get((styles[parent], part))
+                partial = tp_dim is None
             out.append(ParamRec(f"{mname}.{pname}" if mname else pname, tuple(p.shape), block, tp_dim,
-                                id(p) in expert_ids, place, p.requires_grad, style == "sequence_parallel"))
+                                id(p) in expert_ids, place, p.requires_grad, partial))
     return out, args
 
 
@@ -149,12 +153,22 @@ def _stage_params(params: list[ParamRec], cfg, layout: Layout, pp_rank: int,
     if layout.pp == 1:
         return [params]
     pplan = pipeline_plan_of(cfg, layout, n_layers)
+    key = (id(params), pplan, pp_rank)
+    hit = _STAGE_CACHE.get(key)
+    if hit is not None and hit[0] is params:
+        return hit[1]
     stages = []
     for s in pplan.rank_stages(pp_rank):
         blocks = set(pplan.stage_layers[s])
         stages.append([p for p in params if (p.block in blocks) or (p.place == "first" and s == 0)
                        or (p.place == "last" and s == pplan.num_stages - 1) or p.place == "other"])
+    if len(_STAGE_CACHE) > 4096:
+        _STAGE_CACHE.clear()
+    _STAGE_CACHE[key] = (params, stages)  # holds `params`, so its id is not reused while cached
     return stages
+
+
+_STAGE_CACHE: dict = {}
 
 
 def pipeline_plan_of(cfg, layout: Layout, n_layers: int | None = None):
@@ -430,19 +444,30 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
         n_blocks = len({p.block for p in in_blocks})
         first = any(p.place == "first" for p in mine)
         head = any(p.place == "last" for p in mine)
+        # a frozen embedding (and frozen norms in the first block) needs no gradient of its output: backward
+        # skips the embedding's mirror collective and the input gradients of the first sub-layer's column-wise
+        # projections (those before the first block's first row-wise one)
+        frozen_in = first and not any(p.trainable for p in mine_all if p.place == "first" or
+                                      (p.block == 0 and len(p.shape) == 1))
+        skip = 0
+        if frozen_in:
+            for p in (p for p in mine if p.block == 0):
+                if p.tp_dim == 1:
+                    break
+                skip += 1
         n_micro = micro_per_rank // t.micro_batch_size
         full = d.ac_mode == "full"
         loss = 3 * tokens * F32 if head else 0
+        # replicated parameters with Partial gradients are all-reduced twice per step, by the gradient norm and
+        # by the optimizer step (measured, torch 2.13, dp 1)
+        partial = 2 * F32 * sum(math.prod(p.shape) for p in mine_all if p.partial_grad and p.trainable)
         if d.sequence_parallel:
-            add("tp", "all_gather", n_micro * (2 * rows + first + head + (rows if full else 0)) * act)
+            add("tp", "all_gather", n_micro * (2 * rows + first + head - frozen_in + (rows if full else 0)) * act)
             add("tp", "reduce_scatter", n_micro * (rows + first + head + (rows - n_blocks if full else 0)) * act)
-            add("tp", "all_reduce", n_micro * (cols * act + loss))
-            # the replicated norms' gradients arrive Partial (their input is sequence-sharded) and are all-reduced
-            # twice per step, by the gradient norm and by the optimizer step (measured, torch 2.13, dp 1)
-            add("tp", "all_reduce", 2 * F32 * sum(math.prod(p.shape) for p in mine_all if p.seq_par and p.trainable))
+            add("tp", "all_reduce", n_micro * ((cols - skip) * act + loss) + partial)
         else:
             redo = rows - n_blocks if full else 0
-            add("tp", "all_reduce", n_micro * ((rows + cols + first + head + redo) * act + loss))
+            add("tp", "all_reduce", n_micro * ((rows + cols - skip + first + head + redo) * act + loss) + partial)
     # scalars: the loss averaged over the data-parallel ranks and its label-token count; the gradient norm: one
     # 4-byte all-reduce per DTensor gradient and mesh dimension it is sharded over (megatron_fsdp: one for its
     # sharded optimizer), and the squares of the pipeline stages summed over pp
@@ -681,10 +706,17 @@ def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: floa
     tps = tokens / step_s
     achieved = tokens * model_fpt / step_s / world_size / (device.peak_tflops * 1e12)
     peak = max(r.peak for r in ranks)
-    n_params = sum(math.prod(p.shape) for p in params)
+    n_params = _n_params(params)
     return Plan(world_size, layout, d.strategy, d.options.sharding_strategy if d.strategy == "megatron_fsdp"
                 else None, ranks, comm, comm_s, compute_s, bubble, step_s, tps, achieved, model_fpt, n_params,
                 device, peak <= device.memory_bytes)
+
+
+def _n_params(params: list[ParamRec]) -> int:
+    hit = _STAGE_CACHE.get(("n", id(params)))
+    if hit is None or hit[0] is not params:
+        hit = _STAGE_CACHE[("n", id(params))] = (params, sum(math.prod(p.shape) for p in params))
+    return hit[1]
 
 
 @functools.lru_cache(maxsize=64)
