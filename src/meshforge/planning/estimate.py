@@ -256,6 +256,25 @@ def _fsdp2(stage, cfg, layout, c, out: Parts) -> None:
     out.buffers = max(out.buffers, _largest_block(stage, layout) * (2 if _on_cuda(cfg) else F32))
 
 
+def _fsdp_units(group: list[ParamRec], layout: Layout, dim: int, n: int) -> tuple[dict, dict]:
+    """({unit: padded elements}, {unit: padded trainable elements}) of FSDP's units (each block, the rest)
+    sharded on `dim` over `n` ranks; memoised per parameter list (the search asks again for every candidate)."""
+    key = ("units", id(group), layout.tp, layout.ep, dim, n)
+    hit = _STAGE_CACHE.get(key)
+    if hit is not None and hit[0] is group:
+        return hit[1]
+    units: dict = {}
+    grads: dict = {}  # the trainable part of each unit: what its reduce-scatter carries
+    for p in group:
+        s = _local_shape(p, layout)
+        rest = math.prod(s) // s[dim] if s[dim] else 0
+        padded = -(-s[dim] // n) * n * rest
+        units[p.block] = units.get(p.block, 0) + padded
+        grads[p.block] = grads.get(p.block, 0) + (padded if p.trainable else 0)
+    _STAGE_CACHE[key] = (group, (units, grads))
+    return units, grads
+
+
 def _largest_block(stage, layout) -> int:
     sizes: dict = {}
     for p in stage:
@@ -320,11 +339,17 @@ def activation_bytes(args, cfg, layout: Layout, blocks: int, first: bool, last: 
     Measured against saved-tensor hooks on CPU (fp32): exact without CP/SP, within 2% with them.
     """
     d, t = cfg.distributed, cfg.training
-    cuda = _on_cuda(cfg)
-    e = 2 if (t.precision == "bf16" and cuda) else F32
-    tokens = (micro_batch or t.micro_batch_size) * t.seq_len // layout.cp
-    tp = layout.tp
-    sp = tp if d.sequence_parallel else 1
+    return dict(_activation_bytes(args, t.precision == "bf16" and _on_cuda(cfg), micro_batch or t.micro_batch_size,
+                                  t.seq_len, layout.cp, layout.tp, d.sequence_parallel, d.ac_mode,
+                                  fused_loss_on(cfg), blocks, first, last))
+
+
+@functools.lru_cache(maxsize=8192)
+def _activation_bytes(args, bf16: bool, micro_batch: int, seq_len: int, cp: int, tp: int, sequence_parallel: bool,
+                      mode: str | None, fused: bool, blocks: int, first: bool, last: bool) -> dict[str, int]:
+    e = 2 if bf16 else F32
+    tokens = micro_batch * seq_len // cp
+    sp = tp if sequence_parallel else 1
     hd, h, kv = args.hd, args.n_heads // tp, args.n_kv_heads // tp
     ffn = args.ffn_dim // tp
     if args.is_moe:
@@ -333,7 +358,6 @@ def activation_bytes(args, cfg, layout: Layout, blocks: int, first: bool, last: 
     dim_sp = args.dim // sp
     attn = 2 * (h + kv) * hd  # q, k, v, attention output
     mm = 4 * ffn
-    mode = d.ac_mode
     if mode is None:
         per_tok = (6 * dim_sp + attn + mm) * e + (2 + h) * F32
         if sp > 1:  # each sub-layer's projections save the gathered sequence instead of the norm's shard
@@ -343,8 +367,8 @@ def activation_bytes(args, cfg, layout: Layout, blocks: int, first: bool, last: 
     else:
         per_tok = (dim_sp + attn + 2 * dim_full + 2 * ffn) * e + h * F32
     full_block = (6 * dim_sp + attn + mm) * e + (2 + h) * F32
-    fused = fused_loss_on(cfg)  # the fused loss keeps one log-sum-exp per token, not the log-softmax
-    rope = 2 * (t.seq_len // layout.cp) * (hd // 2) * F32 if blocks else 0  # cos/sin of this rank's positions
+    # the fused loss keeps one log-sum-exp per token, not the log-softmax
+    rope = 2 * (seq_len // cp) * (hd // 2) * F32 if blocks else 0  # cos/sin of this rank's positions
     out = {"blocks": blocks * per_tok * tokens + rope,
            # int64 token ids (and the vocabulary-parallel embedding's masked copy of them)
            "embedding": tokens * 8 * (2 if tp > 1 else 1) if first else 0,
@@ -375,21 +399,14 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
     stages = _stage_params(params, cfg, layout, c[MeshAxis.PP], args.n_layers)
     shard_axis = "dp_shard_cp" if layout.cp > 1 else "dp_shard"
     for stage in stages:
-        dense = [p for p in stage if not (p.expert and layout.ep > 1)]
+        dense = stage if layout.ep == 1 else [p for p in stage if not p.expert]
         experts = [p for p in stage if p.expert and layout.ep > 1]
         if d.strategy == "fsdp2" and dp_cp > 1 and layout.world_size > 1:
             n, ne = layout.dp_shard * layout.cp, layout.size(MeshAxis.EP_SHARD)
             for group, nn_, dim in ((dense, n, 0), (experts, ne, 1)):
-                units: dict = {}
-                grads: dict = {}  # the trainable part of each unit: what its reduce-scatter carries
-                for p in group:
-                    s = _local_shape(p, layout)
-                    rest = math.prod(s) // s[dim] if s[dim] else 0
-                    units.setdefault(p.block, 0)
-                    units[p.block] += -(-s[dim] // nn_) * nn_ * rest
-                    grads[p.block] = grads.get(p.block, 0) + (-(-s[dim] // nn_) * nn_ * rest if p.trainable else 0)
-                if not units or nn_ == 1:
+                if not group or nn_ == 1:
                     continue
+                units, grads = _fsdp_units(group, layout, dim, nn_)
                 blocks = sorted(k for k in units if k is not None)
                 reshard = d.options.reshard_after_forward
                 regather = [b for b in blocks if (b != blocks[-1] if reshard is None else reshard)]
@@ -475,14 +492,17 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
         add("dp_cp", "all_reduce", F32)
         add("dp_cp", "all_reduce", 8)  # the global count of label tokens (int64) that normalises the loss
     fsdp_on = d.strategy == "fsdp2" and dp_cp > 1 and layout.world_size > 1
+    n_ep = n_dp = n_tp = 0
     for p in (p for st in stages for p in st if p.trainable):
         if p.expert and layout.ep > 1:
-            add("ep", "all_reduce", F32 * (1 + (fsdp_on and layout.size(MeshAxis.EP_SHARD) > 1)))
+            n_ep += 1
             continue
-        if fsdp_on:
-            add("dp_cp", "all_reduce", F32)
-        if layout.tp > 1 and p.tp_dim is not None and (fsdp_on or p.place != "first"):
-            add("tp", "all_reduce", F32)  # (without FSDP the vocab-parallel embedding's grad is Replicate)
+        n_dp += fsdp_on
+        # (without FSDP the vocab-parallel embedding's grad is Replicate)
+        n_tp += layout.tp > 1 and p.tp_dim is not None and (fsdp_on or p.place != "first")
+    add("ep", "all_reduce", n_ep * F32 * (1 + (fsdp_on and layout.size(MeshAxis.EP_SHARD) > 1)))
+    add("dp_cp", "all_reduce", n_dp * F32)
+    add("tp", "all_reduce", n_tp * F32)
     if d.strategy == "megatron_fsdp" and dp_cp > 1 and d.options.sharding_strategy != "no_shard":
         add("dp_cp", "all_reduce", F32)
     if layout.pp > 1:
@@ -571,6 +591,7 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int) -> float:
     return frac / 3 if schedule in ("zero_bubble", "v_schedule") else frac
 
 
+@functools.lru_cache(maxsize=4096)
 def _alive_peak(schedule: str, p: int, r: int, m: int, weights: tuple[int, ...]) -> tuple[int, int]:
     """(peak bytes, stage-microbatches alive then) of the activations pp rank `r` keeps, replaying the order in
     which torch's schedule runs its forwards (F) and backwards (B); `weights` are the bytes one micro batch keeps
@@ -595,19 +616,17 @@ def _alive_peak(schedule: str, p: int, r: int, m: int, weights: tuple[int, ...])
 
         def b_stage(k):
             return v - 1 - ((k - warmup) // per_round) % v
-    live, peak, count, n = [0] * v, 0, 0, 0
-    f = b = 0
+    peak = count = n = now = f = b = 0
     order = ["F"] * warmup + ["F", "B"] * (total - warmup) + ["B"] * warmup
     for op in order:
         if op == "F":
-            live[f_stage(f)] += 1
+            now += weights[f_stage(f)]
             f += 1
             n += 1
-            now = sum(c * w for c, w in zip(live, weights))
             if now > peak:
                 peak, count = now, n
         else:
-            live[b_stage(warmup + b)] -= 1
+            now -= weights[b_stage(warmup + b)]
             b += 1
             n -= 1
     return peak, count
@@ -639,6 +658,11 @@ def _axis_size(axis: str, layout: Layout) -> int:
     return layout.size(axis)
 
 
+def _stage_signature(pplan, pp_rank: int) -> tuple:
+    here = pplan.rank_stages(pp_rank)
+    return (tuple(len(pplan.stage_layers[s]) for s in here), 0 in here, pplan.num_stages - 1 in here)
+
+
 def representative_ranks(layout: Layout) -> list[int]:
     """Every rank for small worlds; else, per pp rank, the first and the last dp_shard_cp shard (the only ranks
     whose bytes differ: the first shards hold the most optimizer state, padding lands on the last)."""
@@ -667,7 +691,16 @@ def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: floa
     pplan = pipeline_plan_of(cfg, layout, args.n_layers) if layout.pp > 1 else None
     key = (layout, d.strategy, d.options.model_dump_json(), t.device)
     if state_cache is None or key not in state_cache:
-        states = [(r, rank_state(params, cfg, layout, r)) for r in representative_ranks(layout)]
+        # ranks whose pipeline stages hold the same number of blocks (and the same ends of the model) at the same
+        # data-parallel coordinates hold the same bytes: each distinct one is computed once
+        states, same = [], {}
+        for r in representative_ranks(layout):
+            c = layout.coords(r)
+            sig = (c[MeshAxis.DP_SHARD_CP], c[MeshAxis.DP_CP], c[MeshAxis.EP_SHARD], c[MeshAxis.PP] if pplan is None
+                   else _stage_signature(pplan, c[MeshAxis.PP]))
+            if sig not in same:
+                same[sig] = rank_state(params, cfg, layout, r)
+            states.append((r, same[sig]))
         if state_cache is not None:
             state_cache[key] = states
     else:
