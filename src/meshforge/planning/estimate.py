@@ -153,22 +153,32 @@ def _stage_params(params: list[ParamRec], cfg, layout: Layout, pp_rank: int,
     if layout.pp == 1:
         return [params]
     pplan = pipeline_plan_of(cfg, layout, n_layers)
-    key = (id(params), pplan, pp_rank)
-    hit = _STAGE_CACHE.get(key)
-    if hit is not None and hit[0] is params:
-        return hit[1]
-    stages = []
-    for s in pplan.rank_stages(pp_rank):
-        blocks = set(pplan.stage_layers[s])
-        stages.append([p for p in params if (p.block in blocks) or (p.place == "first" and s == 0)
-                       or (p.place == "last" and s == pplan.num_stages - 1) or p.place == "other"])
-    if len(_STAGE_CACHE) > 4096:
-        _STAGE_CACHE.clear()
-    _STAGE_CACHE[key] = (params, stages)  # holds `params`, so its id is not reused while cached
-    return stages
+
+    def compute():
+        stages = []
+        for s in pplan.rank_stages(pp_rank):
+            blocks = set(pplan.stage_layers[s])
+            stages.append([p for p in params if (p.block in blocks) or (p.place == "first" and s == 0)
+                           or (p.place == "last" and s == pplan.num_stages - 1) or p.place == "other"])
+        return stages
+
+    return _memo("stages", params, (pplan, pp_rank), compute)
 
 
 _STAGE_CACHE: dict = {}
+
+
+def _memo(kind: str, obj, key: tuple, compute):
+    """`compute()` memoised per (kind, the list `obj`, key): the search plans hundreds of candidates over the
+    same parameter lists. The entry holds `obj`, so its id is not reused while cached."""
+    hit = _STAGE_CACHE.get((kind, id(obj), key))
+    if hit is not None and hit[0] is obj:
+        return hit[1]
+    if len(_STAGE_CACHE) > 8192:
+        _STAGE_CACHE.clear()
+    value = compute()
+    _STAGE_CACHE[(kind, id(obj), key)] = (obj, value)
+    return value
 
 
 def pipeline_plan_of(cfg, layout: Layout, n_layers: int | None = None):
@@ -227,8 +237,7 @@ def _fsdp2(stage, cfg, layout, c, out: Parts) -> None:
     dense_n, dense_r = layout.dp_shard * layout.cp, c[MeshAxis.DP_SHARD_CP]
     ep_shard_n, ep_shard_r = layout.size(MeshAxis.EP_SHARD), c[MeshAxis.EP_SHARD]
     offload = bool(cfg.distributed.options.offload_policy)
-    largest_unit = 0
-    for p in stage:
+    for p, k in _alike(stage):  # every block has the same parameters: each kind once, times its count
         s = _local_shape(p, layout)
         full_grad = None
         if not active:
@@ -243,43 +252,57 @@ def _fsdp2(stage, cfg, layout, c, out: Parts) -> None:
             stored = -(-s[dim] // n) * rest
             opt = _chunk_rows(s[dim], n, r) * rest
         if not p.trainable:  # frozen: the (sharded) parameter only
-            out.host += stored * F32 if offload else 0
-            out.params += 0 if offload else stored * F32
+            out.host += k * stored * F32 if offload else 0
+            out.params += 0 if offload else k * stored * F32
             continue
         if offload:
-            out.host += 2 * stored * F32 + 2 * opt * F32 + STEP_BYTES
+            out.host += k * (2 * stored * F32 + 2 * opt * F32 + STEP_BYTES)
             continue
-        out.params += stored * F32
-        out.grads += (full_grad or stored) * F32
-        out.optimizer += 2 * opt * F32 + STEP_BYTES
-        largest_unit = max(largest_unit, math.prod(s))
+        out.params += k * stored * F32
+        out.grads += k * (full_grad or stored) * F32
+        out.optimizer += k * (2 * opt * F32 + STEP_BYTES)
     out.buffers = max(out.buffers, _largest_block(stage, layout) * (2 if _on_cuda(cfg) else F32))
+
+
+def _alike(stage: list[ParamRec]) -> list[tuple[ParamRec, int]]:
+    """[(a parameter, how many of the stage's parameters are stored like it)]: those equal in shape, split,
+    expert-ness, trainability and being the first stage's (memoised per stage list)."""
+    def compute():
+        kinds: dict = {}
+        for p in stage:
+            k = (p.shape, p.tp_dim, p.expert, p.trainable, p.place == "first")
+            rep, n = kinds.get(k, (p, 0))
+            kinds[k] = (rep, n + 1)
+        return list(kinds.values())
+
+    return _memo("alike", stage, (), compute)
 
 
 def _fsdp_units(group: list[ParamRec], layout: Layout, dim: int, n: int) -> tuple[dict, dict]:
     """({unit: padded elements}, {unit: padded trainable elements}) of FSDP's units (each block, the rest)
     sharded on `dim` over `n` ranks; memoised per parameter list (the search asks again for every candidate)."""
-    key = ("units", id(group), layout.tp, layout.ep, dim, n)
-    hit = _STAGE_CACHE.get(key)
-    if hit is not None and hit[0] is group:
-        return hit[1]
-    units: dict = {}
-    grads: dict = {}  # the trainable part of each unit: what its reduce-scatter carries
-    for p in group:
-        s = _local_shape(p, layout)
-        rest = math.prod(s) // s[dim] if s[dim] else 0
-        padded = -(-s[dim] // n) * n * rest
-        units[p.block] = units.get(p.block, 0) + padded
-        grads[p.block] = grads.get(p.block, 0) + (padded if p.trainable else 0)
-    _STAGE_CACHE[key] = (group, (units, grads))
-    return units, grads
+    def compute():
+        units: dict = {}
+        grads: dict = {}  # the trainable part of each unit: what its reduce-scatter carries
+        for p in group:
+            s = _local_shape(p, layout)
+            rest = math.prod(s) // s[dim] if s[dim] else 0
+            padded = -(-s[dim] // n) * n * rest
+            units[p.block] = units.get(p.block, 0) + padded
+            grads[p.block] = grads.get(p.block, 0) + (padded if p.trainable else 0)
+        return units, grads
+
+    return _memo("units", group, (layout.tp, layout.ep, dim, n), compute)
 
 
 def _largest_block(stage, layout) -> int:
-    sizes: dict = {}
-    for p in stage:
-        sizes[p.block] = sizes.get(p.block, 0) + math.prod(_local_shape(p, layout))
-    return max(sizes.values(), default=0)
+    def compute():
+        sizes: dict = {}
+        for p in stage:
+            sizes[p.block] = sizes.get(p.block, 0) + math.prod(_local_shape(p, layout))
+        return max(sizes.values(), default=0)
+
+    return _memo("largest", stage, (layout.tp, layout.ep), compute)
 
 
 def _megatron(stage, cfg, layout, c, out: Parts) -> None:
@@ -746,10 +769,7 @@ def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: floa
 
 
 def _n_params(params: list[ParamRec]) -> int:
-    hit = _STAGE_CACHE.get(("n", id(params)))
-    if hit is None or hit[0] is not params:
-        hit = _STAGE_CACHE[("n", id(params))] = (params, sum(math.prod(p.shape) for p in params))
-    return hit[1]
+    return _memo("n", params, (), lambda: sum(math.prod(p.shape) for p in params))
 
 
 @functools.lru_cache(maxsize=64)
