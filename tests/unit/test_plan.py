@@ -112,3 +112,23 @@ def test_validate_warns_when_plan_exceeds_memory(capsys):
     cfg = str(ROOT / "examples" / "llama3_70b_tp_pp.yaml")
     assert main(["validate", cfg, "distributed.pp_size=1", "--world-size", "8"]) == 0
     assert "exceeds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("freeze", ["[embeddings,norms]", "[embeddings]"])
+def test_lora_state_matches_bench_accounting(freeze, capsys):
+    """Frozen base weights: parameter bytes only; adapters (and unfrozen norms): grads and AdamW state too. Equal
+    to the bench's exact per-parameter accounting (bench/peft_memory.py), process-free; the plan says what it
+    does not count exactly (LoRA's activations)."""
+    from meshforge.bench.peft_memory import state_bytes
+    from meshforge.planning.estimate import rank_state
+
+    ov = ["peft.rank=4", "peft.target_modules=[q_proj,v_proj,o_proj,gate_proj,down_proj]", f"peft.freeze={freeze}"]
+    cfg = config(ov, world_size=1)
+    params, _ = model_params(cfg)
+    got = rank_state(params, cfg, Layout.from_sizes(1), 0)
+    want = state_bytes(cfg.model, cfg.peft)
+    assert (got.params, got.grads, got.optimizer) == (want["params"], want["grads"], want["optimizer"])
+    assert want["grads"] < want["params"] / 10  # the adapters are a small part: frozen weights really count as such
+    tiny = str(ROOT / "examples" / "fsdp2_cpu_2proc.yaml")
+    assert main(["plan", tiny, *ov, "--world-size", "2"]) == 0
+    assert "note: LoRA" in capsys.readouterr().out

@@ -122,9 +122,13 @@ def _print_plan(p, args) -> None:
           f"communication {p.comm_s:.3f} s, pipeline bubble {100 * p.bubble:.1f}%")
     print(f"step {p.step_s:.3f} s, {p.tokens_per_s:,.0f} tokens/s, {p.tokens_per_s / p.world_size:,.0f} tokens/s "
           f"per device, MFU {100 * p.mfu:.1f}%")
+    for note in p.notes:
+        print(f"note: {note}")
 
 
 def _print_compare(plans) -> None:
+    for note in dict.fromkeys(n for _c, p in plans for n in p.notes):
+        print(f"note: {note}")
     print(f"{'configuration':40s} {'peak':>11} {'fits':>5} {'step s':>8} {'tokens/s':>12} {'MFU %':>6} "
           f"{'comm GB/step':>13}")
     for c, p in plans:
