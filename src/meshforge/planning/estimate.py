@@ -728,15 +728,19 @@ def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: floa
             state_cache[key] = states
     else:
         states = state_cache[key]
+
+    @functools.cache
+    def acts_of(blocks: int, first: bool, last: bool) -> dict:
+        return activation_bytes(args, cfg, layout, blocks, first, last, pplan.microbatch_size if pplan else None)
+
     for r, parts in states:
         c = layout.coords(r)
         if pplan is not None:
             here = pplan.rank_stages(c[MeshAxis.PP])
             blocks = sum(len(pplan.stage_layers[s]) for s in here) // len(here)
             first, last = 0 in here, pplan.num_stages - 1 in here
-            acts = activation_bytes(args, cfg, layout, blocks, first, last, pplan.microbatch_size)
-            weights = tuple(activation_bytes(args, cfg, layout, len(pplan.stage_layers[s]), s == 0,
-                                             s == pplan.num_stages - 1, pplan.microbatch_size)["total"]
+            acts = dict(acts_of(blocks, first, last))
+            weights = tuple(acts_of(len(pplan.stage_layers[s]), s == 0, s == pplan.num_stages - 1)["total"]
                             for s in here)
             alive, in_flight = _alive_peak(pplan.schedule, layout.pp, c[MeshAxis.PP], pplan.n_microbatches,
                                            weights)
