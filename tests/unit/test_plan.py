@@ -132,3 +132,28 @@ def test_lora_state_matches_bench_accounting(freeze, capsys):
     tiny = str(ROOT / "examples" / "fsdp2_cpu_2proc.yaml")
     assert main(["plan", tiny, *ov, "--world-size", "2"]) == 0
     assert "note: LoRA" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (4, 4), (2, 6)])
+def test_in_flight_activations_replay_torch_schedule(p, m):
+    """The activations a pp rank keeps alive at once (per local stage, e.g. the head's only on the last one) follow
+    the forward/backward order of torch's own ScheduleInterleaved1F1B (its per-rank op list, no processes)."""
+    from torch.distributed.pipelining import schedules
+
+    from meshforge.planning.estimate import _alive_peak
+
+    v = 2
+    sched = schedules.ScheduleInterleaved1F1B.__new__(schedules.ScheduleInterleaved1F1B)
+    sched.n_local_stages, sched.pp_group_size, sched._n_microbatches = v, p, m
+    sched.number_of_rounds = max(1, m // p)
+    sched.microbatches_per_round = m // sched.number_of_rounds
+    for weights in ((1, 100), (3, 5)):
+        for rank in range(p):
+            now = peak = 0
+            for a in filter(None, sched._calculate_single_rank_operations(rank)):
+                kind = str(a.computation_type)
+                sign = 1 if kind.endswith("F") or "FORWARD" in kind else -1 if "B" in kind else 0
+                now += sign * weights[a.stage_index // p]
+                peak = max(peak, now)
+            assert _alive_peak("interleaved_1f1b", p, rank, m, weights)[0] == peak, (p, m, rank, weights)
+    assert _alive_peak("1f1b", 4, 1, 8, (7,)) == (21, 3)  # Schedule1F1B: rank r keeps p - r micro batches
