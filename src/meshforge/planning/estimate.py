@@ -12,9 +12,14 @@ the strategy's storage rules, so it equals what the bench counts (`bench/measure
   AdamW        exp_avg + exp_avg_sq (fp32) per optimizer tensor and a 4-byte `step`.
 On CUDA, fsdp2 and megatron_fsdp compute in bf16 (megatron_fsdp keeps a bf16 compute buffer beside fp32 main).
 
-Activations per micro batch are the tensors autograd saves (see `activation_bytes`); communication per step
-per axis and collective kind follows the strategies' schedules (see `comm_per_step`); compute is 6N FLOPs per
-token (the model contract's `flops_per_token`) at an assumed MFU, plus the pipeline bubble.
+LoRA (`peft:`): frozen parameters hold their parameter bytes only; adapters hold gradients and AdamW state too.
+
+Activations per micro batch are the tensors autograd saves (see `activation_bytes`); a pipeline rank keeps as
+many alive as the replay of its schedule's forward/backward order says (`_alive_peak`). Communication per step
+per axis and collective kind follows the strategies' schedules (see `comm_per_step`). Compute is the model
+contract's FLOPs per token at an assumed compute efficiency (`mfu`), plus recomputation and the pipeline bubble;
+tensor/context/expert/pipeline traffic is on the critical path (meshforge's eager TP collectives do not overlap
+compute), data-parallel traffic adds only what compute does not hide.
 """
 
 from __future__ import annotations
