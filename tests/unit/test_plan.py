@@ -120,6 +120,7 @@ def test_lora_state_matches_bench_accounting(freeze, capsys):
     to the bench's exact per-parameter accounting (bench/peft_memory.py), process-free; the plan says what it
     does not count exactly (LoRA's activations)."""
     from meshforge.bench.peft_memory import state_bytes
+    from meshforge.errors import ConfigError
     from meshforge.planning.estimate import rank_state
 
     ov = ["peft.rank=4", "peft.target_modules=[q_proj,v_proj,o_proj,gate_proj,down_proj]", f"peft.freeze={freeze}"]
@@ -132,6 +133,10 @@ def test_lora_state_matches_bench_accounting(freeze, capsys):
     tiny = str(ROOT / "examples" / "fsdp2_cpu_2proc.yaml")
     assert main(["plan", tiny, *ov, "--world-size", "2"]) == 0
     assert "note: LoRA" in capsys.readouterr().out
+    # a strategy whose frozen-parameter storage the planner does not model is refused, not planned as trainable
+    cfg.distributed.strategy = "megatron_fsdp"
+    with pytest.raises(ConfigError, match="does not count frozen"):
+        rank_state(params, cfg, Layout.from_sizes(2), 0)
 
 
 @pytest.mark.parametrize("p,m", [(4, 8), (4, 4), (2, 6)])

@@ -210,8 +210,24 @@ def _on_cuda(cfg) -> bool:
     return cfg.training.device != "cpu"
 
 
+def _refuse_uncounted(params: list[ParamRec], cfg, layout: Layout) -> None:
+    """Frozen parameters are counted for the strategies LoRA runs on here (ddp, fsdp2, with TP/SP/CP/PP); a
+    combination the planner has not been checked against is one line, never a silently wrong plan."""
+    from meshforge.errors import ConfigError
+
+    if all(p.trainable for p in params):
+        return
+    if cfg.distributed.strategy not in ("ddp", "fsdp2"):
+        raise ConfigError(f"meshforge plan does not count frozen (LoRA) parameters under distributed.strategy="
+                          f"{cfg.distributed.strategy} yet: plan with strategy ddp or fsdp2")
+    if layout.ep > 1:
+        raise ConfigError(f"meshforge plan does not count frozen (LoRA) parameters with distributed.ep_size="
+                          f"{layout.ep} yet: plan with ep_size=1")
+
+
 def rank_state(params: list[ParamRec], cfg, layout: Layout, rank: int) -> Parts:
     """Bytes of parameters, gradients and optimizer state global rank `rank` holds after a step."""
+    _refuse_uncounted(params, cfg, layout)
     c = layout.coords(rank)
     d = cfg.distributed
     strategy = d.strategy
