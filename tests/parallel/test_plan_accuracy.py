@@ -35,7 +35,9 @@ N2 = {"ddp": ["distributed.strategy=ddp"], "fsdp2": ["distributed.strategy=fsdp2
       # LoRA: frozen base weights hold no gradient and no optimizer state; adapters (and norms, unfrozen) do
       "lora_ddp": ["distributed.strategy=ddp", *LORA],
       "lora_fsdp2": ["distributed.strategy=fsdp2", *LORA, "peft.freeze=[embeddings]"],
-      "lora_tp2": ["distributed.strategy=fsdp2", "distributed.tp_size=2", *LORA]}
+      "lora_tp2": ["distributed.strategy=fsdp2", "distributed.tp_size=2", *LORA],
+      "lora_tp2_sp_full": ["distributed.strategy=fsdp2", "distributed.tp_size=2", "distributed.sequence_parallel=true",
+                           "distributed.activation_checkpointing=full", *LORA]}
 STEPS = 3
 
 
