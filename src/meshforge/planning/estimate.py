@@ -127,7 +127,9 @@ def _chunk_rows(dim0: int, world: int, rank: int) -> int:
 
 
 def _adapter(p: ParamRec) -> bool:
-    return ".lora_A." in p.name or ".lora_B." in p.name
+    from meshforge.models.lora import is_adapter_param
+
+    return is_adapter_param(p.name)
 
 
 def _local_shape(p: ParamRec, layout: Layout) -> list[int]:
