@@ -27,6 +27,10 @@ def _saved_bytes(overrides: list[str]) -> int:
 
     cfg = config(overrides, world_size=1)
     model = build_model(cfg.model)
+    if cfg.peft is not None:  # adapters and the freeze policy, as a run builds them
+        from meshforge.models.lora import apply_lora
+
+        apply_lora(model, cfg.peft)
     init_weights(model, 0)
     contract_of(model).set_fused_loss(fused_loss_on(cfg))  # the loss path training takes
     caches = []
@@ -76,6 +80,24 @@ def test_activations_match_saved_tensors(preset, ac):
     measured = _saved_bytes(ov)
     print(f"\n{preset} ac={ac}: plan {plan} measured {measured}")
     assert abs(plan - measured) <= 0.10 * measured
+
+
+LORA_VARIANTS = {"default_freeze": ["peft.target_modules=[q_proj,v_proj,o_proj,gate_proj,down_proj]"],
+                 "q_only_norms_train": ["peft.target_modules=[q_proj]", "peft.freeze=[embeddings]"],
+                 "all_roles_embedding_train": ["peft.rank=8", "peft.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]", "peft.freeze=[norms]"]}
+
+
+@pytest.mark.parametrize("variant", list(LORA_VARIANTS))
+@pytest.mark.parametrize("ac", ["false", "full", "selective"])
+def test_lora_activations_match_saved_tensors(variant, ac):
+    """LoRA changes what autograd keeps (frozen norms and projections keep less, adapters add their outputs);
+    the plan equals the saved-tensor measurement of the adapted model."""
+    ov = ["peft.rank=4", *LORA_VARIANTS[variant], f"distributed.activation_checkpointing={ac}"]
+    cfg = config(ov, world_size=1)
+    _, args = model_params(cfg)
+    plan = activation_bytes(args, cfg, Layout.from_sizes(1), args.n_layers, True, True)["total"]
+    measured = _saved_bytes(ov)
+    assert plan == measured, (plan, measured)
 
 
 def test_plan_cli_example_json(capsys):
@@ -131,8 +153,8 @@ def test_lora_state_matches_bench_accounting(freeze, capsys):
     assert (got.params, got.grads, got.optimizer) == (want["params"], want["grads"], want["optimizer"])
     assert want["grads"] < want["params"] / 10  # the adapters are a small part: frozen weights really count as such
     tiny = str(ROOT / "examples" / "fsdp2_cpu_2proc.yaml")
-    assert main(["plan", tiny, *ov, "--world-size", "2"]) == 0
-    assert "note: LoRA" in capsys.readouterr().out
+    assert main(["plan", tiny, *ov, "distributed.tp_size=2", "--world-size", "2"]) == 0
+    assert "note: LoRA" in capsys.readouterr().out  # activations under TP: said, not claimed
     # a strategy whose frozen-parameter storage the planner does not model is refused, not planned as trainable
     cfg.distributed.strategy = "megatron_fsdp"
     with pytest.raises(ConfigError, match="does not count frozen"):

@@ -387,12 +387,37 @@ def activation_bytes(args, cfg, layout: Layout, blocks: int, first: bool, last: 
     d, t = cfg.distributed, cfg.training
     return dict(_activation_bytes(args, t.precision == "bf16" and _on_cuda(cfg), micro_batch or t.micro_batch_size,
                                   t.seq_len, layout.cp, layout.tp, d.sequence_parallel, d.ac_mode,
-                                  fused_loss_on(cfg), blocks, first, last))
+                                  fused_loss_on(cfg), blocks, first, last, _lora_profile(cfg, args)))
+
+
+LORA_ROLES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _lora_profile(cfg, args) -> tuple | None:
+    """(adapted roles, norms trainable, embedding trainable, rank) of a LoRA run on a dense model whose adapter
+    roles are the Llama block's; None otherwise (then activations are counted as for full training, and the
+    plan says so)."""
+    if cfg.peft is None or args.is_moe:
+        return None
+    key = (cfg.model.model_dump_json(), tuple(cfg.peft.target_modules))
+    if key not in _ROLES:
+        from meshforge.models import meta_modules
+        from meshforge.models.lora import layout_of, resolve_roles
+
+        _ROLES[key] = frozenset(resolve_roles(layout_of(meta_modules(cfg.model)[0]), list(cfg.peft.target_modules)))
+    roles = _ROLES[key]
+    if not roles <= set(LORA_ROLES):
+        return None
+    return roles, "norms" not in cfg.peft.freeze, "embeddings" not in cfg.peft.freeze, cfg.peft.rank
+
+
+_ROLES: dict = {}
 
 
 @functools.lru_cache(maxsize=8192)
 def _activation_bytes(args, bf16: bool, micro_batch: int, seq_len: int, cp: int, tp: int, sequence_parallel: bool,
-                      mode: str | None, fused: bool, blocks: int, first: bool, last: bool) -> dict[str, int]:
+                      mode: str | None, fused: bool, blocks: int, first: bool, last: bool,
+                      lora: tuple | None = None) -> dict[str, int]:
     e = 2 if bf16 else F32
     tokens = micro_batch * seq_len // cp
     sp = tp if sequence_parallel else 1
@@ -413,13 +438,35 @@ def _activation_bytes(args, bf16: bool, micro_batch: int, seq_len: int, cp: int,
     else:
         per_tok = (dim_sp + attn + 2 * dim_full + 2 * ffn) * e + h * F32
     full_block = (6 * dim_sp + attn + mm) * e + (2 + h) * F32
+    first_block = head_norm = 0  # LoRA: what block 0 and the final norm do not keep
+    if lora is not None:
+        # autograd keeps only what the gradients of inputs that require one need (measured, one process):
+        # a frozen norm drops x*rsqrt; a frozen projection keeps no input (its group keeps it if any member is
+        # adapted: LoRA's A reads it); each adapter adds its rank-r A output (selective checkpointing caches
+        # every matmul output, the adapters' B outputs too); with the embedding frozen, block 0's first norm
+        # keeps neither its input nor its rsqrt
+        roles, norms_train, emb_train, r = lora
+        out_features = {"q_proj": args.n_heads * hd // tp, "k_proj": args.n_kv_heads * hd // tp,
+                        "v_proj": args.n_kv_heads * hd // tp, "o_proj": dim_full, "gate_proj": ffn,
+                        "up_proj": ffn, "down_proj": dim_full}
+        kept = (0 if norms_train else -2 * dim_sp * e) + len(roles) * r * e
+        kept -= 0 if roles & {"q_proj", "k_proj", "v_proj"} else dim_full * e
+        kept -= 0 if roles & {"gate_proj", "up_proj"} else dim_full * e
+        kept -= 0 if "down_proj" in roles else ffn * e
+        full_block += kept
+        if mode is None:
+            per_tok += kept
+            first_block = 0 if emb_train else dim_sp * e + F32
+        elif mode == "selective":
+            per_tok += sum(r + out_features[role] for role in roles) * e
+        head_norm = 0 if norms_train else dim_sp * e
     # the fused loss keeps one log-sum-exp per token, not the log-softmax
     rope = 2 * (seq_len // cp) * (hd // 2) * F32 if blocks else 0  # cos/sin of this rank's positions
-    out = {"blocks": blocks * per_tok * tokens + rope,
+    out = {"blocks": blocks * per_tok * tokens + rope - (first_block * tokens if first and blocks else 0),
            # int64 token ids (and the vocabulary-parallel embedding's masked copy of them)
            "embedding": tokens * 8 * (2 if tp > 1 else 1) if first else 0,
            "head": (tokens * ((2 * dim_sp + dim_full if sp > 1 else 3 * dim_sp) * e + F32
-                              + (F32 if fused else (args.vocab_size // tp) * F32)) + (0 if fused else F32))
+                              + (F32 if fused else (args.vocab_size // tp) * F32) - head_norm) + (0 if fused else F32))
            if last else 0,
            "recompute": full_block * tokens if mode and blocks else 0}
     out["total"] = out["blocks"] + out["embedding"] + out["head"]
@@ -795,14 +842,21 @@ def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: floa
                 device, peak <= device.memory_bytes, _notes(cfg))
 
 
+def _args_of(cfg):
+    from meshforge.models import resolve_model_args
+
+    return resolve_model_args(cfg.model)
+
+
 def _notes(cfg) -> list[str]:
     """What the plan does not count exactly for this config, said with the plan."""
     out = []
-    if cfg.peft is not None:
-        out.append("LoRA: parameters, gradients, optimizer state and communication are counted exactly; activations "
-                   "as for full training (measured on the tiny and small presets, LoRA keeps 13-20% less without "
-                   "or with full checkpointing and about 50% more with selective checkpointing, which also caches "
-                   "the adapters' matmul outputs)")
+    if cfg.peft is not None and cfg.distributed.tp_size * cfg.distributed.cp_size > 1:
+        out.append("LoRA: activations are modelled as measured on one process; under tensor/context parallelism "
+                   "that model is not measured")
+    if cfg.peft is not None and _lora_profile(cfg, _args_of(cfg)) is None:
+        out.append("LoRA: activations are counted as for full training (this model's adapter roles are not the "
+                   "Llama block's); parameters, gradients, optimizer state and communication are exact")
     return out
 
 
