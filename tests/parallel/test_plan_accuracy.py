@@ -18,6 +18,7 @@ from meshforge.testing.parity import config
 
 pytestmark = pytest.mark.dist
 
+LORA = ["peft.rank=4", "peft.target_modules=[q_proj,v_proj,o_proj,gate_proj,down_proj]"]
 MFSDP = {f"mfsdp_{m}": ["distributed.strategy=megatron_fsdp", f"distributed.data_parallel_sharding_strategy={m}"]
          for m in ("no_shard", "optim", "optim_grads", "optim_grads_params")}
 N4 = {"ddp": ["distributed.strategy=ddp"], "fsdp2": ["distributed.strategy=fsdp2"], **MFSDP,
@@ -25,9 +26,18 @@ N4 = {"ddp": ["distributed.strategy=ddp"], "fsdp2": ["distributed.strategy=fsdp2
       "fsdp2_tp2": ["distributed.strategy=fsdp2", "distributed.tp_size=2"]}
 N2 = {"ddp": ["distributed.strategy=ddp"], "fsdp2": ["distributed.strategy=fsdp2"], **MFSDP,
       "fsdp2_tp2": ["distributed.strategy=fsdp2", "distributed.tp_size=2"],
+      "fsdp2_tp2_sp_full": ["distributed.strategy=fsdp2", "distributed.tp_size=2", "distributed.sequence_parallel=true",
+                            "distributed.activation_checkpointing=full"],
+      "tp2_full": ["distributed.strategy=fsdp2", "distributed.tp_size=2", "distributed.activation_checkpointing=full"],
       "fsdp2_cp2": ["distributed.strategy=fsdp2", "distributed.cp_size=2"],
       "fsdp2_pp2": ["distributed.strategy=fsdp2", "distributed.pp_size=2"],
-      "fsdp2_ep2": ["distributed.strategy=fsdp2", "model.preset=tiny_moe", "distributed.ep_size=2"]}
+      "fsdp2_ep2": ["distributed.strategy=fsdp2", "model.preset=tiny_moe", "distributed.ep_size=2"],
+      # LoRA: frozen base weights hold no gradient and no optimizer state; adapters (and norms, unfrozen) do
+      "lora_ddp": ["distributed.strategy=ddp", *LORA],
+      "lora_fsdp2": ["distributed.strategy=fsdp2", *LORA, "peft.freeze=[embeddings]"],
+      "lora_tp2": ["distributed.strategy=fsdp2", "distributed.tp_size=2", *LORA],
+      "lora_tp2_sp_full": ["distributed.strategy=fsdp2", "distributed.tp_size=2", "distributed.sequence_parallel=true",
+                           "distributed.activation_checkpointing=full", *LORA]}
 STEPS = 3
 
 
@@ -89,7 +99,9 @@ ACTS = {"tp2": ["distributed.tp_size=2"],
         "tp2_full": ["distributed.tp_size=2", "distributed.activation_checkpointing=full"],
         "tp2_sp_small": ["distributed.tp_size=2", "distributed.sequence_parallel=true", "model.preset=small"],
         "cp2": ["distributed.cp_size=2"],
-        "cp2_full": ["distributed.cp_size=2", "distributed.activation_checkpointing=full"]}
+        "cp2_full": ["distributed.cp_size=2", "distributed.activation_checkpointing=full"],
+        "lora_tp2_sp": ["distributed.tp_size=2", "distributed.sequence_parallel=true", *LORA],
+        "lora_cp2": ["distributed.cp_size=2", *LORA]}
 HERE = f"{Path(__file__).resolve()}"
 GROUP_JOBS = [Job("plan accuracy n4", f"{HERE}:plan_job", {"configs": N4}, 4),
               Job("plan accuracy n2", f"{HERE}:plan_job", {"configs": N2}, 2),

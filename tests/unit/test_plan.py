@@ -27,6 +27,10 @@ def _saved_bytes(overrides: list[str]) -> int:
 
     cfg = config(overrides, world_size=1)
     model = build_model(cfg.model)
+    if cfg.peft is not None:  # adapters and the freeze policy, as a run builds them
+        from meshforge.models.lora import apply_lora
+
+        apply_lora(model, cfg.peft)
     init_weights(model, 0)
     contract_of(model).set_fused_loss(fused_loss_on(cfg))  # the loss path training takes
     caches = []
@@ -78,6 +82,24 @@ def test_activations_match_saved_tensors(preset, ac):
     assert abs(plan - measured) <= 0.10 * measured
 
 
+LORA_VARIANTS = {"default_freeze": ["peft.target_modules=[q_proj,v_proj,o_proj,gate_proj,down_proj]"],
+                 "q_only_norms_train": ["peft.target_modules=[q_proj]", "peft.freeze=[embeddings]"],
+                 "all_roles_embedding_train": ["peft.rank=8", "peft.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]", "peft.freeze=[norms]"]}
+
+
+@pytest.mark.parametrize("variant", list(LORA_VARIANTS))
+@pytest.mark.parametrize("ac", ["false", "full", "selective"])
+def test_lora_activations_match_saved_tensors(variant, ac):
+    """LoRA changes what autograd keeps (frozen norms and projections keep less, adapters add their outputs);
+    the plan equals the saved-tensor measurement of the adapted model."""
+    ov = ["peft.rank=4", *LORA_VARIANTS[variant], f"distributed.activation_checkpointing={ac}"]
+    cfg = config(ov, world_size=1)
+    _, args = model_params(cfg)
+    plan = activation_bytes(args, cfg, Layout.from_sizes(1), args.n_layers, True, True)["total"]
+    measured = _saved_bytes(ov)
+    assert plan == measured, (plan, measured)
+
+
 def test_plan_cli_example_json(capsys):
     rc = main(["plan", str(ROOT / "examples" / "llama3_70b_tp_pp.yaml"), "--world-size", "64", "--json"])
     assert rc == 0
@@ -112,3 +134,53 @@ def test_validate_warns_when_plan_exceeds_memory(capsys):
     cfg = str(ROOT / "examples" / "llama3_70b_tp_pp.yaml")
     assert main(["validate", cfg, "distributed.pp_size=1", "--world-size", "8"]) == 0
     assert "exceeds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("freeze", ["[embeddings,norms]", "[embeddings]"])
+def test_lora_state_matches_bench_accounting(freeze, capsys):
+    """Frozen base weights: parameter bytes only; adapters (and unfrozen norms): grads and AdamW state too. Equal
+    to the bench's exact per-parameter accounting (bench/peft_memory.py), process-free; the plan says what it
+    does not count exactly (LoRA's activations)."""
+    from meshforge.bench.peft_memory import state_bytes
+    from meshforge.errors import ConfigError
+    from meshforge.planning.estimate import rank_state
+
+    ov = ["peft.rank=4", "peft.target_modules=[q_proj,v_proj,o_proj,gate_proj,down_proj]", f"peft.freeze={freeze}"]
+    cfg = config(ov, world_size=1)
+    params, _ = model_params(cfg)
+    got = rank_state(params, cfg, Layout.from_sizes(1), 0)
+    want = state_bytes(cfg.model, cfg.peft)
+    assert (got.params, got.grads, got.optimizer) == (want["params"], want["grads"], want["optimizer"])
+    assert want["grads"] < want["params"] / 10  # the adapters are a small part: frozen weights really count as such
+    tiny = str(ROOT / "examples" / "fsdp2_cpu_2proc.yaml")
+    assert main(["plan", tiny, *ov, "distributed.tp_size=2", "--world-size", "2"]) == 0
+    assert "note: LoRA" in capsys.readouterr().out  # activations under TP: said, not claimed
+    # a strategy whose frozen-parameter storage the planner does not model is refused, not planned as trainable
+    cfg.distributed.strategy = "megatron_fsdp"
+    with pytest.raises(ConfigError, match="does not count frozen"):
+        rank_state(params, cfg, Layout.from_sizes(2), 0)
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (4, 4), (2, 6)])
+def test_in_flight_activations_replay_torch_schedule(p, m):
+    """The activations a pp rank keeps alive at once (per local stage, e.g. the head's only on the last one) follow
+    the forward/backward order of torch's own ScheduleInterleaved1F1B (its per-rank op list, no processes)."""
+    from torch.distributed.pipelining import schedules
+
+    from meshforge.planning.estimate import _alive_peak
+
+    v = 2
+    sched = schedules.ScheduleInterleaved1F1B.__new__(schedules.ScheduleInterleaved1F1B)
+    sched.n_local_stages, sched.pp_group_size, sched._n_microbatches = v, p, m
+    sched.number_of_rounds = max(1, m // p)
+    sched.microbatches_per_round = m // sched.number_of_rounds
+    for weights in ((1, 100), (3, 5)):
+        for rank in range(p):
+            now = peak = 0
+            for a in filter(None, sched._calculate_single_rank_operations(rank)):
+                kind = str(a.computation_type)
+                sign = 1 if kind.endswith("F") or "FORWARD" in kind else -1 if "B" in kind else 0
+                now += sign * weights[a.stage_index // p]
+                peak = max(peak, now)
+            assert _alive_peak("interleaved_1f1b", p, rank, m, weights)[0] == peak, (p, m, rank, weights)
+    assert _alive_peak("1f1b", 4, 1, 8, (7,)) == (21, 3)  # Schedule1F1B: rank r keeps p - r micro batches

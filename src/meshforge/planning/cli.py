@@ -23,7 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu", default="h100", help="h100, h200, b200, a100, or NAME:PEAK_TFLOPS:MEMORY_GIB")
     p.add_argument("--link", default=None, metavar="nvlink=GBPS,fabric=GBPS",
                    help="override the device's link bandwidths (GB/s per device per direction)")
-    p.add_argument("--mfu", type=float, default=0.4, help="assumed model FLOPs utilisation of compute (0.4)")
+    p.add_argument("--mfu", type=float, default=0.4,
+                   help="assumed efficiency of the compute while it runs (model FLOPs / device peak; 0.4); the "
+                   "printed MFU adds recomputation, the pipeline bubble and exposed communication")
     p.add_argument("--compare", action="append", default=[], metavar="KEY=V1,V2,...",
                    help="one plan per value (repeat the flag for all combinations); one table")
     p.add_argument("--fit", action="store_true", help="search layouts that fit and print the fastest few")
@@ -122,9 +124,13 @@ def _print_plan(p, args) -> None:
           f"communication {p.comm_s:.3f} s, pipeline bubble {100 * p.bubble:.1f}%")
     print(f"step {p.step_s:.3f} s, {p.tokens_per_s:,.0f} tokens/s, {p.tokens_per_s / p.world_size:,.0f} tokens/s "
           f"per device, MFU {100 * p.mfu:.1f}%")
+    for note in p.notes:
+        print(f"note: {note}")
 
 
 def _print_compare(plans) -> None:
+    for note in dict.fromkeys(n for _c, p in plans for n in p.notes):
+        print(f"note: {note}")
     print(f"{'configuration':40s} {'peak':>11} {'fits':>5} {'step s':>8} {'tokens/s':>12} {'MFU %':>6} "
           f"{'comm GB/step':>13}")
     for c, p in plans:

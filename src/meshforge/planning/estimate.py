@@ -12,9 +12,14 @@ the strategy's storage rules, so it equals what the bench counts (`bench/measure
   AdamW        exp_avg + exp_avg_sq (fp32) per optimizer tensor and a 4-byte `step`.
 On CUDA, fsdp2 and megatron_fsdp compute in bf16 (megatron_fsdp keeps a bf16 compute buffer beside fp32 main).
 
-Activations per micro batch are the tensors autograd saves (see `activation_bytes`); communication per step
-per axis and collective kind follows the strategies' schedules (see `comm_per_step`); compute is 6N FLOPs per
-token (the model contract's `flops_per_token`) at an assumed MFU, plus the pipeline bubble.
+LoRA (`peft:`): frozen parameters hold their parameter bytes only; adapters hold gradients and AdamW state too.
+
+Activations per micro batch are the tensors autograd saves (see `activation_bytes`); a pipeline rank keeps as
+many alive as the replay of its schedule's forward/backward order says (`_alive_peak`). Communication per step
+per axis and collective kind follows the strategies' schedules (see `comm_per_step`). Compute is the model
+contract's FLOPs per token at an assumed compute efficiency (`mfu`), plus recomputation and the pipeline bubble;
+tensor/context/expert/pipeline traffic is on the critical path (meshforge's eager TP collectives do not overlap
+compute), data-parallel traffic adds only what compute does not hide.
 """
 
 from __future__ import annotations
@@ -41,15 +46,22 @@ class ParamRec:
     tp_dim: int | None  # dimension split over tp, None when whole
     expert: bool  # stacked routed-expert weights (dim 0 = expert)
     place: str  # "block", "first" (first pipeline stage), "last" or "other"
+    trainable: bool = True  # False: frozen (LoRA's base weights): no gradient, no optimizer state
+    # replicated over tp while its gradient arrives Partial: the norms under sequence parallelism (their input is
+    # sequence-sharded) and the LoRA factor kept whole beside a split base layer
+    partial_grad: bool = False
 
 
 def model_params(cfg) -> tuple[list[ParamRec], object]:
     """Every parameter of the configured built-in model (tied weights once), from its meta description."""
     from meshforge.models import contract_of, meta_modules, resolve_model_args
+    from meshforge.models.lora import ADAPTER_PARTS
     from meshforge.planning.tp_plan import resolve_plan, sharded_dim
 
     args = resolve_model_args(cfg.model)
     one, modules = meta_modules(cfg.model)
+    if cfg.peft is not None:
+        one, modules = _with_lora(one, modules, cfg.peft)
     contract = contract_of(one)
     layout = contract.pipeline_layout()
     container = layout.split_points[0].rpartition(".")[0] if layout else None
@@ -73,9 +85,38 @@ def model_params(cfg) -> tuple[list[ParamRec], object]:
                 top = mname.split(".")[0]
                 place = "first" if top in layout.first_stage else "last" if top in layout.last_stage else "other"
             style = styles.get(mname)
-            out.append(ParamRec(f"{mname}.{pname}" if mname else pname, tuple(p.shape), block,
-                                sharded_dim(mod, style) if style else None, id(p) in expert_ids, place))
+            tp_dim = sharded_dim(mod, style) if style else None
+            partial = style == "sequence_parallel"
+            parent, _, part = mname.rpartition(".")
+            if part in ADAPTER_PARTS and styles.get(parent):
+                # LoRA factors follow their base layer's style (distributed/tensor_parallel.py): under colwise B is
+                # split by rows and A whole; under rowwise A is split by columns and B whole
+                tp_dim = {("colwise", "lora_B"): 0, ("rowwise", "lora_A"): 1}.get((styles[parent], part))
+                partial = tp_dim is None
+            out.append(ParamRec(f"{mname}.{pname}" if mname else pname, tuple(p.shape), block, tp_dim,
+                                id(p) in expert_ids, place, p.requires_grad, partial))
     return out, args
+
+
+def _with_lora(one, modules: dict, peft):
+    """The one-block meta model with LoRA applied (adapters on the targeted linears, the freeze policy) and
+    the whole model's {name: module} rebuilt from it, each block's modules standing in for every block's."""
+    from meshforge.models.lora import apply_lora
+
+    names = {id(m): [n for n, mm in modules.items() if mm is m] for m in modules.values()}
+    before = dict(one.named_modules())
+    apply_lora(one, peft)
+    out = {}
+    for name, mod in one.named_modules():
+        old = before.get(name)
+        if old is not None:
+            for whole in names[id(old)]:
+                out[whole] = mod
+        else:  # a new adapter module under `parent`: under each of the parent's whole-model names
+            parent, _, child = name.rpartition(".")
+            for whole in names[id(before[parent])] if parent in before else []:
+                out[f"{whole}.{child}"] = mod
+    return one, out
 
 
 # ---------------------------------------------------------------------------------------------- state
@@ -83,6 +124,12 @@ def _chunk_rows(dim0: int, world: int, rank: int) -> int:
     size = -(-dim0 // world) if dim0 else 0
     start = min(rank * size, dim0)
     return min(start + size, dim0) - start
+
+
+def _adapter(p: ParamRec) -> bool:
+    from meshforge.models.lora import is_adapter_param
+
+    return is_adapter_param(p.name)
 
 
 def _local_shape(p: ParamRec, layout: Layout) -> list[int]:
@@ -113,12 +160,32 @@ def _stage_params(params: list[ParamRec], cfg, layout: Layout, pp_rank: int,
     if layout.pp == 1:
         return [params]
     pplan = pipeline_plan_of(cfg, layout, n_layers)
-    stages = []
-    for s in pplan.rank_stages(pp_rank):
-        blocks = set(pplan.stage_layers[s])
-        stages.append([p for p in params if (p.block in blocks) or (p.place == "first" and s == 0)
-                       or (p.place == "last" and s == pplan.num_stages - 1) or p.place == "other"])
-    return stages
+
+    def compute():
+        stages = []
+        for s in pplan.rank_stages(pp_rank):
+            blocks = set(pplan.stage_layers[s])
+            stages.append([p for p in params if (p.block in blocks) or (p.place == "first" and s == 0)
+                           or (p.place == "last" and s == pplan.num_stages - 1) or p.place == "other"])
+        return stages
+
+    return _memo("stages", params, (pplan, pp_rank), compute)
+
+
+_STAGE_CACHE: dict = {}
+
+
+def _memo(kind: str, obj, key: tuple, compute):
+    """`compute()` memoised per (kind, the list `obj`, key): the search plans hundreds of candidates over the
+    same parameter lists. The entry holds `obj`, so its id is not reused while cached."""
+    hit = _STAGE_CACHE.get((kind, id(obj), key))
+    if hit is not None and hit[0] is obj:
+        return hit[1]
+    if len(_STAGE_CACHE) > 8192:
+        _STAGE_CACHE.clear()
+    value = compute()
+    _STAGE_CACHE[(kind, id(obj), key)] = (obj, value)
+    return value
 
 
 def pipeline_plan_of(cfg, layout: Layout, n_layers: int | None = None):
@@ -145,8 +212,24 @@ def _on_cuda(cfg) -> bool:
     return cfg.training.device != "cpu"
 
 
+def _refuse_uncounted(params: list[ParamRec], cfg, layout: Layout) -> None:
+    """Frozen parameters are counted for the strategies LoRA runs on here (ddp, fsdp2, with TP/SP/CP/PP); a
+    combination the planner has not been checked against is one line, never a silently wrong plan."""
+    from meshforge.errors import ConfigError
+
+    if all(p.trainable for p in params):
+        return
+    if cfg.distributed.strategy not in ("ddp", "fsdp2"):
+        raise ConfigError(f"meshforge plan does not count frozen (LoRA) parameters under distributed.strategy="
+                          f"{cfg.distributed.strategy} yet: plan with strategy ddp or fsdp2")
+    if layout.ep > 1:
+        raise ConfigError(f"meshforge plan does not count frozen (LoRA) parameters with distributed.ep_size="
+                          f"{layout.ep} yet: plan with ep_size=1")
+
+
 def rank_state(params: list[ParamRec], cfg, layout: Layout, rank: int) -> Parts:
     """Bytes of parameters, gradients and optimizer state global rank `rank` holds after a step."""
+    _refuse_uncounted(params, cfg, layout)
     c = layout.coords(rank)
     d = cfg.distributed
     strategy = d.strategy
@@ -162,12 +245,14 @@ def rank_state(params: list[ParamRec], cfg, layout: Layout, rank: int) -> Parts:
 
 
 def _replicas(stage, layout, out: Parts, buckets: bool) -> None:
+    """Full replicas; gradients, the reducer's buckets (counted as gradients) and optimizer state only for the
+    trainable parameters."""
+    train = [p for p in stage if p.trainable]
     n = sum(math.prod(_local_shape(p, layout)) for p in stage)
+    n_train = sum(math.prod(_local_shape(p, layout)) for p in train)
     out.params += n * F32
-    out.grads += n * F32 * (2 if buckets else 1)
-    out.optimizer += 2 * n * F32 + STEP_BYTES * len(stage)
-    if buckets:
-        out.buffers += 0  # the buckets are counted as gradients
+    out.grads += n_train * F32 * (2 if buckets else 1)
+    out.optimizer += 2 * n_train * F32 + STEP_BYTES * len(train)
 
 
 def _fsdp2(stage, cfg, layout, c, out: Parts) -> None:
@@ -175,8 +260,7 @@ def _fsdp2(stage, cfg, layout, c, out: Parts) -> None:
     dense_n, dense_r = layout.dp_shard * layout.cp, c[MeshAxis.DP_SHARD_CP]
     ep_shard_n, ep_shard_r = layout.size(MeshAxis.EP_SHARD), c[MeshAxis.EP_SHARD]
     offload = bool(cfg.distributed.options.offload_policy)
-    largest_unit = 0
-    for p in stage:
+    for p, k in _alike(stage):  # every block has the same parameters: each kind once, times its count
         s = _local_shape(p, layout)
         full_grad = None
         if not active:
@@ -190,21 +274,58 @@ def _fsdp2(stage, cfg, layout, c, out: Parts) -> None:
             rest = math.prod(s) // s[dim] if s[dim] else 0
             stored = -(-s[dim] // n) * rest
             opt = _chunk_rows(s[dim], n, r) * rest
-        if offload:
-            out.host += 2 * stored * F32 + 2 * opt * F32 + STEP_BYTES
+        if not p.trainable:  # frozen: the (sharded) parameter only
+            out.host += k * stored * F32 if offload else 0
+            out.params += 0 if offload else k * stored * F32
             continue
-        out.params += stored * F32
-        out.grads += (full_grad or stored) * F32
-        out.optimizer += 2 * opt * F32 + STEP_BYTES
-        largest_unit = max(largest_unit, math.prod(s))
+        if offload:
+            out.host += k * (2 * stored * F32 + 2 * opt * F32 + STEP_BYTES)
+            continue
+        out.params += k * stored * F32
+        out.grads += k * (full_grad or stored) * F32
+        out.optimizer += k * (2 * opt * F32 + STEP_BYTES)
     out.buffers = max(out.buffers, _largest_block(stage, layout) * (2 if _on_cuda(cfg) else F32))
 
 
+def _alike(stage: list[ParamRec]) -> list[tuple[ParamRec, int]]:
+    """[(a parameter, how many of the stage's parameters are stored like it)]: those equal in shape, split,
+    expert-ness, trainability and being the first stage's (memoised per stage list)."""
+    def compute():
+        kinds: dict = {}
+        for p in stage:
+            k = (p.shape, p.tp_dim, p.expert, p.trainable, p.place == "first")
+            rep, n = kinds.get(k, (p, 0))
+            kinds[k] = (rep, n + 1)
+        return list(kinds.values())
+
+    return _memo("alike", stage, (), compute)
+
+
+def _fsdp_units(group: list[ParamRec], layout: Layout, dim: int, n: int) -> tuple[dict, dict]:
+    """({unit: padded elements}, {unit: padded trainable elements}) of FSDP's units (each block, the rest)
+    sharded on `dim` over `n` ranks; memoised per parameter list (the search asks again for every candidate)."""
+    def compute():
+        units: dict = {}
+        grads: dict = {}  # the trainable part of each unit: what its reduce-scatter carries
+        for p in group:
+            s = _local_shape(p, layout)
+            rest = math.prod(s) // s[dim] if s[dim] else 0
+            padded = -(-s[dim] // n) * n * rest
+            units[p.block] = units.get(p.block, 0) + padded
+            grads[p.block] = grads.get(p.block, 0) + (padded if p.trainable else 0)
+        return units, grads
+
+    return _memo("units", group, (layout.tp, layout.ep, dim, n), compute)
+
+
 def _largest_block(stage, layout) -> int:
-    sizes: dict = {}
-    for p in stage:
-        sizes[p.block] = sizes.get(p.block, 0) + math.prod(_local_shape(p, layout))
-    return max(sizes.values(), default=0)
+    def compute():
+        sizes: dict = {}
+        for p in stage:
+            sizes[p.block] = sizes.get(p.block, 0) + math.prod(_local_shape(p, layout))
+        return max(sizes.values(), default=0)
+
+    return _memo("largest", stage, (layout.tp, layout.ep), compute)
 
 
 def _megatron(stage, cfg, layout, c, out: Parts) -> None:
@@ -264,11 +385,42 @@ def activation_bytes(args, cfg, layout: Layout, blocks: int, first: bool, last: 
     Measured against saved-tensor hooks on CPU (fp32): exact without CP/SP, within 2% with them.
     """
     d, t = cfg.distributed, cfg.training
-    cuda = _on_cuda(cfg)
-    e = 2 if (t.precision == "bf16" and cuda) else F32
-    tokens = (micro_batch or t.micro_batch_size) * t.seq_len // layout.cp
-    tp = layout.tp
-    sp = tp if d.sequence_parallel else 1
+    return dict(_activation_bytes(args, t.precision == "bf16" and _on_cuda(cfg), micro_batch or t.micro_batch_size,
+                                  t.seq_len, layout.cp, layout.tp, d.sequence_parallel, d.ac_mode,
+                                  fused_loss_on(cfg), blocks, first, last, _lora_profile(cfg, args)))
+
+
+LORA_ROLES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _lora_profile(cfg, args) -> tuple | None:
+    """(adapted roles, norms trainable, embedding trainable, rank) of a LoRA run on a dense model whose adapter
+    roles are the Llama block's; None otherwise (then activations are counted as for full training, and the
+    plan says so)."""
+    if cfg.peft is None or args.is_moe:
+        return None
+    key = (cfg.model.model_dump_json(), tuple(cfg.peft.target_modules))
+    if key not in _ROLES:
+        from meshforge.models import meta_modules
+        from meshforge.models.lora import layout_of, resolve_roles
+
+        _ROLES[key] = frozenset(resolve_roles(layout_of(meta_modules(cfg.model)[0]), list(cfg.peft.target_modules)))
+    roles = _ROLES[key]
+    if not roles <= set(LORA_ROLES):
+        return None
+    return roles, "norms" not in cfg.peft.freeze, "embeddings" not in cfg.peft.freeze, cfg.peft.rank
+
+
+_ROLES: dict = {}
+
+
+@functools.lru_cache(maxsize=8192)
+def _activation_bytes(args, bf16: bool, micro_batch: int, seq_len: int, cp: int, tp: int, sequence_parallel: bool,
+                      mode: str | None, fused: bool, blocks: int, first: bool, last: bool,
+                      lora: tuple | None = None) -> dict[str, int]:
+    e = 2 if bf16 else F32
+    tokens = micro_batch * seq_len // cp
+    sp = tp if sequence_parallel else 1
     hd, h, kv = args.hd, args.n_heads // tp, args.n_kv_heads // tp
     ffn = args.ffn_dim // tp
     if args.is_moe:
@@ -277,7 +429,6 @@ def activation_bytes(args, cfg, layout: Layout, blocks: int, first: bool, last: 
     dim_sp = args.dim // sp
     attn = 2 * (h + kv) * hd  # q, k, v, attention output
     mm = 4 * ffn
-    mode = d.ac_mode
     if mode is None:
         per_tok = (6 * dim_sp + attn + mm) * e + (2 + h) * F32
         if sp > 1:  # each sub-layer's projections save the gathered sequence instead of the norm's shard
@@ -287,13 +438,35 @@ def activation_bytes(args, cfg, layout: Layout, blocks: int, first: bool, last: 
     else:
         per_tok = (dim_sp + attn + 2 * dim_full + 2 * ffn) * e + h * F32
     full_block = (6 * dim_sp + attn + mm) * e + (2 + h) * F32
-    fused = fused_loss_on(cfg)  # the fused loss keeps one log-sum-exp per token, not the log-softmax
-    rope = 2 * (t.seq_len // layout.cp) * (hd // 2) * F32 if blocks else 0  # cos/sin of this rank's positions
-    out = {"blocks": blocks * per_tok * tokens + rope,
+    first_block = head_norm = 0  # LoRA: what block 0 and the final norm do not keep
+    if lora is not None:
+        # autograd keeps only what the gradients of inputs that require one need (measured, one process):
+        # a frozen norm drops x*rsqrt; a frozen projection keeps no input (its group keeps it if any member is
+        # adapted: LoRA's A reads it); each adapter adds its rank-r A output (selective checkpointing caches
+        # every matmul output, the adapters' B outputs too); with the embedding frozen, block 0's first norm
+        # keeps neither its input nor its rsqrt
+        roles, norms_train, emb_train, r = lora
+        out_features = {"q_proj": args.n_heads * hd // tp, "k_proj": args.n_kv_heads * hd // tp,
+                        "v_proj": args.n_kv_heads * hd // tp, "o_proj": dim_full, "gate_proj": ffn,
+                        "up_proj": ffn, "down_proj": dim_full}
+        kept = (0 if norms_train else -2 * dim_sp * e) + len(roles) * r * e
+        kept -= 0 if roles & {"q_proj", "k_proj", "v_proj"} else dim_full * e
+        kept -= 0 if roles & {"gate_proj", "up_proj"} else dim_full * e
+        kept -= 0 if "down_proj" in roles else ffn * e
+        full_block += kept
+        if mode is None:
+            per_tok += kept
+            first_block = 0 if emb_train else dim_sp * e + F32
+        elif mode == "selective":
+            per_tok += sum(r + out_features[role] for role in roles) * e
+        head_norm = 0 if norms_train else dim_sp * e
+    # the fused loss keeps one log-sum-exp per token, not the log-softmax
+    rope = 2 * (seq_len // cp) * (hd // 2) * F32 if blocks else 0  # cos/sin of this rank's positions
+    out = {"blocks": blocks * per_tok * tokens + rope - (first_block * tokens if first and blocks else 0),
            # int64 token ids (and the vocabulary-parallel embedding's masked copy of them)
            "embedding": tokens * 8 * (2 if tp > 1 else 1) if first else 0,
            "head": (tokens * ((2 * dim_sp + dim_full if sp > 1 else 3 * dim_sp) * e + F32
-                              + (F32 if fused else (args.vocab_size // tp) * F32)) + (0 if fused else F32))
+                              + (F32 if fused else (args.vocab_size // tp) * F32) - head_norm) + (0 if fused else F32))
            if last else 0,
            "recompute": full_block * tokens if mode and blocks else 0}
     out["total"] = out["blocks"] + out["embedding"] + out["head"]
@@ -319,19 +492,14 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
     stages = _stage_params(params, cfg, layout, c[MeshAxis.PP], args.n_layers)
     shard_axis = "dp_shard_cp" if layout.cp > 1 else "dp_shard"
     for stage in stages:
-        dense = [p for p in stage if not (p.expert and layout.ep > 1)]
+        dense = stage if layout.ep == 1 else [p for p in stage if not p.expert]
         experts = [p for p in stage if p.expert and layout.ep > 1]
         if d.strategy == "fsdp2" and dp_cp > 1 and layout.world_size > 1:
             n, ne = layout.dp_shard * layout.cp, layout.size(MeshAxis.EP_SHARD)
             for group, nn_, dim in ((dense, n, 0), (experts, ne, 1)):
-                units: dict = {}
-                for p in group:
-                    s = _local_shape(p, layout)
-                    rest = math.prod(s) // s[dim] if s[dim] else 0
-                    units.setdefault(p.block, 0)
-                    units[p.block] += -(-s[dim] // nn_) * nn_ * rest
-                if not units or nn_ == 1:
+                if not group or nn_ == 1:
                     continue
+                units, grads = _fsdp_units(group, layout, dim, nn_)
                 blocks = sorted(k for k in units if k is not None)
                 reshard = d.options.reshard_after_forward
                 regather = [b for b in blocks if (b != blocks[-1] if reshard is None else reshard)]
@@ -342,9 +510,9 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
                 reps = accum if (layout.pp == 1) else 1
                 ax = shard_axis if dim == 0 else "ep_shard"
                 add(ax, "all_gather", gathers * reps * e_param)
-                add(ax, "reduce_scatter", total * F32)
+                add(ax, "reduce_scatter", sum(grads.values()) * F32)
                 if dim == 0 and layout.dp_replicate > 1:
-                    add("dp_replicate", "all_reduce", total // nn_ * F32)
+                    add("dp_replicate", "all_reduce", sum(grads.values()) // nn_ * F32)
         elif d.strategy == "megatron_fsdp" and dp_cp > 1:
             mode = d.options.sharding_strategy
             units = {}
@@ -363,21 +531,53 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
                 add("dp_cp", "all_gather", (2 * padded - last - (-(-units.get(None, 0) // dp_cp) * dp_cp))
                     * accum * e_param)
         elif d.strategy != "fsdp2" and dp_cp > 1:
-            add("dp", "all_reduce", sum(math.prod(_local_shape(p, layout)) for p in stage) * F32)
-    # tensor parallelism, per micro batch: an all-reduce of the activations (tokens x dim) after each
-    # row-wise projection and the vocabulary-parallel embedding (forward), of the input gradient of each
-    # column-wise projection and of the output head (backward); the vocabulary-parallel loss reduces the
-    # max, sum of exponentials and target logit of every token (3 x tokens x 4 bytes)
+            add("dp", "all_reduce", sum(math.prod(_local_shape(p, layout)) for p in stage if p.trainable) * F32)
+    # tensor parallelism, per micro batch (measured on torch's DTensor styles). Without sequence parallelism: an
+    # all-reduce of the activations (tokens x dim) after each row-wise projection and the vocabulary-parallel
+    # embedding (forward), of the input gradient of each column-wise projection and of the output head
+    # (backward). With it, each sub-layer all-gathers its sequence-sharded input and reduce-scatters its output
+    # (forward), the output's gradient is all-gathered (backward) and each column-wise projection all-reduces
+    # its input gradient as without it; the embedding reduce-scatters (forward) and the head all-gathers
+    # (forward), each with its mirror in backward. Full checkpointing runs the block's forward collectives
+    # again, except the last reduction of each block: the recomputation stops at the last tensor backward
+    # needs (non-reentrant checkpoint), and the block's output is not one. The vocabulary-parallel loss
+    # reduces the max, sum of exponentials and target logit of every token (3 x tokens x 4 bytes).
     if layout.tp > 1:
         e = 2 if (t.precision == "bf16" and _on_cuda(cfg)) else F32
         tokens = t.micro_batch_size * t.seq_len // layout.cp
-        mine = [p for st in stages for p in st if p.tp_dim is not None]
-        n_ar = sum(1 for p in mine if p.tp_dim == 1 or p.place == "first") + \
-            sum(1 for p in mine if p.tp_dim == 0 and p.place != "first")
-        has_head = any(p.place == "last" and p.tp_dim is not None for p in mine)
+        act = tokens * args.dim * e
+        mine_all = [p for st in stages for p in st]
+        mine = [p for p in mine_all if p.tp_dim is not None and not _adapter(p)]
+        in_blocks = [p for p in mine if p.block is not None]
+        rows = sum(1 for p in in_blocks if p.tp_dim == 1)  # row-wise projections: one per sub-layer
+        cols = sum(1 for p in in_blocks if p.tp_dim == 0)
+        n_blocks = len({p.block for p in in_blocks})
+        first = any(p.place == "first" for p in mine)
+        head = any(p.place == "last" for p in mine)
+        # a frozen embedding (and frozen norms in the first block) needs no gradient of its output: backward
+        # skips the embedding's mirror collective and the input gradients of the first sub-layer's column-wise
+        # projections (those before the first block's first row-wise one)
+        frozen_in = first and not any(p.trainable for p in mine_all if p.place == "first" or
+                                      (p.block == 0 and len(p.shape) == 1))
+        skip = 0
+        if frozen_in:
+            for p in (p for p in mine if p.block == 0):
+                if p.tp_dim == 1:
+                    break
+                skip += 1
         n_micro = micro_per_rank // t.micro_batch_size
-        kind = "reduce_scatter+all_gather" if d.sequence_parallel else "all_reduce"
-        add("tp", kind, n_micro * (n_ar * tokens * args.dim * e + (3 * tokens * F32 if has_head else 0)))
+        full = d.ac_mode == "full"
+        loss = 3 * tokens * F32 if head else 0
+        # replicated parameters with Partial gradients are all-reduced twice per step, by the gradient norm and
+        # by the optimizer step (measured, torch 2.13, dp 1)
+        partial = 2 * F32 * sum(math.prod(p.shape) for p in mine_all if p.partial_grad and p.trainable)
+        if d.sequence_parallel:
+            add("tp", "all_gather", n_micro * (2 * rows + first + head - frozen_in + (rows if full else 0)) * act)
+            add("tp", "reduce_scatter", n_micro * (rows + first + head + (rows - n_blocks if full else 0)) * act)
+            add("tp", "all_reduce", n_micro * ((cols - skip) * act + loss) + partial)
+        else:
+            redo = rows - n_blocks if full else 0
+            add("tp", "all_reduce", n_micro * ((rows + cols - skip + first + head + redo) * act + loss) + partial)
     # scalars: the loss averaged over the data-parallel ranks and its label-token count; the gradient norm: one
     # 4-byte all-reduce per DTensor gradient and mesh dimension it is sharded over (megatron_fsdp: one for its
     # sharded optimizer), and the squares of the pipeline stages summed over pp
@@ -385,14 +585,17 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
         add("dp_cp", "all_reduce", F32)
         add("dp_cp", "all_reduce", 8)  # the global count of label tokens (int64) that normalises the loss
     fsdp_on = d.strategy == "fsdp2" and dp_cp > 1 and layout.world_size > 1
-    for p in (p for st in stages for p in st):
+    n_ep = n_dp = n_tp = 0
+    for p in (p for st in stages for p in st if p.trainable):
         if p.expert and layout.ep > 1:
-            add("ep", "all_reduce", F32 * (1 + (fsdp_on and layout.size(MeshAxis.EP_SHARD) > 1)))
+            n_ep += 1
             continue
-        if fsdp_on:
-            add("dp_cp", "all_reduce", F32)
-        if layout.tp > 1 and p.tp_dim is not None and (fsdp_on or p.place != "first"):
-            add("tp", "all_reduce", F32)  # (without FSDP the vocab-parallel embedding's grad is Replicate)
+        n_dp += fsdp_on
+        # (without FSDP the vocab-parallel embedding's grad is Replicate)
+        n_tp += layout.tp > 1 and p.tp_dim is not None and (fsdp_on or p.place != "first")
+    add("ep", "all_reduce", n_ep * F32 * (1 + (fsdp_on and layout.size(MeshAxis.EP_SHARD) > 1)))
+    add("dp_cp", "all_reduce", n_dp * F32)
+    add("tp", "all_reduce", n_tp * F32)
     if d.strategy == "megatron_fsdp" and dp_cp > 1 and d.options.sharding_strategy != "no_shard":
         add("dp_cp", "all_reduce", F32)
     if layout.pp > 1:
@@ -481,14 +684,45 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int) -> float:
     return frac / 3 if schedule in ("zero_bubble", "v_schedule") else frac
 
 
-def _in_flight(pplan, layout: Layout, pp_rank: int, n_stages_here: int) -> int:
-    if layout.pp == 1:
-        return 1
-    m = pplan.n_microbatches
-    if pplan.schedule == "gpipe" or pplan.schedule == "looped_bfs":
-        return m * n_stages_here
-    # 1F1B-style: rank r warms up with (p - r) microbatches per stage
-    return min(m * n_stages_here, (layout.pp - pp_rank) + (n_stages_here - 1) * layout.pp)
+@functools.lru_cache(maxsize=4096)
+def _alive_peak(schedule: str, p: int, r: int, m: int, weights: tuple[int, ...]) -> tuple[int, int]:
+    """(peak bytes, stage-microbatches alive then) of the activations pp rank `r` keeps, replaying the order in
+    which torch's schedule runs its forwards (F) and backwards (B); `weights` are the bytes one micro batch keeps
+    on each local stage, in order. A stage's micro batch is alive from its F to its B."""
+    v = len(weights)
+    if schedule in ("gpipe", "looped_bfs"):  # every forward before any backward
+        return m * sum(weights), m * v
+    if schedule == "v_schedule":  # ScheduleZBVZeroBubble: 2(p-r)-1 forwards on chunk 0, r on each chunk, one more
+        n0, n1 = min(m, 2 * p - r - 1), min(m, r + 1)
+        return n0 * weights[0] + n1 * weights[1], n0 + n1
+    total = m * v
+    if v == 1:  # Schedule1F1B: p - 1 - r warm-up forwards
+        warmup = min(m, p - 1 - r)
+        f_stage = b_stage = lambda k: 0  # noqa: E731
+    else:  # ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble (`_get_warmup_ops` and their stage order)
+        per_round = m // max(1, m // p)
+        hop = 1 if schedule == "zero_bubble" else 2
+        warmup = min(total, (v - 1) * per_round + hop * (p - 1 - r))
+
+        def f_stage(k):
+            return (k // per_round) % v
+
+        def b_stage(k):
+            return v - 1 - ((k - warmup) // per_round) % v
+    peak = count = n = now = f = b = 0
+    order = ["F"] * warmup + ["F", "B"] * (total - warmup) + ["B"] * warmup
+    for op in order:
+        if op == "F":
+            now += weights[f_stage(f)]
+            f += 1
+            n += 1
+            if now > peak:
+                peak, count = now, n
+        else:
+            now -= weights[b_stage(warmup + b)]
+            b += 1
+            n -= 1
+    return peak, count
 
 
 def _link_bytes_per_s(axis: str, layout: Layout, dev: Device, gpus_per_node: int) -> float:
@@ -501,10 +735,25 @@ def _link_bytes_per_s(axis: str, layout: Layout, dev: Device, gpus_per_node: int
     return (dev.nvlink_gbps if span <= gpus_per_node else dev.fabric_gbps) * 1e9
 
 
+def _comm_seconds(key: tuple[str, str], n: int, layout: Layout, dev: Device, gpus_per_node: int) -> float:
+    """Time of `n` full-buffer bytes of one collective kind on a ring: each rank sends (size-1)/size of the buffer
+    for an all-gather, reduce-scatter or all-to-all, twice that for an all-reduce (a reduce-scatter followed by
+    an all-gather)."""
+    axis, kind = key
+    size = _axis_size(axis, layout)
+    passes = 2 if kind == "all_reduce" else 1
+    return passes * n * (size - 1) / max(size, 1) / _link_bytes_per_s(axis, layout, dev, gpus_per_node)
+
+
 def _axis_size(axis: str, layout: Layout) -> int:
     if axis == "pp":
         return 2
     return layout.size(axis)
+
+
+def _stage_signature(pplan, pp_rank: int) -> tuple:
+    here = pplan.rank_stages(pp_rank)
+    return (tuple(len(pplan.stage_layers[s]) for s in here), 0 in here, pplan.num_stages - 1 in here)
 
 
 def representative_ranks(layout: Layout) -> list[int]:
@@ -535,31 +784,44 @@ def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: floa
     pplan = pipeline_plan_of(cfg, layout, args.n_layers) if layout.pp > 1 else None
     key = (layout, d.strategy, d.options.model_dump_json(), t.device)
     if state_cache is None or key not in state_cache:
-        states = [(r, rank_state(params, cfg, layout, r)) for r in representative_ranks(layout)]
+        # ranks whose pipeline stages hold the same number of blocks (and the same ends of the model) at the same
+        # data-parallel coordinates hold the same bytes: each distinct one is computed once
+        states, same = [], {}
+        for r in representative_ranks(layout):
+            c = layout.coords(r)
+            sig = (c[MeshAxis.DP_SHARD_CP], c[MeshAxis.DP_CP], c[MeshAxis.EP_SHARD], c[MeshAxis.PP] if pplan is None
+                   else _stage_signature(pplan, c[MeshAxis.PP]))
+            if sig not in same:
+                same[sig] = rank_state(params, cfg, layout, r)
+            states.append((r, same[sig]))
         if state_cache is not None:
             state_cache[key] = states
     else:
         states = state_cache[key]
+
+    @functools.cache
+    def acts_of(blocks: int, first: bool, last: bool) -> dict:
+        return activation_bytes(args, cfg, layout, blocks, first, last, pplan.microbatch_size if pplan else None)
+
     for r, parts in states:
         c = layout.coords(r)
         if pplan is not None:
             here = pplan.rank_stages(c[MeshAxis.PP])
             blocks = sum(len(pplan.stage_layers[s]) for s in here) // len(here)
             first, last = 0 in here, pplan.num_stages - 1 in here
-            acts = activation_bytes(args, cfg, layout, blocks, first, last, pplan.microbatch_size)
-            per_stage = activation_bytes(args, cfg, layout, blocks, False, False, pplan.microbatch_size)["total"]
-            in_flight = _in_flight(pplan, layout, c[MeshAxis.PP], len(here))
-            alive = in_flight * per_stage + (acts["embedding"] + acts["head"]) * max(1, in_flight // len(here))
+            acts = dict(acts_of(blocks, first, last))
+            weights = tuple(acts_of(len(pplan.stage_layers[s]), s == 0, s == pplan.num_stages - 1)["total"]
+                            for s in here)
+            alive, in_flight = _alive_peak(pplan.schedule, layout.pp, c[MeshAxis.PP], pplan.n_microbatches,
+                                           weights)
         else:
             acts = activation_bytes(args, cfg, layout, args.n_layers, True, True)
             in_flight, alive = 1, acts["total"]
         peak = parts.total + parts.buffers + alive + acts["recompute"]
         ranks.append(RankPlan(r, parts, acts, in_flight, peak))
     comm = comm_per_step(params, args, cfg, layout)
-    comm_s = 0.0
-    for (axis, _kind), n in comm.items():
-        size = _axis_size(axis, layout)
-        comm_s += n * (size - 1) / max(size, 1) / _link_bytes_per_s(axis, layout, device, gpus_per_node)
+    secs = {key: _comm_seconds(key, n, layout, device, gpus_per_node) for key, n in comm.items()}
+    comm_s = sum(secs.values())
     model_fpt = _flops_per_token(args, t.seq_len, build_model)
     tokens = t.global_batch_size * t.seq_len
     recompute = {None: 1.0, "full": 4 / 3, "selective": 1.05}[d.ac_mode]
@@ -568,18 +830,38 @@ def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: floa
     if pplan is not None:
         bubble = bubble_fraction(pplan.schedule, layout.pp, pplan.n_microbatches, pplan.stages_per_rank)
     # data-parallel traffic overlaps compute; what does not hide adds; TP/CP/EP traffic is on the critical path
-    exposed = sum(n * (_axis_size(a, layout) - 1) / max(_axis_size(a, layout), 1)
-                  / _link_bytes_per_s(a, layout, device, gpus_per_node)
-                  for (a, _k), n in comm.items() if a in ("tp", "cp", "ep", "pp"))
+    exposed = sum(sec for (a, _k), sec in secs.items() if a in ("tp", "cp", "ep", "pp"))
     hidden = comm_s - exposed
     step_s = compute_s / (1 - bubble) + exposed + max(0.0, hidden - compute_s)
     tps = tokens / step_s
     achieved = tokens * model_fpt / step_s / world_size / (device.peak_tflops * 1e12)
     peak = max(r.peak for r in ranks)
-    n_params = sum(math.prod(p.shape) for p in params)
+    n_params = _n_params(params)
     return Plan(world_size, layout, d.strategy, d.options.sharding_strategy if d.strategy == "megatron_fsdp"
                 else None, ranks, comm, comm_s, compute_s, bubble, step_s, tps, achieved, model_fpt, n_params,
-                device, peak <= device.memory_bytes)
+                device, peak <= device.memory_bytes, _notes(cfg))
+
+
+def _args_of(cfg):
+    from meshforge.models import resolve_model_args
+
+    return resolve_model_args(cfg.model)
+
+
+def _notes(cfg) -> list[str]:
+    """What the plan does not count exactly for this config, said with the plan."""
+    out = []
+    if cfg.peft is not None and cfg.distributed.tp_size * cfg.distributed.cp_size > 1:
+        out.append("LoRA: activations are exact on one process; under tensor/context parallelism they were "
+                   "measured within 5% (TP2 + sequence parallelism +4.6%, CP2 +0.3%), not exact")
+    if cfg.peft is not None and _lora_profile(cfg, _args_of(cfg)) is None:
+        out.append("LoRA: activations are counted as for full training (this model's adapter roles are not the "
+                   "Llama block's); parameters, gradients, optimizer state and communication are exact")
+    return out
+
+
+def _n_params(params: list[ParamRec]) -> int:
+    return _memo("n", params, (), lambda: sum(math.prod(p.shape) for p in params))
 
 
 @functools.lru_cache(maxsize=64)

@@ -29,7 +29,9 @@ def _candidates(cfg, world_size: int, args, gpus_per_node: int):
 def _configure(cfg, args, tp, pp, cp, strategy, ac, mbs):
     from meshforge.config.schema import PipelineConfig
 
-    c = cfg.model_copy(deep=True)
+    # copies of the two sections a candidate changes; the rest (model, data, ...) is shared, never written
+    c = cfg.model_copy(update={"distributed": cfg.distributed.model_copy(deep=True),
+                               "training": cfg.training.model_copy()})
     d = c.distributed
     d.strategy = strategy  # ValueError when the config carries options of another strategy
     d.tp_size, d.pp_size, d.cp_size, d.dp_size, d.dp_replicate_size = tp, pp, cp, None, None

@@ -9,6 +9,8 @@ so TP groups are contiguous ranks (inside one node).
 
 from __future__ import annotations
 
+import functools
+
 import itertools
 from dataclasses import dataclass
 from enum import StrEnum
@@ -91,7 +93,9 @@ class Layout:
         return {a.value: n for a, n in zip(ROOT_DIMS, self.shape)}
 
     def size(self, axis: str | MeshAxis) -> int:
-        axis = MeshAxis.parse(axis)
+        return _size(self, MeshAxis.parse(axis))
+
+    def _size(self, axis: MeshAxis) -> int:
         if axis in FLAT_DIMS:
             n = 1
             for d in FLAT_DIMS[axis]:
@@ -106,6 +110,9 @@ class Layout:
     # ------------------------------------------------------------------ ranks
     def coords(self, rank: int) -> dict[MeshAxis, int]:
         """Coordinates of a global rank on every axis (flattened axes row-major over their dims)."""
+        return dict(_coords(self, rank))
+
+    def _coords(self, rank: int) -> dict[MeshAxis, int]:
         c, rest = {}, rank
         for axis, n in zip(reversed(ROOT_DIMS), reversed(self.shape)):
             c[axis] = rest % n
@@ -165,3 +172,14 @@ class Layout:
                 shown += f" ... ({len(groups)} groups)"
             rows.append((axis.value, self.size(axis), shown))
         return rows
+
+
+# memoised: the planner asks the same few layouts for sizes and coordinates hundreds of thousands of times
+@functools.lru_cache(maxsize=8192)
+def _size(layout: Layout, axis: MeshAxis) -> int:
+    return layout._size(axis)
+
+
+@functools.lru_cache(maxsize=8192)
+def _coords(layout: Layout, rank: int) -> dict[MeshAxis, int]:
+    return layout._coords(rank)

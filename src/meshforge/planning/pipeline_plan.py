@@ -27,6 +27,7 @@ accumulated grads by 1/n_microbatches and forcing the FSDP reduce-scatter.)
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from meshforge.errors import PipelinePlanError
@@ -77,11 +78,16 @@ class PipelinePlan:
 
     def rank_stages(self, pp_rank: int) -> list[int]:
         """The stages pp rank `pp_rank` runs, in increasing order."""
-        return [s for s in range(self.num_stages) if self.stage_rank(s) == pp_rank]
+        return list(_rank_stages(self, pp_rank))
 
     @property
     def last_stage_rank(self) -> int:
         return self.stage_rank(self.num_stages - 1)
+
+
+@functools.lru_cache(maxsize=4096)
+def _rank_stages(plan: PipelinePlan, pp_rank: int) -> tuple[int, ...]:
+    return tuple(s for s in range(plan.num_stages) if plan.stage_rank(s) == pp_rank)
 
 
 def _explicit(pcfg, key: str) -> bool:

@@ -149,6 +149,16 @@ def _fold_repeats(problems: list[str]) -> list[str]:
 
 def config_plan_problems(model_cfg, tp_size: int, sequence_parallel: bool, custom: dict[str, str] | None
                          ) -> list[str]:
-    """`plan_problems` for a built-in model described by a config, on its meta-device description."""
-    model, modules = meta_modules(model_cfg)
-    return plan_problems(model, tp_size, sequence_parallel, custom, modules)
+    """`plan_problems` for a built-in model described by a config, on its meta-device description (memoised:
+    `meshforge plan --fit` checks the same model at the same few tp sizes for many candidates)."""
+    key = (type(model_cfg).__name__, model_cfg.model_dump_json(), tp_size, sequence_parallel,
+           tuple(custom.items()) if custom else None)
+    if key not in _PLAN_PROBLEMS:
+        if len(_PLAN_PROBLEMS) > 256:
+            _PLAN_PROBLEMS.clear()
+        model, modules = meta_modules(model_cfg)
+        _PLAN_PROBLEMS[key] = tuple(plan_problems(model, tp_size, sequence_parallel, custom, modules))
+    return list(_PLAN_PROBLEMS[key])
+
+
+_PLAN_PROBLEMS: dict = {}
