@@ -277,7 +277,10 @@ def tensor_parallel_plan(cfg: Config, world_size: int) -> list[str]:
     # imported here: the check builds a meta-device model, and a config without TP never needs torch
     from meshforge.planning.tp_plan import config_plan_problems
 
-    return config_plan_problems(cfg.model, d.tp_size, d.sequence_parallel, d.tp_plan)
+    try:
+        return config_plan_problems(cfg.model, d.tp_size, d.sequence_parallel, d.tp_plan)
+    except ValueError as err:  # a plan the model cannot declare (model.hf_model: a style meshforge cannot map)
+        return [str(err)]
 
 
 @rule
@@ -354,6 +357,35 @@ def fused_loss_on(cfg: Config) -> bool:
 def fused_loss_layout(cfg: Config, world_size: int) -> list[str]:
     why = fused_loss_conflict(cfg) if cfg.training.fused_loss is True else None
     return [f"training.fused_loss=true cannot run here ({why}): set training.fused_loss=auto"] if why else []
+
+
+@rule
+def hf_model_keys(cfg: Config, world_size: int) -> list[str]:
+    """`model.hf_model` (models/hf_auto.py) builds the transformers model from its own config.json: the keys that
+    would shape or split another model are refused, never ignored."""
+    m, d, t = cfg.model, cfg.distributed, cfg.training
+    if not m.hf_model:
+        return []
+    what = f"with model.hf_model={m.hf_model}"
+    out = [f"model.{k} cannot be set {what} (its config.json gives the model): remove it"
+           for k in sorted(m.model_fields_set & (set(m.overrides()) | {"preset", "init_from"}))]
+    for key, value, on in (("data.packing", "true", cfg.data.packing), ("training.fused_loss", "true",
+                                                                         t.fused_loss is True),
+                           ("training.fp8.enabled", "true", t.fp8.enabled), ("peft", "(LoRA)", cfg.peft is not None),
+                           ("distributed.pp_size", d.pp_size, d.pp_size > 1),
+                           ("distributed.cp_size", d.cp_size, d.cp_size > 1),
+                           ("distributed.ep_size", d.ep_size, d.ep_size > 1),
+                           ("distributed.sequence_parallel", "true", d.sequence_parallel)):
+        if on:
+            out.append(f"{key}={value} is not supported {what} (the transformers model's forward takes token ids "
+                       "and returns logits only): remove it")
+    if m.init_device == "meta" and os.path.isdir(m.hf_model) and _model_args(cfg) is not None:
+        from meshforge.models import hf_has_weights
+
+        if hf_has_weights(m.hf_model):
+            out.append(f"model.init_device=meta {what}: its safetensors load into the plain model before sharding; "
+                       "set init_device auto or cpu")
+    return out
 
 
 @rule

@@ -108,9 +108,12 @@ class ModelConfig(Section):
     # meta-device construction: parameters are materialised after sharding
     init_device: Literal["auto", "cpu", "meta"] = "auto"
     init_from: str | None = None  # an HF safetensors directory; its config.json must match the model.* values
+    # any transformers causal LM: its folder (with safetensors: its weights) or a config.json (seeded random
+    # init); replaces preset and the shape keys above (docs/hf.md; needs meshforge[hf])
+    hf_model: str | None = None
 
     def overrides(self) -> dict[str, Any]:
-        skip = {"preset", "init_device", "init_from"}
+        skip = {"preset", "init_device", "init_from", "hf_model"}
         return {k: v for k, v in self.model_dump().items() if k not in skip and v is not None}
 
 

@@ -15,13 +15,15 @@ from meshforge.distributed.pipeline import build_pipeline_model
 from meshforge.distributed.runtime import ParallelModel
 from meshforge.config.rules import fused_loss_on
 from meshforge.errors import ConfigError
-from meshforge.models import build_model, contract_of, init_weights
+from meshforge.models import build_model, contract_of, hf_has_weights, init_weights, load_folder_weights
 from meshforge.models.lora import apply_lora
 
 
 def use_meta_init(cfg, world_size: int, n_params: int) -> bool:
     if cfg.model.init_device != "auto":
         return cfg.model.init_device == "meta"
+    if cfg.model.hf_model and hf_has_weights(cfg.model.hf_model):
+        return False  # its weights load into the plain model before sharding (models/hf_auto.py)
     return world_size > 1 and n_params > 500_000_000
 
 
@@ -40,6 +42,10 @@ def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device) -> Pa
                           "loss its output head; set training.fused_loss=auto or false")
     if not meta:
         init_weights(model, cfg.run.seed)
+        try:
+            load_folder_weights(model)  # a model.hf_model folder's own weights
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         model.to(device)
     part = parallelize_model(model, mesh_ctx, cfg.distributed, device, compile=cfg.training.compile,
                              fp8=cfg.training.fp8)

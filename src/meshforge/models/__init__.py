@@ -25,8 +25,9 @@ from meshforge.models.protocol import (
 )
 
 __all__ = ["PRESETS", "AdapterLayout", "ForeignModel", "InitSpec", "ModelArgs", "ModelContract", "PipelineLayout",
-           "StateDictAdapter", "args_from_hf_config", "blocks_of", "build_model", "contract_of", "init_weights",
-           "meta_modules", "param_init_tensor", "resolve_model_args", "set_submodule",
+           "StateDictAdapter", "args_from_hf_config", "blocks_of", "build_model", "contract_of", "hf_has_weights",
+           "init_weights",
+           "load_folder_weights", "meta_modules", "param_init_tensor", "resolve_model_args", "set_submodule",
            "submodule_or_none"]
 
 
@@ -48,6 +49,11 @@ def build_model(model_cfg: Any, device: str | None = None):
     import torch
 
     args = model_cfg if isinstance(model_cfg, ModelArgs) else resolve_model_args(model_cfg)
+    if args.hf_model:  # any transformers causal LM (models/hf_auto.py)
+        from meshforge.models.hf_auto import build_hf_model
+
+        with torch.device(device or "cpu"):
+            return build_hf_model(args)
     with torch.device(device or "cpu"), _skip_init_on_meta() if device == "meta" else contextlib.nullcontext():
         return model_class(args)(args)
 
@@ -77,6 +83,9 @@ def meta_modules(model_cfg: Any):
     described in milliseconds and no memory.
     """
     args = resolve_model_args(model_cfg)
+    if args.hf_model:  # a transformers model's blocks need not share shapes: the whole model, on meta
+        whole = build_model(args, device="meta")
+        return whole, dict(whole.named_modules())
     one = build_model(dataclasses.replace(args, n_layers=1), device="meta")
     block = one.pipeline_layout().split_points[0]
     container = block.rpartition(".")[0]
@@ -129,6 +138,20 @@ def init_weights(model, seed: int, copy_fn=None) -> None:
                 copy_fn(p, full)
             else:
                 p.copy_(full.to(dtype=p.dtype, device=p.device))
+
+
+def hf_has_weights(path: str) -> bool:
+    """Whether a `model.hf_model` path is a folder with safetensors weights (else: seeded random init)."""
+    from meshforge.models.hf_auto import has_weights
+
+    return has_weights(path)
+
+
+def load_folder_weights(model) -> bool:
+    """A `model.hf_model` folder's safetensors into the plain model (models/hf_auto.py); False for any other model."""
+    from meshforge.models.hf_auto import load_folder_weights as load
+
+    return load(model)
 
 
 def args_from_hf_config(config: dict) -> dict:

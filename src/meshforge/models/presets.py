@@ -46,6 +46,9 @@ class ModelArgs:
     sliding_window: int | None = None  # Mistral: exact while training.seq_len <= it (a rule refuses longer)
     bos_token_id: int | None = None  # written to generation_config.json on export
     eos_token_id: int | list[int] | None = None
+    # any transformers causal LM (models/hf_auto.py): its folder or config.json; the fields above then describe
+    # its shape for rules and the planner, and build_model builds the transformers model itself
+    hf_model: str | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -121,7 +124,12 @@ PRESETS: dict[str, ModelArgs] = {
 
 
 def resolve_model_args(model_cfg: Any) -> ModelArgs:
-    """Preset + overrides -> validated ModelArgs; unknown preset names list the known ones."""
+    """Preset + overrides -> validated ModelArgs; unknown preset names list the known ones. With
+    `model.hf_model`, the transformers model's shape read from its config.json."""
+    if getattr(model_cfg, "hf_model", None):
+        from meshforge.models.hf_auto import hf_model_args
+
+        return hf_model_args(model_cfg.hf_model)
     if model_cfg.preset not in PRESETS:
         raise KeyError(f"model.preset={model_cfg.preset!r} is not a known preset; choose one of "
                        f"{', '.join(PRESETS)}")
