@@ -367,8 +367,9 @@ def hf_model_keys(cfg: Config, world_size: int) -> list[str]:
     if not m.hf_model:
         return []
     what = f"with model.hf_model={m.hf_model}"
+    given = set(m.overrides()) | {"init_from"} | ({"preset"} if m.preset != "tiny" else set())  # tiny: the default
     out = [f"model.{k} cannot be set {what} (its config.json gives the model): remove it"
-           for k in sorted(m.model_fields_set & (set(m.overrides()) | {"preset", "init_from"}))]
+           for k in sorted(m.model_fields_set & given)]
     for key, value, on in (("data.packing", "true", cfg.data.packing), ("training.fused_loss", "true",
                                                                          t.fused_loss is True),
                            ("training.fp8.enabled", "true", t.fp8.enabled), ("peft", "(LoRA)", cfg.peft is not None),
