@@ -79,7 +79,7 @@ from meshforge.checkpoint.files import (
     verify_files,
     write_atomic,
 )
-from meshforge.checkpoint.hf import export_checkpoint, tokenizer_of
+from meshforge.checkpoint.hf import export_checkpoint, hf_config_of, tokenizer_of
 from meshforge.checkpoint.peft import adapter_manifest, check_adapter_checkpoint, trainable_names
 from meshforge.config.rules import resolved_ckpt_format
 from meshforge.errors import CheckpointError
@@ -195,6 +195,7 @@ class CheckpointManager:
                 "layout": layout.named_shape(),
                 "config_digest": config_digest(self.cfg), "model_args": model_args_dict(self.cfg),
                 "tokenizer": tokenizer_of(self.cfg),  # for the export's tokenizer files
+                "hf_config": hf_config_of(self.cfg),  # model.hf_model: its config.json, for the export
                 "torch_version": torch.__version__,
                 "created_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
 

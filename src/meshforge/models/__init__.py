@@ -24,11 +24,10 @@ from meshforge.models.protocol import (
     submodule_or_none,
 )
 
-__all__ = ["PRESETS", "AdapterLayout", "ForeignModel", "InitSpec", "ModelArgs", "ModelContract", "PipelineLayout",
-           "StateDictAdapter", "args_from_hf_config", "blocks_of", "build_model", "contract_of", "hf_has_weights",
-           "init_weights",
-           "load_folder_weights", "meta_modules", "param_init_tensor", "resolve_model_args", "set_submodule",
-           "submodule_or_none"]
+__all__ = ["HF_PREFIX", "PRESETS", "AdapterLayout", "ForeignModel", "InitSpec", "ModelArgs", "ModelContract",
+           "PipelineLayout", "StateDictAdapter", "args_from_hf_config", "blocks_of", "build_model", "contract_of",
+           "hf_config_dict", "hf_has_weights", "init_weights", "load_folder_weights", "meta_modules",
+           "param_init_tensor", "resolve_model_args", "set_submodule", "submodule_or_none"]
 
 
 def model_class(args: ModelArgs):
@@ -138,6 +137,16 @@ def init_weights(model, seed: int, copy_fn=None) -> None:
                 copy_fn(p, full)
             else:
                 p.copy_(full.to(dtype=p.dtype, device=p.device))
+
+
+HF_PREFIX = "hf."  # where a model.hf_model's transformers modules live (models/hf_auto.py): its names follow it
+
+
+def hf_config_dict(path: str) -> dict:
+    """A `model.hf_model`'s config as transformers reads it (a plain dict, for a checkpoint's manifest)."""
+    from meshforge.models.hf_auto import hf_config
+
+    return hf_config(path).to_dict()
 
 
 def hf_has_weights(path: str) -> bool:

@@ -25,18 +25,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from meshforge.models import HF_PREFIX as PREFIX  # the wrapper keeps the transformers model at `.hf`
 from meshforge.models.presets import ModelArgs
 from meshforge.models.protocol import InitSpec
 
-PREFIX = "hf."
 # transformers' tp styles -> meshforge's (models/protocol.py); gather-output and embedding styles only where
 # the module is the output head / input embedding (meshforge's vocabulary-parallel loss and embedding)
 _TP_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "replicate": "replicate"}
 _HEAD_STYLES = ("colwise_gather_output", "colwise_rep")
 _EMBEDDING_STYLES = ("embedding_rowwise", "rowwise_rep")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
 
 
 def _transformers():
@@ -226,6 +224,7 @@ def load_folder_weights(model: nn.Module) -> bool:
     if not has_weights(path):
         return False
     t = _transformers()
+    t.utils.logging.disable_progress_bar()
     loaded, info = t.AutoModelForCausalLM.from_pretrained(path, config=model.hf.config, dtype=torch.float32,
                                                           attn_implementation="sdpa", output_loading_info=True)
     for key in ("missing_keys", "unexpected_keys", "mismatched_keys"):
