@@ -272,8 +272,8 @@ def tensor_parallel_plan(cfg: Config, world_size: int) -> list[str]:
     if d.tp_plan and d.tp_size == 1:
         return ["distributed.tp_plan is set but distributed.tp_size=1, so it would do nothing: set tp_size > 1 "
                 "or remove tp_plan"]
-    if d.tp_size == 1 or _model_args(cfg) is None:
-        return []
+    if d.tp_size == 1 or _model_args(cfg) is None or (cfg.model.hf_model and d.sequence_parallel):
+        return []  # (hf_model with sequence_parallel: refused by hf_model_keys)
     # imported here: the check builds a meta-device model, and a config without TP never needs torch
     from meshforge.planning.tp_plan import config_plan_problems
 
