@@ -10,7 +10,8 @@ import dataclasses
 import zlib
 from typing import Any
 
-from meshforge.models.presets import PRESETS, ModelArgs, resolve_model_args
+from meshforge.models.presets import PRESETS, ModelArgs
+from meshforge.models.presets import resolve_model_args as resolve_preset
 from meshforge.models.protocol import (
     AdapterLayout,
     ForeignModel,
@@ -28,6 +29,16 @@ __all__ = ["HF_PREFIX", "PRESETS", "AdapterLayout", "ForeignModel", "InitSpec", 
            "PipelineLayout", "StateDictAdapter", "args_from_hf_config", "blocks_of", "build_model", "contract_of",
            "hf_config_dict", "hf_has_weights", "init_weights", "load_folder_weights", "meta_modules",
            "param_init_tensor", "resolve_model_args", "set_submodule", "submodule_or_none"]
+
+
+def resolve_model_args(model_cfg: Any) -> ModelArgs:
+    """The model a `ModelConfig` describes: its preset + overrides, or with `model.hf_model` the transformers
+    model's shape read from its config.json (models/hf_auto.py)."""
+    if getattr(model_cfg, "hf_model", None):
+        from meshforge.models.hf_auto import hf_model_args
+
+        return hf_model_args(model_cfg.hf_model)
+    return resolve_preset(model_cfg)
 
 
 def model_class(args: ModelArgs):

@@ -124,12 +124,7 @@ PRESETS: dict[str, ModelArgs] = {
 
 
 def resolve_model_args(model_cfg: Any) -> ModelArgs:
-    """Preset + overrides -> validated ModelArgs; unknown preset names list the known ones. With
-    `model.hf_model`, the transformers model's shape read from its config.json."""
-    if getattr(model_cfg, "hf_model", None):
-        from meshforge.models.hf_auto import hf_model_args
-
-        return hf_model_args(model_cfg.hf_model)
+    """Preset + overrides -> validated ModelArgs; unknown preset names list the known ones."""
     if model_cfg.preset not in PRESETS:
         raise KeyError(f"model.preset={model_cfg.preset!r} is not a known preset; choose one of "
                        f"{', '.join(PRESETS)}")
