@@ -148,7 +148,6 @@ def _edit_config(d: Path, **changes) -> None:
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type='yarn'"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"mlp_bias": True}, "mlp_bias=true"),
-    ({"pad_token_id": 0}, "pad_token_id=0"),
     ({"some_new_key": 1}, "key 'some_new_key' is not read"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
      "'partial_rotary_factor'"),

@@ -5,6 +5,8 @@
 - Train -> checkpoint -> `meshforge checkpoint export` -> `from_pretrained` loads with nothing said and gives the
   trained model's logits; the folder's tokenizer is carried and its bos/eos reach config.json.
 - A built-in model trained with `data.tokenizer` exports that tokenizer (AutoTokenizer encodes like the run).
+- `pad_token_id` (HF's padding_idx) is honoured: the padding row gets no gradient, the gradients equal
+  transformers'; with tensor parallelism it is refused.
 - Refusals, one line each: the keys that do not apply with hf_model, a tp style meshforge cannot map, a missing
   transformers.
 """
@@ -191,3 +193,36 @@ def test_without_transformers_the_key_names_the_extra(tmp_path, monkeypatch):
 def test_missing_config_is_one_line(tmp_path):
     problems = _problems([f"model.hf_model={tmp_path}"])
     assert any(p.startswith(f"model.hf_model={tmp_path}: no config.json") for p in problems), problems
+
+
+def test_pad_token_id_gradients_equal_transformers(tmp_path):
+    """config.json with pad_token_id imports (no longer refused): logits and embedding/head gradients equal
+    transformers' on tokens holding the pad id, whose embedding row gets none."""
+    from meshforge.checkpoint.hf import hf_model_args, load_hf_into
+
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**SHAPE, "pad_token_id": 3}))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 0.3)
+    hf.save_pretrained(tmp_path / "m")
+    args = hf_model_args(tmp_path / "m")
+    assert args.pad_token_id == 3
+    ours = build_model(args)
+    load_hf_into(ours, tmp_path / "m")
+    tokens = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(1))
+    tokens[:, ::3] = 3
+    theirs_logits = hf(tokens).logits
+    our_logits = ours(tokens)
+    assert (our_logits - theirs_logits).abs().max().item() < 1e-4
+    (our_logits.float().square().mean()).backward()
+    (theirs_logits.float().square().mean()).backward()
+    emb = ours.get_parameter(ours.pipeline_layout().first_stage[0] + ".weight")
+    assert emb.grad[3].abs().max().item() == 0.0 and emb.grad[tokens[0, 1]].abs().max().item() > 0
+    assert torch.allclose(emb.grad, hf.model.embed_tokens.weight.grad, atol=1e-6)
+    assert json.loads(json.dumps(ours.state_dict_adapter().hf_config(torch.float32)))["pad_token_id"] == 3
+
+
+def test_pad_token_id_with_tensor_parallelism_is_refused():
+    problems = _problems(["model.pad_token_id=0", "distributed.tp_size=2"])
+    assert any(p.startswith("model.pad_token_id=0 with distributed.tp_size=2 is not supported") for p in problems)

@@ -87,6 +87,7 @@ def hf_model_args(path: str | Path) -> ModelArgs:
                      tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
                      init_std=float(getattr(c, "initializer_range", 0.02)),
                      bos_token_id=getattr(c, "bos_token_id", None), eos_token_id=getattr(c, "eos_token_id", None),
+                     pad_token_id=getattr(c, "pad_token_id", None),
                      hf_model=str(Path(path).expanduser().resolve()))
 
 
