@@ -226,3 +226,21 @@ def test_pad_token_id_gradients_equal_transformers(tmp_path):
 def test_pad_token_id_with_tensor_parallelism_is_refused():
     problems = _problems(["model.pad_token_id=0", "distributed.tp_size=2"])
     assert any(p.startswith("model.pad_token_id=0 with distributed.tp_size=2 is not supported") for p in problems)
+
+
+def test_documented_hf_model_commands_run(tmp_path, monkeypatch):
+    """docs/hf.md's `model.hf_model` commands (tiny run -> export -> fine-tune the export), shortened."""
+    import re
+    import shlex
+
+    root = Path(__file__).resolve().parents[2]
+    section = (root / "docs" / "hf.md").read_text().split("## Any transformers model", 1)[1]
+    commands = re.findall(r"```bash\n(.*?)```", section, re.S)[0].strip().splitlines()
+    assert len(commands) == 3 and "model.hf_model=" in commands[-1]
+    monkeypatch.chdir(tmp_path)
+    short = ["training.max_steps=2", "training.seq_len=32", "data.max_files=1", "logging.progress=none"]
+    for cmd in commands:
+        argv = [a.replace("examples/", f"{root}/examples/") for a in shlex.split(cmd)[1:]]
+        assert cli_main(argv + (short if argv[0] == "train" else [])) == 0, cmd
+    steps = [json.loads(line) for line in (tmp_path / "runs/tiny_cpu_hf_ft/metrics.jsonl").read_text().splitlines()]
+    assert any("loss" in s for s in steps)
