@@ -112,6 +112,25 @@ def test_train_export_from_pretrained_same_logits_and_tokenizer(tmp_path, capsys
     assert (gen["bos_token_id"], gen["eos_token_id"]) == (1, 2)
     ref = transformers.AutoTokenizer.from_pretrained(tmp_path / "m")
     assert tok("def hello(x)")["input_ids"] == ref("def hello(x)")["input_ids"]
+    # resume (DCP) continues exactly: 2 saved steps + 1 equals 3 steps in one go
+    resumed = train(config(cfg_overrides := [f"model.hf_model={tmp_path / 'm'}", f"run.output_dir={tmp_path}/run",
+                                             "checkpoint.resume=auto"], 3, world_size=1), single_info())
+    straight = train(config([*cfg_overrides[:1], f"run.output_dir={tmp_path}/run3"], 3, world_size=1), single_info())
+    assert resumed.losses == straight.losses[2:], (resumed.losses, straight.losses)
+
+
+def test_imported_folder_tokenizer_reaches_the_export(tmp_path):
+    """`meshforge checkpoint import` of a folder with a tokenizer, exported again: the tokenizer comes along."""
+    from tests.checkpoint.test_hf_families import hf_random_model
+
+    hf_random_model("LlamaConfig", {}).save_pretrained(tmp_path / "m")
+    tiny_tokenizer(tmp_path / "m")
+    assert cli_main(["checkpoint", "import", str(tmp_path / "m"), "--to", str(tmp_path / "imp")]) == 0
+    assert cli_main(["checkpoint", "export", str(tmp_path / "imp"), "--to", str(tmp_path / "out")]) == 0
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    ref = transformers.AutoTokenizer.from_pretrained(tmp_path / "m")
+    assert tok("the quick fox")["input_ids"] == ref("the quick fox")["input_ids"]
+    assert tok.eos_token == "</s>"
 
 
 def test_export_carries_a_data_tokenizer(tmp_path):
