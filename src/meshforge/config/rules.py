@@ -383,12 +383,9 @@ def hf_model_keys(cfg: Config, world_size: int) -> list[str]:
         if on:
             out.append(f"{key}={value} is not supported {what} (the transformers model's forward takes token ids "
                        "and returns logits only): remove it")
-    if m.init_device == "meta" and os.path.isdir(m.hf_model) and _model_args(cfg) is not None:
-        from meshforge.models import hf_has_weights
-
-        if hf_has_weights(m.hf_model):
-            out.append(f"model.init_device=meta {what}: its safetensors load into the plain model before sharding; "
-                       "set init_device auto or cpu")
+    if m.init_device == "meta":
+        out.append(f"model.init_device=meta {what}: it is built on CPU (its weights load before sharding, and "
+                   "transformers computes its buffers, e.g. RoPE frequencies, at construction): set init_device auto")
     return out
 
 

@@ -15,15 +15,15 @@ from meshforge.distributed.pipeline import build_pipeline_model
 from meshforge.distributed.runtime import ParallelModel
 from meshforge.config.rules import fused_loss_on
 from meshforge.errors import ConfigError
-from meshforge.models import build_model, contract_of, hf_has_weights, init_weights, load_folder_weights
+from meshforge.models import build_model, contract_of, init_weights, load_folder_weights
 from meshforge.models.lora import apply_lora
 
 
 def use_meta_init(cfg, world_size: int, n_params: int) -> bool:
     if cfg.model.init_device != "auto":
         return cfg.model.init_device == "meta"
-    if cfg.model.hf_model and hf_has_weights(cfg.model.hf_model):
-        return False  # its weights load into the plain model before sharding (models/hf_auto.py)
+    if cfg.model.hf_model:
+        return False  # built on CPU: its weights load before sharding, and buffers (e.g. RoPE's) get their values
     return world_size > 1 and n_params > 500_000_000
 
 

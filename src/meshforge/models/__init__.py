@@ -27,7 +27,7 @@ from meshforge.models.protocol import (
 
 __all__ = ["HF_PREFIX", "PRESETS", "AdapterLayout", "ForeignModel", "InitSpec", "ModelArgs", "ModelContract",
            "PipelineLayout", "StateDictAdapter", "args_from_hf_config", "blocks_of", "build_model", "contract_of",
-           "hf_config_dict", "hf_has_weights", "init_weights", "load_folder_weights", "meta_modules",
+           "hf_config_dict", "init_weights", "load_folder_weights", "meta_modules",
            "param_init_tensor", "resolve_model_args", "set_submodule", "submodule_or_none"]
 
 
@@ -158,13 +158,6 @@ def hf_config_dict(path: str) -> dict:
     from meshforge.models.hf_auto import hf_config
 
     return hf_config(path).to_dict()
-
-
-def hf_has_weights(path: str) -> bool:
-    """Whether a `model.hf_model` path is a folder with safetensors weights (else: seeded random init)."""
-    from meshforge.models.hf_auto import has_weights
-
-    return has_weights(path)
 
 
 def load_folder_weights(model) -> bool:
