@@ -263,3 +263,13 @@ def test_documented_hf_model_commands_run(tmp_path, monkeypatch):
         assert cli_main(argv + (short if argv[0] == "train" else [])) == 0, cmd
     steps = [json.loads(line) for line in (tmp_path / "runs/tiny_cpu_hf_ft/metrics.jsonl").read_text().splitlines()]
     assert any("loss" in s for s in steps)
+
+
+def test_a_model_that_is_not_causal_is_refused(tmp_path):
+    """BERT as AutoModelForCausalLM without is_decoder attends both ways: refused, never trained on the future."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 256, "hidden_size": 32,
+                                                      "num_hidden_layers": 1, "num_attention_heads": 4,
+                                                      "intermediate_size": 64, "max_position_embeddings": 64}))
+    cfg = config([f"model.hf_model={tmp_path}/config.json", "training.max_steps=1"], world_size=1)
+    with pytest.raises(ConfigError, match="BertSelfAttention attends to later tokens"):
+        train(cfg, single_info())

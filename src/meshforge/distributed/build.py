@@ -29,7 +29,10 @@ def use_meta_init(cfg, world_size: int, n_params: int) -> bool:
 
 def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device) -> ParallelModel:
     """Model on CPU or meta -> parallelised -> materialised and initialised identically at any world size."""
-    meta_probe = build_model(cfg.model, device="meta")
+    try:
+        meta_probe = build_model(cfg.model, device="meta")
+    except ValueError as err:  # model.hf_model that transformers cannot build: one line
+        raise ConfigError(str(err)) from None
     n_params = sum(p.numel() for p in meta_probe.parameters())
     meta = use_meta_init(cfg, mesh_ctx.world_size, n_params)
     if mesh_ctx.pp_size > 1:

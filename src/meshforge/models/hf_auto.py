@@ -94,8 +94,18 @@ def hf_model_args(path: str | Path) -> ModelArgs:
 def build_hf_model(args: ModelArgs) -> HFCausalLM:
     """The transformers model of `args.hf_model`, in fp32, on the current default device (meta or CPU)."""
     t = _transformers()
-    inner = t.AutoModelForCausalLM.from_config(hf_config(args.hf_model), attn_implementation="sdpa",
-                                               dtype=torch.float32)
+    try:
+        inner = t.AutoModelForCausalLM.from_config(hf_config(args.hf_model), attn_implementation="sdpa",
+                                                   dtype=torch.float32)
+    except (ValueError, KeyError, ImportError) as err:  # e.g. not a causal LM, or no SDPA attention
+        msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"model.hf_model={args.hf_model}: transformers cannot build it as a causal LM with SDPA "
+                         f"attention ({msg})") from None
+    open_ = sorted({type(m).__name__ for m in inner.modules() if getattr(m, "is_causal", True) is False})
+    if open_:  # e.g. BERT without is_decoder: every token would see the ones it is trained to predict
+        raise ValueError(f"model.hf_model={args.hf_model}: {type(inner).__name__}'s {open_[0]} attends to later "
+                         "tokens (is_causal=False); meshforge trains next-token prediction: use a causal model (for "
+                         "an encoder that can decode, set is_decoder: true in its config.json)")
     return HFCausalLM(inner, args.hf_model)
 
 
