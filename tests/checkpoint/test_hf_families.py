@@ -335,17 +335,20 @@ def test_sharded_init_from_reads_only_slices(group, run):
         assert not any("experts" in n or "q_proj" in n or "embed" in n for n in got["full_reads"]), got["full_reads"]
 
 
-def test_init_from_with_flat_buffer_strategy_is_refused_and_import_resume_works(tmp_path):
-    """megatron_fsdp keeps parameters in flat buffers: `model.init_from` refuses with one line (before: a
-    segfault copying into a storage-less parameter); the documented way, import + checkpoint.resume, works."""
+def test_init_from_with_flat_buffer_strategy_and_import_resume_work(tmp_path):
+    """megatron_fsdp keeps parameters in flat buffers: `model.init_from` loads into the plain model before they
+    exist (same losses as fsdp2's init_from; before: refused, and earlier a segfault copying into a storage-less
+    parameter); with a meta-device build it is still refused in one line; import + checkpoint.resume works."""
     d = _hf_dir(tmp_path, "LlamaConfig", vocab_size=256, max_position_embeddings=64)
     values = model_values(d)
     with pytest.raises(CheckpointError, match="has no storage of its own here") as err:
         train(config(values + [f"model.init_from={d}", "distributed.strategy=megatron_fsdp",
-                               f"run.output_dir={tmp_path}/a"], 1), single_info())
+                               "model.init_device=meta", f"run.output_dir={tmp_path}/a"], 1), single_info())
     assert "\n" not in str(err.value)
+    early = train(config(values + [f"model.init_from={d}", "distributed.strategy=megatron_fsdp",
+                                   f"run.output_dir={tmp_path}/a2"], 1), single_info())
     assert cli_main(["checkpoint", "import", str(d), "--to", str(tmp_path / "imp")]) == 0
     a = train(config(values + [f"checkpoint.resume={tmp_path}/imp", "distributed.strategy=megatron_fsdp",
                                f"run.output_dir={tmp_path}/b"], 1), single_info())
     b = train(config(values + [f"model.init_from={d}", f"run.output_dir={tmp_path}/c"], 1), single_info())
-    assert a.losses == b.losses
+    assert a.losses == b.losses == early.losses

@@ -385,6 +385,24 @@ def load_hf_into(model, hf_dir: str | Path, progress: bool = False) -> list[str]
     return read_whole
 
 
+class PlainInitFrom:
+    """`model.init_from` for a strategy that re-stores parameters in flat buffers (megatron_fsdp): loaded into the
+    plain model before parallelisation (`build_parallel_model(load_plain=...)`), where every rank reads the
+    tensors whole; `done` says whether that path ran (not on meta-device or pipeline builds)."""
+
+    def __init__(self, hf_dir: str):
+        self.hf_dir, self.done = hf_dir, False
+
+    def __call__(self, model) -> None:
+        load_hf_into(model, self.hf_dir)
+        self.done = True
+
+    @classmethod
+    def of(cls, cfg) -> PlainInitFrom | None:
+        flat = cfg.model.init_from and cfg.distributed.strategy == "megatron_fsdp"
+        return cls(cfg.model.init_from) if flat else None
+
+
 def _local_box(p) -> list[tuple[int, int]] | None:
     """[(start, stop)] per dim of the part of DTensor `p` this rank holds, when that part is one contiguous
     box (placements only `Shard`/`Replicate`); None otherwise (a plain tensor, or strided/partial placements:

@@ -27,8 +27,10 @@ def use_meta_init(cfg, world_size: int, n_params: int) -> bool:
     return world_size > 1 and n_params > 500_000_000
 
 
-def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device) -> ParallelModel:
-    """Model on CPU or meta -> parallelised -> materialised and initialised identically at any world size."""
+def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device, load_plain=None) -> ParallelModel:
+    """Model on CPU or meta -> parallelised -> materialised and initialised identically at any world size.
+    `load_plain(model)` (optional) writes weights into the plain, initialised model before any parallelism, on the
+    CPU path only (not meta, not pipeline stages)."""
     try:
         meta_probe = build_model(cfg.model, device="meta")
     except ValueError as err:  # model.hf_model that transformers cannot build: one line
@@ -49,6 +51,8 @@ def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device) -> Pa
             load_folder_weights(model)  # a model.hf_model folder's own weights
         except ValueError as err:
             raise ConfigError(str(err)) from None
+        if load_plain is not None:
+            load_plain(model)
         model.to(device)
     part = parallelize_model(model, mesh_ctx, cfg.distributed, device, compile=cfg.training.compile,
                              fp8=cfg.training.fp8)
