@@ -273,3 +273,18 @@ def test_a_model_that_is_not_causal_is_refused(tmp_path):
     cfg = config([f"model.hf_model={tmp_path}/config.json", "training.max_steps=1"], world_size=1)
     with pytest.raises(ConfigError, match="BertSelfAttention attends to later tokens"):
         train(cfg, single_info())
+
+
+def test_pickle_weights_and_router_aux_loss_are_refused(tmp_path):
+    """A folder whose weights are not safetensors never silently starts from random weights; a config asking for
+    the router's auxiliary loss (which meshforge's loss would drop) is refused."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "config.json").write_text(json.dumps({"model_type": "qwen2", **SHAPE}))
+    (tmp_path / "a" / "pytorch_model.bin").write_bytes(b"")
+    problems = _problems([f"model.hf_model={tmp_path}/a"])
+    assert any("its weights are pytorch_model.bin, not safetensors" in p for p in problems), problems
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "config.json").write_text(json.dumps({"model_type": "mixtral", **SHAPE,
+                                                            "output_router_logits": True}))
+    problems = _problems([f"model.hf_model={tmp_path}/b"])
+    assert any("output_router_logits=true" in p for p in problems), problems

@@ -15,7 +15,7 @@ from meshforge.distributed.pipeline import build_pipeline_model
 from meshforge.distributed.runtime import ParallelModel
 from meshforge.config.rules import fused_loss_on
 from meshforge.errors import ConfigError
-from meshforge.models import build_model, contract_of, init_weights, load_folder_weights
+from meshforge.models import blocks_of, build_model, contract_of, init_weights, load_folder_weights
 from meshforge.models.lora import apply_lora
 
 
@@ -35,6 +35,9 @@ def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device, load_
         meta_probe = build_model(cfg.model, device="meta")
     except ValueError as err:  # model.hf_model that transformers cannot build: one line
         raise ConfigError(str(err)) from None
+    if not blocks_of(meta_probe, cfg.distributed.block_classes):  # FSDP units and activation checkpointing need them
+        raise ConfigError(f"the model ({type(meta_probe).__name__}) declares no blocks (a transformers model: no "
+                          "_no_split_modules): set distributed.block_classes to its layer class")
     n_params = sum(p.numel() for p in meta_probe.parameters())
     meta = use_meta_init(cfg, mesh_ctx.world_size, n_params)
     if mesh_ctx.pp_size > 1:

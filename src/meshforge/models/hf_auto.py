@@ -45,11 +45,16 @@ def _transformers():
     return transformers
 
 
+# weight files meshforge does not read (pickle or other frameworks): a folder holding only these is refused, so it
+# never silently starts from a random initialisation instead
+_OTHER_WEIGHTS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.gguf", "*.h5", "*.msgpack")
+
+
 def has_weights(path: str | Path) -> bool:
     """Whether `model.hf_model` is a folder holding safetensors weights (a config.json, or a folder without
     weights, starts from a seeded random initialisation)."""
     p = Path(path).expanduser()
-    return p.is_dir() and any((p / f).is_file() for f in WEIGHT_FILES)
+    return p.is_dir() and (any((p / f).is_file() for f in WEIGHT_FILES) or any(p.glob("*.safetensors")))
 
 
 @functools.lru_cache(maxsize=16)
@@ -77,6 +82,15 @@ def hf_model_args(path: str | Path) -> ModelArgs:
     """The shape of an hf_model as meshforge's rules and planner read it (vocab, widths, heads, layers, context).
     It describes; it builds nothing (`build_model` builds the transformers model itself)."""
     c = hf_config(path)
+    p = Path(path).expanduser()
+    other = sorted(f.name for pat in _OTHER_WEIGHTS for f in p.glob(pat)) if p.is_dir() else []
+    if other and not has_weights(p):
+        raise ValueError(f"model.hf_model={path}: its weights are {other[0]}, not safetensors (meshforge reads no "
+                         "pickle): save them with save_pretrained(safe_serialization=True), or give its config.json "
+                         "for a random start")
+    if getattr(c, "output_router_logits", False):
+        raise ValueError(f"model.hf_model={path}: output_router_logits=true asks for the router's auxiliary loss, "
+                         "which transformers adds only with labels and meshforge's loss does not: set it false")
     dim, heads = int(c.hidden_size), int(c.num_attention_heads)
     head_dim = getattr(c, "head_dim", None)
     return ModelArgs(vocab_size=int(c.vocab_size), dim=dim, n_layers=int(c.num_hidden_layers), n_heads=heads,
