@@ -120,17 +120,26 @@ def test_train_export_from_pretrained_same_logits_and_tokenizer(tmp_path, capsys
 
 
 def test_imported_folder_tokenizer_reaches_the_export(tmp_path):
-    """`meshforge checkpoint import` of a folder with a tokenizer, exported again: the tokenizer comes along."""
+    """`meshforge checkpoint import` of a folder with a tokenizer, exported again (directly, and after training
+    resumed from the import): the tokenizer comes along."""
     from tests.checkpoint.test_hf_families import hf_random_model
 
     hf_random_model("LlamaConfig", {}).save_pretrained(tmp_path / "m")
     tiny_tokenizer(tmp_path / "m")
     assert cli_main(["checkpoint", "import", str(tmp_path / "m"), "--to", str(tmp_path / "imp")]) == 0
     assert cli_main(["checkpoint", "export", str(tmp_path / "imp"), "--to", str(tmp_path / "out")]) == 0
-    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    # and through training: resume from the import (synthetic data, no tokenizer of its own), export again
+    from tests.checkpoint.test_hf_families import model_values
+
+    train(config(model_values(tmp_path / "m") + [f"checkpoint.resume={tmp_path}/imp",
+                                                 f"run.output_dir={tmp_path}/run", "checkpoint.interval=1"], 1,
+                 world_size=1), single_info())
+    assert cli_main(["checkpoint", "export", f"{tmp_path}/run/checkpoints", "--to", str(tmp_path / "out2")]) == 0
     ref = transformers.AutoTokenizer.from_pretrained(tmp_path / "m")
-    assert tok("the quick fox")["input_ids"] == ref("the quick fox")["input_ids"]
-    assert tok.eos_token == "</s>"
+    for out in ("out", "out2"):
+        tok = transformers.AutoTokenizer.from_pretrained(tmp_path / out)
+        assert tok("the quick fox")["input_ids"] == ref("the quick fox")["input_ids"]
+        assert tok.eos_token == "</s>"
 
 
 def test_export_carries_a_data_tokenizer(tmp_path):
