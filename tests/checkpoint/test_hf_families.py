@@ -296,6 +296,28 @@ def test_moe_export_from_expert_parallel_run(group, run, tmp_path):
         diff = (hf(tokens).logits - ours(tokens)).abs().max().item()
     print(f"{run}: exported Mixtral vs trained meshforge weights, max |logit diff| {diff:.2e}")
     assert diff < 1e-4
+    # one file per tensor (shard limit 0): the stacked expert weights are read and written one expert at a time
+    import meshforge.checkpoint.hf as hf_mod
+
+    reads = []
+
+    def spy(state, path, no_dist, offsets=None):
+        reads.extend((k, tuple(v.shape), offsets is not None) for k, v in state.items())
+        return dcp_load(state, path, no_dist, offsets)
+
+    dcp_load = hf_mod.dcp_load
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_mod, "dcp_load", spy)
+        export_checkpoint(EP_OUT / run / "checkpoints" / "step_2", tmp_path / "per_expert", shard_mb=0)
+    expert_reads = [shape for k, shape, boxed in reads if boxed]
+    assert expert_reads and all(shape[0] == 1 for shape in expert_reads), reads
+    assert not any(".experts." in k and not boxed for k, _, boxed in reads), reads
+    index = json.loads((tmp_path / "per_expert" / "model.safetensors.index.json").read_text())["weight_map"]
+    e0, e1 = (next(k for k in index if f"experts.{e}.w1" in k) for e in (0, 1))
+    assert index[e0] != index[e1]
+    per_expert = load_dir(tmp_path / "per_expert")
+    assert per_expert.keys() == load_dir(tmp_path / "hf").keys()
+    assert all(torch.equal(per_expert[k], v) for k, v in load_dir(tmp_path / "hf").items())
 
 
 def test_export_of_a_byte_level_run_has_an_equivalent_tokenizer(tmp_path, capsys):

@@ -68,17 +68,24 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, shard_mb: int =
     if missing:
         raise CheckpointError(f"{ckpt_dir}: parameter {missing[0]} is missing from the checkpoint")
     limit = shard_mb * 2**20
-    shards: list[list[str]] = [[]]
+    experts = _stacked_experts(model) if hasattr(adapter, "to_hf_experts") else set()
+    # each output shard: {parameter: None (whole) or [first, stop) (those experts of a stacked expert weight)}
+    shards: list[dict[str, list[int] | None]] = [{}]
     size = total = 0
-    for ours in names:  # plan shards from the metadata alone
+    for ours in names:  # plan shards from the metadata alone; stacked experts one expert at a time
         shape, dtype = shapes[f"model.{ours}"]
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        total += nbytes
-        if shards[-1] and size + nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(ours)
-        size += nbytes
+        units = [(e, e + 1) for e in range(shape[0])] if ours in experts else [None]
+        nbytes = torch.Size(shape).numel() * dtype.itemsize // len(units)
+        for unit in units:
+            total += nbytes
+            if shards[-1] and size + nbytes > limit:
+                shards.append({})
+                size = 0
+            if unit is None:
+                shards[-1][ours] = None
+            else:
+                shards[-1].setdefault(ours, [unit[0], unit[0]])[1] = unit[1]
+            size += nbytes
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -86,14 +93,26 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, shard_mb: int =
     weight_map = {}
     for i, group in enumerate(track(shards, "export: safetensors files")):
         fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        state = {f"model.{k}": torch.empty(shapes[f"model.{k}"][0], dtype=shapes[f"model.{k}"][1]) for k in group}
+        whole, part, offsets = {}, {}, {}
+        for k, r in group.items():
+            shape, dtype = shapes[f"model.{k}"]
+            if r is None:
+                whole[f"model.{k}"] = torch.empty(shape, dtype=dtype)
+            else:  # only experts r[0]..r[1]-1 of the stacked weight
+                part[f"model.{k}"] = torch.empty((r[1] - r[0], *shape[1:]), dtype=dtype)
+                offsets[f"model.{k}"] = (r[0],) + (0,) * (len(shape) - 1)
         try:
-            dcp_load(state, ckpt_dir, no_dist=True)
+            for state, box in ((whole, None), (part, offsets)):
+                if state:
+                    dcp_load(state, ckpt_dir, no_dist=True, offsets=box)
         except DCP_ERRORS as err:
             raise CheckpointError(f"{ckpt_dir}: DCP load failed: {dcp_error_line(err)}") from None
         out = {}
-        for k in group:
-            out.update(adapter.to_hf(k, state.pop(f"model.{k}")))
+        for k, r in group.items():
+            if r is None:
+                out.update(adapter.to_hf(k, whole.pop(f"model.{k}")))
+            else:
+                out.update(adapter.to_hf_experts(k, r[0], part.pop(f"model.{k}")))
         weight_map.update(dict.fromkeys(out, fname))
         save_file(out, str(tmp / fname), metadata={"format": "pt"})
         follow_umask(tmp / fname)
@@ -167,6 +186,12 @@ def export_hf_model(ckpt_dir: Path, out_dir: Path, manifest: dict, shard_mb: int
             written.update({k: sf.get_slice(k).get_shape() for k in sf.keys()})  # noqa: SIM118
     return {"files": len(files), "tensors": len(written), "dir": str(out_dir), "tokenizer": tokenizer is not None,
             "bytes": sum(torch.Size(v).numel() * 4 for v in written.values())}
+
+
+def _stacked_experts(model) -> set[str]:
+    """Names of the stacked routed-expert weights (dim 0 = expert) of the model's MoE layers."""
+    ids = {id(p) for layer in contract_of(model).moe_layers() for p in layer.experts.parameters(recurse=False)}
+    return {n for n, p in model.named_parameters() if id(p) in ids}
 
 
 def generation_config(hf_config: dict) -> dict:
