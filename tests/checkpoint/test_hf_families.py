@@ -148,7 +148,6 @@ def _edit_config(d: Path, **changes) -> None:
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type='yarn'"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"mlp_bias": True}, "mlp_bias=true"),
-    ({"pad_token_id": 0}, "pad_token_id=0"),
     ({"some_new_key": 1}, "key 'some_new_key' is not read"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
      "'partial_rotary_factor'"),
@@ -297,6 +296,28 @@ def test_moe_export_from_expert_parallel_run(group, run, tmp_path):
         diff = (hf(tokens).logits - ours(tokens)).abs().max().item()
     print(f"{run}: exported Mixtral vs trained meshforge weights, max |logit diff| {diff:.2e}")
     assert diff < 1e-4
+    # one file per tensor (shard limit 0): the stacked expert weights are read and written one expert at a time
+    import meshforge.checkpoint.hf as hf_mod
+
+    reads = []
+
+    def spy(state, path, no_dist, offsets=None):
+        reads.extend((k, tuple(v.shape), offsets is not None) for k, v in state.items())
+        return dcp_load(state, path, no_dist, offsets)
+
+    dcp_load = hf_mod.dcp_load
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_mod, "dcp_load", spy)
+        export_checkpoint(EP_OUT / run / "checkpoints" / "step_2", tmp_path / "per_expert", shard_mb=0)
+    expert_reads = [shape for k, shape, boxed in reads if boxed]
+    assert expert_reads and all(shape[0] == 1 for shape in expert_reads), reads
+    assert not any(".experts." in k and not boxed for k, _, boxed in reads), reads
+    index = json.loads((tmp_path / "per_expert" / "model.safetensors.index.json").read_text())["weight_map"]
+    e0, e1 = (next(k for k in index if f"experts.{e}.w1" in k) for e in (0, 1))
+    assert index[e0] != index[e1]
+    per_expert = load_dir(tmp_path / "per_expert")
+    assert per_expert.keys() == load_dir(tmp_path / "hf").keys()
+    assert all(torch.equal(per_expert[k], v) for k, v in load_dir(tmp_path / "hf").items())
 
 
 def test_export_of_a_byte_level_run_has_an_equivalent_tokenizer(tmp_path, capsys):
@@ -336,17 +357,20 @@ def test_sharded_init_from_reads_only_slices(group, run):
         assert not any("experts" in n or "q_proj" in n or "embed" in n for n in got["full_reads"]), got["full_reads"]
 
 
-def test_init_from_with_flat_buffer_strategy_is_refused_and_import_resume_works(tmp_path):
-    """megatron_fsdp keeps parameters in flat buffers: `model.init_from` refuses with one line (before: a
-    segfault copying into a storage-less parameter); the documented way, import + checkpoint.resume, works."""
+def test_init_from_with_flat_buffer_strategy_and_import_resume_work(tmp_path):
+    """megatron_fsdp keeps parameters in flat buffers: `model.init_from` loads into the plain model before they
+    exist (same losses as fsdp2's init_from; before: refused, and earlier a segfault copying into a storage-less
+    parameter); with a meta-device build it is still refused in one line; import + checkpoint.resume works."""
     d = _hf_dir(tmp_path, "LlamaConfig", vocab_size=256, max_position_embeddings=64)
     values = model_values(d)
     with pytest.raises(CheckpointError, match="has no storage of its own here") as err:
         train(config(values + [f"model.init_from={d}", "distributed.strategy=megatron_fsdp",
-                               f"run.output_dir={tmp_path}/a"], 1), single_info())
+                               "model.init_device=meta", f"run.output_dir={tmp_path}/a"], 1), single_info())
     assert "\n" not in str(err.value)
+    early = train(config(values + [f"model.init_from={d}", "distributed.strategy=megatron_fsdp",
+                                   f"run.output_dir={tmp_path}/a2"], 1), single_info())
     assert cli_main(["checkpoint", "import", str(d), "--to", str(tmp_path / "imp")]) == 0
     a = train(config(values + [f"checkpoint.resume={tmp_path}/imp", "distributed.strategy=megatron_fsdp",
                                f"run.output_dir={tmp_path}/b"], 1), single_info())
     b = train(config(values + [f"model.init_from={d}", f"run.output_dir={tmp_path}/c"], 1), single_info())
-    assert a.losses == b.losses
+    assert a.losses == b.losses == early.losses

@@ -267,10 +267,35 @@ class SafeLoadPlanner(dcp.DefaultLoadPlanner):
         super().load_bytes(read_item, safe)
 
 
-def dcp_load(state: dict, path: Path, no_dist: bool) -> None:
-    """`dcp.load` of `state` from the checkpoint at `path`: metadata and non-tensor items read safely."""
+class BoxLoadPlanner(SafeLoadPlanner):
+    """Reads, for each tensor of the state dict, only the box of the saved tensor that starts at `offsets[key]`
+    and has the state-dict tensor's shape (e.g. a few experts of a stacked expert weight)."""
+
+    def __init__(self, offsets: dict[str, tuple[int, ...]]):
+        super().__init__()
+        self.offsets = offsets
+
+    def create_local_plan(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadPlan
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+        items = []
+        for fqn, t in self.state_dict.items():
+            box = ChunkStorageMetadata(offsets=torch.Size(self.offsets[fqn]), sizes=t.size())
+            items += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], [box])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index):  # the box itself (DCP's default looks a non-zero offset up as a shard)
+        return self.state_dict[index.fqn]
+
+
+def dcp_load(state: dict, path: Path, no_dist: bool, offsets: dict[str, tuple[int, ...]] | None = None) -> None:
+    """`dcp.load` of `state` from the checkpoint at `path`: metadata and non-tensor items read safely. With
+    `offsets`, each tensor is the box of the saved one starting there (`BoxLoadPlanner`)."""
+    planner = SafeLoadPlanner() if offsets is None else BoxLoadPlanner(offsets)
     try:
-        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(), no_dist=no_dist)
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=planner, no_dist=no_dist)
     except CheckpointException as err:  # DCP wraps each rank's error: ours is already the one line to show
         for _rank, (inner, _tb) in sorted(err.failures.items()):
             if isinstance(inner, CheckpointError):

@@ -37,9 +37,13 @@ from meshforge.checkpoint.files import (
     write_atomic,
 )
 from meshforge.errors import CheckpointError
-from meshforge.models import ModelArgs, args_from_hf_config, build_model, contract_of
+from meshforge.models import HF_PREFIX, ModelArgs, args_from_hf_config, build_model, contract_of, hf_config_dict
 from meshforge.progress import track
 from meshforge.models.lora import is_adapter_param
+
+# the files of a Hugging Face tokenizer folder an export carries
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt")
 
 
 def _adapter(model, where: Path):
@@ -54,6 +58,8 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, shard_mb: int =
     """Write a meshforge DCP checkpoint's model as HF safetensors + config.json; returns a summary."""
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     manifest = json.loads((ckpt_dir / MANIFEST).read_text())
+    if manifest["model_args"].get("hf_model"):
+        return export_hf_model(ckpt_dir, out_dir, manifest, shard_mb)
     model = build_model(ModelArgs(**manifest["model_args"]), device="meta")  # names and adapter, no memory
     adapter = _adapter(model, ckpt_dir)
     shapes = dcp_tensor_shapes(ckpt_dir)
@@ -62,17 +68,24 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, shard_mb: int =
     if missing:
         raise CheckpointError(f"{ckpt_dir}: parameter {missing[0]} is missing from the checkpoint")
     limit = shard_mb * 2**20
-    shards: list[list[str]] = [[]]
+    experts = _stacked_experts(model) if hasattr(adapter, "to_hf_experts") else set()
+    # each output shard: {parameter: None (whole) or [first, stop) (those experts of a stacked expert weight)}
+    shards: list[dict[str, list[int] | None]] = [{}]
     size = total = 0
-    for ours in names:  # plan shards from the metadata alone
+    for ours in names:  # plan shards from the metadata alone; stacked experts one expert at a time
         shape, dtype = shapes[f"model.{ours}"]
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        total += nbytes
-        if shards[-1] and size + nbytes > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(ours)
-        size += nbytes
+        units = [(e, e + 1) for e in range(shape[0])] if ours in experts else [None]
+        nbytes = torch.Size(shape).numel() * dtype.itemsize // len(units)
+        for unit in units:
+            total += nbytes
+            if shards[-1] and size + nbytes > limit:
+                shards.append({})
+                size = 0
+            if unit is None:
+                shards[-1][ours] = None
+            else:
+                shards[-1].setdefault(ours, [unit[0], unit[0]])[1] = unit[1]
+            size += nbytes
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -80,24 +93,38 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, shard_mb: int =
     weight_map = {}
     for i, group in enumerate(track(shards, "export: safetensors files")):
         fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        state = {f"model.{k}": torch.empty(shapes[f"model.{k}"][0], dtype=shapes[f"model.{k}"][1]) for k in group}
+        whole, part, offsets = {}, {}, {}
+        for k, r in group.items():
+            shape, dtype = shapes[f"model.{k}"]
+            if r is None:
+                whole[f"model.{k}"] = torch.empty(shape, dtype=dtype)
+            else:  # only experts r[0]..r[1]-1 of the stacked weight
+                part[f"model.{k}"] = torch.empty((r[1] - r[0], *shape[1:]), dtype=dtype)
+                offsets[f"model.{k}"] = (r[0],) + (0,) * (len(shape) - 1)
         try:
-            dcp_load(state, ckpt_dir, no_dist=True)
+            for state, box in ((whole, None), (part, offsets)):
+                if state:
+                    dcp_load(state, ckpt_dir, no_dist=True, offsets=box)
         except DCP_ERRORS as err:
             raise CheckpointError(f"{ckpt_dir}: DCP load failed: {dcp_error_line(err)}") from None
         out = {}
-        for k in group:
-            out.update(adapter.to_hf(k, state.pop(f"model.{k}")))
+        for k, r in group.items():
+            if r is None:
+                out.update(adapter.to_hf(k, whole.pop(f"model.{k}")))
+            else:
+                out.update(adapter.to_hf_experts(k, r[0], part.pop(f"model.{k}")))
         weight_map.update(dict.fromkeys(out, fname))
         save_file(out, str(tmp / fname), metadata={"format": "pt"})
         follow_umask(tmp / fname)
         del out
     dtype = shapes[f"model.{names[0]}"][1]
     hf_config = adapter.hf_config(dtype)
+    tokenizer = copy_tokenizer(manifest.get("tokenizer"), tmp)
+    for key, value in (tokenizer or {}).items():  # bos/eos from the run's tokenizer where the model has none
+        if hf_config.get(key) is None and value is not None:
+            hf_config[key] = value
     (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
     (tmp / "generation_config.json").write_text(json.dumps(generation_config(hf_config), indent=2))
-    if manifest.get("tokenizer") == "bytes":
-        write_byte_tokenizer(tmp)
     if n > 1:
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total, "meshforge_step": manifest["step"]}, "weight_map": weight_map},
@@ -106,7 +133,65 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, shard_mb: int =
         shutil.rmtree(out_dir)
     tmp.rename(out_dir)
     return {"files": n, "tensors": len(weight_map), "bytes": total, "dir": str(out_dir),
-            "tokenizer": manifest.get("tokenizer") == "bytes"}
+            "tokenizer": tokenizer is not None}
+
+
+def export_hf_model(ckpt_dir: Path, out_dir: Path, manifest: dict, shard_mb: int) -> dict:
+    """A `model.hf_model` run: the transformers model rebuilt from the config.json the run recorded, its weights
+    read from DCP, written by transformers' own `save_pretrained` (its names, tied weights once, config.json and
+    generation_config.json). The whole model is in this process's memory once (offline, one process)."""
+    try:
+        import transformers
+    except ImportError:
+        raise CheckpointError("exporting a model.hf_model checkpoint needs transformers: pip install "
+                              "'meshforge[hf]'") from None
+    transformers.utils.logging.disable_progress_bar()
+    config = manifest.get("hf_config")
+    if not config:
+        raise CheckpointError(f"{ckpt_dir}: the manifest records model.hf_model but not its config.json")
+    config = transformers.AutoConfig.for_model(**config)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    shapes = dcp_tensor_shapes(ckpt_dir)
+    own = model.state_dict()
+    missing = [k for k in own if f"model.{HF_PREFIX}{k}" not in shapes]
+    extra = sorted(k for k in shapes if k.startswith("model.") and k[len("model." + HF_PREFIX):] not in own)
+    if missing or extra:
+        what = f"{missing[0]} is missing from it" if missing else f"it holds {extra[0]}, not a tensor of the model"
+        raise CheckpointError(f"{ckpt_dir}: not this {type(model).__name__}'s checkpoint ({what})")
+    state = {f"model.{HF_PREFIX}{k}": torch.empty(shapes[f"model.{HF_PREFIX}{k}"][0],
+                                                  dtype=shapes[f"model.{HF_PREFIX}{k}"][1]) for k in own}
+    try:
+        dcp_load(state, ckpt_dir, no_dist=True)
+    except DCP_ERRORS as err:
+        raise CheckpointError(f"{ckpt_dir}: DCP load failed: {dcp_error_line(err)}") from None
+    model.load_state_dict({k: state[f"model.{HF_PREFIX}{k}"] for k in own}, strict=True)
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tokenizer = copy_tokenizer(manifest.get("tokenizer"), tmp)
+    for key, value in (tokenizer or {}).items():  # bos/eos from the run's tokenizer where the model has none
+        for cfg in (model.config, model.generation_config):
+            if getattr(cfg, key, None) is None and value is not None:
+                setattr(cfg, key, value)
+    model.save_pretrained(str(tmp), max_shard_size=f"{shard_mb}MB")
+    for f in tmp.iterdir():
+        follow_umask(f)
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    files = sorted(out_dir.glob("*.safetensors"))
+    written = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            written.update({k: sf.get_slice(k).get_shape() for k in sf.keys()})  # noqa: SIM118
+    return {"files": len(files), "tensors": len(written), "dir": str(out_dir), "tokenizer": tokenizer is not None,
+            "bytes": sum(torch.Size(v).numel() * 4 for v in written.values())}
+
+
+def _stacked_experts(model) -> set[str]:
+    """Names of the stacked routed-expert weights (dim 0 = expert) of the model's MoE layers."""
+    ids = {id(p) for layer in contract_of(model).moe_layers() for p in layer.experts.parameters(recurse=False)}
+    return {n for n, p in model.named_parameters() if id(p) in ids}
 
 
 def generation_config(hf_config: dict) -> dict:
@@ -116,9 +201,56 @@ def generation_config(hf_config: dict) -> dict:
     return out
 
 
+def hf_config_of(cfg) -> dict | None:
+    """config.json of a `model.hf_model` run, as the manifest records it (its export rebuilds the model from it)."""
+    return hf_config_dict(cfg.model.hf_model) if cfg.model.hf_model else None
+
+
 def tokenizer_of(cfg) -> str | None:
-    """The run's tokenizer as the manifest records it: "bytes" for data.source=text (one token per byte)."""
-    return "bytes" if cfg.data.source == "text" else None
+    """The run's tokenizer as the manifest records it: data.tokenizer (absolute path); "bytes" for data.source=text
+    without one (one token per byte); else the tokenizer of the Hugging Face folder the model started from
+    (model.hf_model or model.init_from), when it has one; else None."""
+    if cfg.data.tokenizer:
+        return str(Path(cfg.data.tokenizer).expanduser().resolve())
+    if cfg.data.source == "text":
+        return "bytes"
+    for folder in (cfg.model.hf_model, cfg.model.init_from):
+        if folder and (Path(folder) / "tokenizer.json").is_file():
+            return str(Path(folder).expanduser().resolve())
+    return None
+
+
+def copy_tokenizer(tokenizer: str | None, out_dir: Path) -> dict | None:
+    """Write the run's tokenizer into an export folder so `AutoTokenizer.from_pretrained` loads it: the byte-level
+    one, a tokenizer folder's files (tokenizer.json, tokenizer_config.json, special tokens, chat template), or a
+    lone tokenizer.json with a tokenizer_config.json naming its eos token. Returns its {bos_token_id,
+    eos_token_id} as transformers reads them (None: the run had no tokenizer)."""
+    if tokenizer is None:
+        return None
+    if tokenizer == "bytes":
+        write_byte_tokenizer(out_dir)
+        return {}
+    src = Path(tokenizer)
+    if src.is_dir():
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copyfile(src / name, out_dir / name)
+    elif src.is_file():
+        from meshforge.data.tokenizer import load_tokenizer
+
+        lone = load_tokenizer(str(src))
+        eos = lone._tok.id_to_token(lone.eos_id)
+        shutil.copyfile(src, out_dir / "tokenizer.json")
+        (out_dir / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos}, indent=2))
+    else:
+        raise CheckpointError(f"the run's tokenizer {tokenizer} is gone: restore it to export its files")
+    try:
+        import transformers
+    except ImportError:
+        raise CheckpointError("exporting the run's tokenizer needs transformers: pip install 'meshforge[hf]'") from None
+    tok = transformers.AutoTokenizer.from_pretrained(str(out_dir), local_files_only=True)
+    return {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -278,6 +410,24 @@ def load_hf_into(model, hf_dir: str | Path, progress: bool = False) -> list[str]
     return read_whole
 
 
+class PlainInitFrom:
+    """`model.init_from` for a strategy that re-stores parameters in flat buffers (megatron_fsdp): loaded into the
+    plain model before parallelisation (`build_parallel_model(load_plain=...)`), where every rank reads the
+    tensors whole; `done` says whether that path ran (not on meta-device or pipeline builds)."""
+
+    def __init__(self, hf_dir: str):
+        self.hf_dir, self.done = hf_dir, False
+
+    def __call__(self, model) -> None:
+        load_hf_into(model, self.hf_dir)
+        self.done = True
+
+    @classmethod
+    def of(cls, cfg) -> PlainInitFrom | None:
+        flat = cfg.model.init_from and cfg.distributed.strategy == "megatron_fsdp"
+        return cls(cfg.model.init_from) if flat else None
+
+
 def _local_box(p) -> list[tuple[int, int]] | None:
     """[(start, stop)] per dim of the part of DTensor `p` this rank holds, when that part is one contiguous
     box (placements only `Shard`/`Replicate`); None otherwise (a plain tensor, or strided/partial placements:
@@ -303,6 +453,8 @@ def save_weights_only(model, out_dir: str | Path, source: str = "") -> Path:
     manifest = {"format_version": FORMAT_VERSION, "step": 0, "contents": ["model"], "ckpt_format": "torch_dist",
                 "strategy": "import", "world_size": 1, "layout": {}, "config_digest": "",
                 "model_args": dataclasses.asdict(model.args), "imported_from": source,
+                "tokenizer": str(Path(source).resolve()) if source and (Path(source) / "tokenizer.json").is_file()
+                else None,  # an imported folder's tokenizer goes on to its export
                 "torch_version": torch.__version__,
                 "created_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "files": files}
     write_atomic(partial / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))

@@ -79,7 +79,7 @@ from meshforge.checkpoint.files import (
     verify_files,
     write_atomic,
 )
-from meshforge.checkpoint.hf import export_checkpoint, tokenizer_of
+from meshforge.checkpoint.hf import export_checkpoint, hf_config_of, tokenizer_of
 from meshforge.checkpoint.peft import adapter_manifest, check_adapter_checkpoint, trainable_names
 from meshforge.config.rules import resolved_ckpt_format
 from meshforge.distributed.master_weights import MasterWeightAdamW
@@ -139,6 +139,7 @@ class CheckpointManager:
         self._pg = None
         self.last_saved: Path | None = None
         self.resumed_from: Path | None = None
+        self.resumed_tokenizer: str | None = None  # the resumed checkpoint's, kept when this run names none
         self.before_commit: Callable[[int], None] | None = None  # (step) -> None; fault-injection tests
         self._clean_partials()
 
@@ -201,7 +202,8 @@ class CheckpointManager:
                 "ckpt_format": self.fmt, "strategy": self.cfg.distributed.strategy, "world_size": self.world,
                 "layout": layout.named_shape(),
                 "config_digest": config_digest(self.cfg), "model_args": model_args_dict(self.cfg),
-                "tokenizer": tokenizer_of(self.cfg),  # for the export's tokenizer files
+                "tokenizer": tokenizer_of(self.cfg) or self.resumed_tokenizer,  # for the export's tokenizer files
+                "hf_config": hf_config_of(self.cfg),  # model.hf_model: its config.json, for the export
                 "torch_version": torch.__version__,
                 "created_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
 
@@ -355,6 +357,7 @@ class CheckpointManager:
             raise CheckpointError(f"{path}: DCP load failed: {dcp_error_line(err)}") from None
         self._load_app_state(pm, optimizer, state)
         self.resumed_from = path
+        self.resumed_tokenizer = manifest.get("tokenizer")  # e.g. an imported folder's, carried on to the export
         if partial is not None:
             log(f"loaded {len(partial)} model tensors from {path} (checkpoint.allow_partial_load; the others keep "
                 "their initialisation; no optimizer state): starting at step 0")

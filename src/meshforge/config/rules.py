@@ -237,6 +237,9 @@ def model_fits_data(cfg: Config, world_size: int) -> list[str]:
             if val % d.tp_size:
                 out.append(f"model.{name}={val} is not divisible by distributed.tp_size={d.tp_size}: "
                            "tensor parallelism splits attention heads evenly")
+        if args.pad_token_id is not None:
+            out.append(f"model.pad_token_id={args.pad_token_id} with distributed.tp_size={d.tp_size} is not supported "
+                       "(the padding row is a global row of a vocabulary-sharded embedding): set tp_size 1")
     return out
 
 
@@ -272,12 +275,15 @@ def tensor_parallel_plan(cfg: Config, world_size: int) -> list[str]:
     if d.tp_plan and d.tp_size == 1:
         return ["distributed.tp_plan is set but distributed.tp_size=1, so it would do nothing: set tp_size > 1 "
                 "or remove tp_plan"]
-    if d.tp_size == 1 or _model_args(cfg) is None:
-        return []
+    if d.tp_size == 1 or _model_args(cfg) is None or (cfg.model.hf_model and d.sequence_parallel):
+        return []  # (hf_model with sequence_parallel: refused by hf_model_keys)
     # imported here: the check builds a meta-device model, and a config without TP never needs torch
     from meshforge.planning.tp_plan import config_plan_problems
 
-    return config_plan_problems(cfg.model, d.tp_size, d.sequence_parallel, d.tp_plan)
+    try:
+        return config_plan_problems(cfg.model, d.tp_size, d.sequence_parallel, d.tp_plan)
+    except ValueError as err:  # a plan the model cannot declare (model.hf_model: a style meshforge cannot map)
+        return [str(err)]
 
 
 @rule
@@ -354,6 +360,33 @@ def fused_loss_on(cfg: Config) -> bool:
 def fused_loss_layout(cfg: Config, world_size: int) -> list[str]:
     why = fused_loss_conflict(cfg) if cfg.training.fused_loss is True else None
     return [f"training.fused_loss=true cannot run here ({why}): set training.fused_loss=auto"] if why else []
+
+
+@rule
+def hf_model_keys(cfg: Config, world_size: int) -> list[str]:
+    """`model.hf_model` (models/hf_auto.py) builds the transformers model from its own config.json: the keys that
+    would shape or split another model are refused, never ignored."""
+    m, d, t = cfg.model, cfg.distributed, cfg.training
+    if not m.hf_model:
+        return []
+    what = f"with model.hf_model={m.hf_model}"
+    given = set(m.overrides()) | {"init_from"} | ({"preset"} if m.preset != "tiny" else set())  # tiny: the default
+    out = [f"model.{k} cannot be set {what} (its config.json gives the model): remove it"
+           for k in sorted(m.model_fields_set & given)]
+    for key, value, on in (("data.packing", "true", cfg.data.packing), ("training.fused_loss", "true",
+                                                                         t.fused_loss is True),
+                           ("training.fp8.enabled", "true", t.fp8.enabled), ("peft", "(LoRA)", cfg.peft is not None),
+                           ("distributed.pp_size", d.pp_size, d.pp_size > 1),
+                           ("distributed.cp_size", d.cp_size, d.cp_size > 1),
+                           ("distributed.ep_size", d.ep_size, d.ep_size > 1),
+                           ("distributed.sequence_parallel", "true", d.sequence_parallel)):
+        if on:
+            out.append(f"{key}={value} is not supported {what} (the transformers model's forward takes token ids "
+                       "and returns logits only): remove it")
+    if m.init_device == "meta":
+        out.append(f"model.init_device=meta {what}: it is built on CPU (its weights load before sharding, and "
+                   "transformers computes its buffers, e.g. RoPE frequencies, at construction): set init_device auto")
+    return out
 
 
 @rule

@@ -105,12 +105,16 @@ class ModelConfig(Section):
     sliding_window: int | None = Field(None, gt=0)  # Mistral; training.seq_len must not exceed it
     bos_token_id: int | None = Field(None, ge=0)  # for generation_config.json on export
     eos_token_id: int | list[int] | None = None  # likewise
+    pad_token_id: int | None = Field(None, ge=0)  # HF padding_idx: that embedding row gets no gradient (no tp)
     # meta-device construction: parameters are materialised after sharding
     init_device: Literal["auto", "cpu", "meta"] = "auto"
     init_from: str | None = None  # an HF safetensors directory; its config.json must match the model.* values
+    # any transformers causal LM: its folder (with safetensors: its weights) or a config.json (seeded random
+    # init); replaces preset and the shape keys above (docs/hf.md; needs meshforge[hf])
+    hf_model: str | None = None
 
     def overrides(self) -> dict[str, Any]:
-        skip = {"preset", "init_device", "init_from"}
+        skip = {"preset", "init_device", "init_from", "hf_model"}
         return {k: v for k, v in self.model_dump().items() if k not in skip and v is not None}
 
 

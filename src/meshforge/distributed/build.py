@@ -15,19 +15,29 @@ from meshforge.distributed.pipeline import build_pipeline_model
 from meshforge.distributed.runtime import ParallelModel
 from meshforge.config.rules import fused_loss_on
 from meshforge.errors import ConfigError
-from meshforge.models import build_model, contract_of, init_weights
+from meshforge.models import blocks_of, build_model, contract_of, init_weights, load_folder_weights
 from meshforge.models.lora import apply_lora
 
 
 def use_meta_init(cfg, world_size: int, n_params: int) -> bool:
     if cfg.model.init_device != "auto":
         return cfg.model.init_device == "meta"
+    if cfg.model.hf_model:
+        return False  # built on CPU: its weights load before sharding, and buffers (e.g. RoPE's) get their values
     return world_size > 1 and n_params > 500_000_000
 
 
-def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device) -> ParallelModel:
-    """Model on CPU or meta -> parallelised -> materialised and initialised identically at any world size."""
-    meta_probe = build_model(cfg.model, device="meta")
+def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device, load_plain=None) -> ParallelModel:
+    """Model on CPU or meta -> parallelised -> materialised and initialised identically at any world size.
+    `load_plain(model)` (optional) writes weights into the plain, initialised model before any parallelism, on the
+    CPU path only (not meta, not pipeline stages)."""
+    try:
+        meta_probe = build_model(cfg.model, device="meta")
+    except ValueError as err:  # model.hf_model that transformers cannot build: one line
+        raise ConfigError(str(err)) from None
+    if not blocks_of(meta_probe, cfg.distributed.block_classes):  # FSDP units and activation checkpointing need them
+        raise ConfigError(f"the model ({type(meta_probe).__name__}) declares no blocks (a transformers model: no "
+                          "_no_split_modules): set distributed.block_classes to its layer class")
     n_params = sum(p.numel() for p in meta_probe.parameters())
     meta = use_meta_init(cfg, mesh_ctx.world_size, n_params)
     if mesh_ctx.pp_size > 1:
@@ -40,6 +50,12 @@ def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device) -> Pa
                           "loss its output head; set training.fused_loss=auto or false")
     if not meta:
         init_weights(model, cfg.run.seed)
+        try:
+            load_folder_weights(model)  # a model.hf_model folder's own weights
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if load_plain is not None:
+            load_plain(model)
         model.to(device)
     part = parallelize_model(model, mesh_ctx, cfg.distributed, device, compile=cfg.training.compile,
                              fp8=cfg.training.fp8, precision=cfg.training.precision,

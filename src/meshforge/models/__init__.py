@@ -10,7 +10,8 @@ import dataclasses
 import zlib
 from typing import Any
 
-from meshforge.models.presets import PRESETS, ModelArgs, resolve_model_args
+from meshforge.models.presets import PRESETS, ModelArgs
+from meshforge.models.presets import resolve_model_args as resolve_preset
 from meshforge.models.protocol import (
     AdapterLayout,
     ForeignModel,
@@ -24,10 +25,20 @@ from meshforge.models.protocol import (
     submodule_or_none,
 )
 
-__all__ = ["PRESETS", "AdapterLayout", "ForeignModel", "InitSpec", "ModelArgs", "ModelContract", "PipelineLayout",
-           "StateDictAdapter", "args_from_hf_config", "blocks_of", "build_model", "contract_of", "init_weights",
-           "meta_modules", "param_init_tensor", "resolve_model_args", "set_submodule",
-           "submodule_or_none"]
+__all__ = ["HF_PREFIX", "PRESETS", "AdapterLayout", "ForeignModel", "InitSpec", "ModelArgs", "ModelContract",
+           "PipelineLayout", "StateDictAdapter", "args_from_hf_config", "blocks_of", "build_model", "contract_of",
+           "hf_config_dict", "init_weights", "load_folder_weights", "meta_modules",
+           "param_init_tensor", "resolve_model_args", "set_submodule", "submodule_or_none"]
+
+
+def resolve_model_args(model_cfg: Any) -> ModelArgs:
+    """The model a `ModelConfig` describes: its preset + overrides, or with `model.hf_model` the transformers
+    model's shape read from its config.json (models/hf_auto.py)."""
+    if getattr(model_cfg, "hf_model", None):
+        from meshforge.models.hf_auto import hf_model_args
+
+        return hf_model_args(model_cfg.hf_model)
+    return resolve_preset(model_cfg)
 
 
 def model_class(args: ModelArgs):
@@ -48,6 +59,11 @@ def build_model(model_cfg: Any, device: str | None = None):
     import torch
 
     args = model_cfg if isinstance(model_cfg, ModelArgs) else resolve_model_args(model_cfg)
+    if args.hf_model:  # any transformers causal LM (models/hf_auto.py)
+        from meshforge.models.hf_auto import build_hf_model
+
+        with torch.device(device or "cpu"):
+            return build_hf_model(args)
     with torch.device(device or "cpu"), _skip_init_on_meta() if device == "meta" else contextlib.nullcontext():
         return model_class(args)(args)
 
@@ -77,6 +93,9 @@ def meta_modules(model_cfg: Any):
     described in milliseconds and no memory.
     """
     args = resolve_model_args(model_cfg)
+    if args.hf_model:  # a transformers model's blocks need not share shapes: the whole model, on meta
+        whole = build_model(args, device="meta")
+        return whole, dict(whole.named_modules())
     one = build_model(dataclasses.replace(args, n_layers=1), device="meta")
     block = one.pipeline_layout().split_points[0]
     container = block.rpartition(".")[0]
@@ -129,6 +148,23 @@ def init_weights(model, seed: int, copy_fn=None) -> None:
                 copy_fn(p, full)
             else:
                 p.copy_(full.to(dtype=p.dtype, device=p.device))
+
+
+HF_PREFIX = "hf."  # where a model.hf_model's transformers modules live (models/hf_auto.py): its names follow it
+
+
+def hf_config_dict(path: str) -> dict:
+    """A `model.hf_model`'s config as transformers reads it (a plain dict, for a checkpoint's manifest)."""
+    from meshforge.models.hf_auto import hf_config
+
+    return hf_config(path).to_dict()
+
+
+def load_folder_weights(model) -> bool:
+    """A `model.hf_model` folder's safetensors into the plain model (models/hf_auto.py); False for any other model."""
+    from meshforge.models.hf_auto import load_folder_weights as load
+
+    return load(model)
 
 
 def args_from_hf_config(config: dict) -> dict:

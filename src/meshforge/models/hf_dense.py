@@ -135,9 +135,7 @@ class DenseFamily:
         drop = c.pop("attention_dropout", 0.0)
         if drop:
             refuse(f"attention_dropout={drop} is not supported (meshforge has no dropout): set it to 0.0")
-        pad = c.pop("pad_token_id", None)
-        if pad is not None:
-            refuse(f"pad_token_id={pad} is not supported (meshforge does not freeze a padding row): set it to null")
+        out["pad_token_id"] = c.pop("pad_token_id", None)  # the embedding's padding_idx, as transformers builds it
         if self.reads_attention_bias:
             out["attention_bias"] = bool(c.pop("attention_bias", False))
         if self.reads_mlp_bias and c.pop("mlp_bias", False):
@@ -175,7 +173,7 @@ class DenseFamily:
              "max_position_embeddings": a.max_seq_len, "rope_parameters": rope, "rms_norm_eps": a.norm_eps,
              "tie_word_embeddings": bool(a.tie_embeddings), "hidden_act": "silu", "attention_dropout": 0.0,
              "initializer_range": a.init_std, "bos_token_id": a.bos_token_id, "eos_token_id": a.eos_token_id,
-             "dtype": _DTYPE_NAMES.get(dtype, "float32"), "use_cache": True}
+             "pad_token_id": a.pad_token_id, "dtype": _DTYPE_NAMES.get(dtype, "float32"), "use_cache": True}
         if self.reads_attention_bias:
             c["attention_bias"] = bool(a.attention_bias)
         if self.reads_mlp_bias:

@@ -98,6 +98,12 @@ class MoEStateDictAdapter(DenseStateDictAdapter):
             return super().to_hf(name, tensor)
         return {theirs: tensor[e].t().contiguous() for e, theirs in enumerate(self.hf_names(name))}
 
+    def to_hf_experts(self, name: str, first: int, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Experts first..first+len(tensor)-1 of stacked weight `name` -> their HF tensors (export streams them
+        expert by expert instead of holding a layer's stacked weight)."""
+        names = self.hf_names(name)[first:first + len(tensor)]
+        return {theirs: t.t().contiguous() for theirs, t in zip(names, tensor, strict=True)}
+
     def from_hf(self, name: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         m = _EXPERT.match(name)
         if not m or m[3] is None:

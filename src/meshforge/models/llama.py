@@ -152,7 +152,8 @@ class Llama(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim,
+                                                                              padding_idx=args.pad_token_id)
         self.layers = nn.ModuleDict({str(i): self.make_block(i) for i in range(args.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)

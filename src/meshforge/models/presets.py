@@ -46,6 +46,10 @@ class ModelArgs:
     sliding_window: int | None = None  # Mistral: exact while training.seq_len <= it (a rule refuses longer)
     bos_token_id: int | None = None  # written to generation_config.json on export
     eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None  # HF padding_idx: that embedding row gets no gradient from the lookup
+    # any transformers causal LM (models/hf_auto.py): its folder or config.json; the fields above then describe
+    # its shape for rules and the planner, and build_model builds the transformers model itself
+    hf_model: str | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -69,6 +73,9 @@ class ModelArgs:
             raise ValueError(f"model.rope_type={self.rope_type!r} must be default or llama3")
         if self.rope_type == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise ValueError("model.rope_high_freq_factor must exceed model.rope_low_freq_factor (llama3 RoPE)")
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(f"model.pad_token_id={self.pad_token_id} is outside the vocabulary (model.vocab_size="
+                             f"{self.vocab_size})")
         if self.is_moe and not (1 <= self.top_k <= self.n_experts):
             raise ValueError(f"model.top_k={self.top_k} must be between 1 and model.n_experts={self.n_experts}")
         return self

@@ -32,7 +32,9 @@ names in a declaration are dotted paths of `named_modules()` (patterns: `*` matc
 
 A model meshforge did not define (bring your own `nn.Module`) gets `ForeignModel`: blocks by class name
 (`distributed.block_classes`) or the largest ModuleList/ModuleDict, and nothing else (tensor parallelism
-then needs `distributed.tp_plan`; pipeline and context parallelism and HF interop are refused).
+then needs `distributed.tp_plan`; pipeline and context parallelism and HF interop are refused). A transformers
+causal LM (`model.hf_model`) is wrapped by `models/hf_auto.py`'s `HFCausalLM`, which declares the contract from
+the transformers class itself: blocks from `_no_split_modules`, the TP plan from `_tp_plan`.
 """
 
 from __future__ import annotations

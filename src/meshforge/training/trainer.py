@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from meshforge.checkpoint.files import has_checkpoint
-from meshforge.checkpoint.hf import load_hf_into
+from meshforge.checkpoint.hf import PlainInitFrom, load_hf_into
 from meshforge.checkpoint.manager import CheckpointManager
 from meshforge.checkpoint.peft import load_peft_adapter
 from meshforge.config import rules as config_rules
@@ -97,8 +97,9 @@ class Trainer:
             raise ConfigError(problems)
         mesh_ctx = MeshContext.build(cfg.distributed, info.world_size, info.rank, info.device.type)
         seed_everything(cfg.run.seed)
-        pm = build_parallel_model(cfg, mesh_ctx, info.device)
-        if cfg.model.init_from:
+        early = PlainInitFrom.of(cfg)  # megatron_fsdp: init_from loads before the flat buffers exist
+        pm = build_parallel_model(cfg, mesh_ctx, info.device, load_plain=early)
+        if cfg.model.init_from and not (early and early.done):
             for part in pm.unwrapped_parts():
                 load_hf_into(part, cfg.model.init_from)
         if cfg.peft is not None and cfg.peft.init_from:  # continue training from a PEFT adapter folder
