@@ -1,6 +1,7 @@
-"""LoRA parity: ddp, fsdp2 (meta init, CP, activation checkpointing, trained norms), TP2 (and SP) and PP2 at N=2, and
-HSDP 2x2 at N=4, reproduce the single-process LoRA run; the frozen base stays bitwise equal to it; an N=2
-adapter checkpoint resumes in one process (resharded) on the same trajectory.
+"""LoRA parity: ddp, fsdp2 (CP, trained norms), megatron_fsdp (optim_grads_params with meta init and activation
+checkpointing; optim with trained norms and overlapped collectives), TP2 (and SP) and PP2 at N=2, and HSDP 2x2 at
+N=4, reproduce the single-process LoRA run; the frozen base stays bitwise equal to it; an fsdp2 N=2 adapter
+checkpoint resumes in one megatron_fsdp process (resharded, across strategies) on the same trajectory.
 
 fp32, the parity harness's tiny model and batch, 10 steps; tolerances as the dense dp parity tests (relative
 loss <= 1e-5 per step, final weights within 5e-5). Runs inside the shared launches (`conftest.group`).
@@ -26,9 +27,13 @@ CKPT_DIR = Path(os.environ.get("MESHFORGE_TEST_SHARED", "/tmp")) / "lora_n2"
 N2 = {
     "lora_ddp": [*LORA, "distributed.strategy=ddp"],
     "lora_fsdp2": [*LORA, "distributed.strategy=fsdp2"],
-    "lora_fsdp2_meta_ac": [*LORA, "model.init_device=meta", "distributed.activation_checkpointing=full"],
     "lora_fsdp2_cp2": [*LORA, "distributed.cp_size=2"],
     "lora_fsdp2_norms": [*NORMS, "distributed.strategy=fsdp2"],
+    "lora_mfsdp_meta_ac": [*LORA, "distributed.strategy=megatron_fsdp", "model.init_device=meta",
+                           "distributed.activation_checkpointing=full"],
+    "lora_mfsdp_optim_norms": [*NORMS, "distributed.strategy=megatron_fsdp",
+                               "distributed.data_parallel_sharding_strategy=optim",
+                               "distributed.overlap_grad_reduce=true", "distributed.overlap_param_gather=true"],
     "lora_fsdp2_ckpt": [*LORA, "checkpoint.interval=5", f"run.output_dir={CKPT_DIR}"],
     "lora_tp2": [*LORA, "distributed.tp_size=2"],
     "lora_tp2_sp_meta": [*LORA, "distributed.tp_size=2", "distributed.sequence_parallel=true",
@@ -69,8 +74,10 @@ def test_lora_hsdp_n4(reference, group):
 
 
 def test_n2_adapter_checkpoint_resumes_in_one_process(reference, group):
+    """Into megatron_fsdp: its flat buffers take the adapters and keep the frozen base (not in the checkpoint)."""
     assert "error" not in group("lora parity n2")["lora_fsdp2_ckpt"]
     got = run_single([*LORA, f"checkpoint.resume={CKPT_DIR / 'checkpoints' / 'step_5'}",
+                      "distributed.strategy=megatron_fsdp",
                       f"run.output_dir={CKPT_DIR}_resumed"])
     ref = reference(LORA)
     tail = type(ref)(ref.losses[5:], ref.grad_norms[5:], ref.weights)

@@ -297,20 +297,20 @@ def schedule_and_profiling_steps(cfg: Config, world_size: int) -> list[str]:
     return out
 
 
-_PEFT_STRATEGIES = ("ddp", "fsdp2")
+_PEFT_STRATEGIES = ("ddp", "fsdp2", "megatron_fsdp")
 
 
 @rule
 def peft_composes(cfg: Config, world_size: int) -> list[str]:
-    """LoRA runs on ddp and fsdp2 (with HSDP, TP/SP, CP, PP, activation checkpointing) on a model that declares
-    an adapter layout; what is not built yet is refused here, never run half-right."""
+    """LoRA runs on ddp, fsdp2 and megatron_fsdp (with HSDP, TP/SP, CP, PP, activation checkpointing) on a model
+    that declares an adapter layout; what is not built yet is refused here, never run half-right."""
     p, d = cfg.peft, cfg.distributed
     if p is None:
         return []
     out = []
     if d.strategy not in _PEFT_STRATEGIES:
         out.append(f"peft (LoRA) with distributed.strategy={d.strategy} is not supported yet (frozen base weights "
-                   f"would still take gradient and optimizer memory): use strategy {' or '.join(_PEFT_STRATEGIES)}")
+                   f"would still take gradient and optimizer memory): use strategy {', '.join(_PEFT_STRATEGIES)}")
     if d.ep_size > 1:
         out.append(f"peft (LoRA) with distributed.ep_size={d.ep_size} is not supported yet (no per-expert adapters): "
                    "set ep_size=1")
