@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from meshforge.testing.group import Job
-from meshforge.testing.parity import compare, results_of, run_single
+from meshforge.testing.parity import RunResult, compare, config, results_of, single_info
+from meshforge.training.trainer import train
 
 pytestmark = pytest.mark.dist
 
@@ -76,9 +77,11 @@ def test_lora_hsdp_n4(reference, group):
 def test_n2_adapter_checkpoint_resumes_in_one_process(reference, group):
     """Into megatron_fsdp: its flat buffers take the adapters and keep the frozen base (not in the checkpoint)."""
     assert "error" not in group("lora parity n2")["lora_fsdp2_ckpt"]
-    got = run_single([*LORA, f"checkpoint.resume={CKPT_DIR / 'checkpoints' / 'step_5'}",
-                      "distributed.strategy=megatron_fsdp",
-                      f"run.output_dir={CKPT_DIR}_resumed"])
+    res = train(config([*LORA, f"checkpoint.resume={CKPT_DIR / 'checkpoints' / 'step_5'}",
+                        "distributed.strategy=megatron_fsdp", f"run.output_dir={CKPT_DIR}_resumed"], world_size=1),
+                single_info())
+    assert type(res.parallel_model.strategy).__name__ == "MegatronFSDPStrategy"
+    got = RunResult(res.losses, res.grad_norms, res.parallel_model.full_state_dict())
     ref = reference(LORA)
     tail = type(ref)(ref.losses[5:], ref.grad_norms[5:], ref.weights)
     compare(tail, got, "lora resume n2 -> 1", LOSS_RTOL, WEIGHT_ATOL)
