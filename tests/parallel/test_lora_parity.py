@@ -23,6 +23,7 @@ LOSS_RTOL, WEIGHT_ATOL = 1e-5, 5e-5
 LORA = ["peft.rank=4", "peft.target_modules=[q_proj,v_proj,o_proj,gate_proj,down_proj]"]
 NORMS = [*LORA, "peft.freeze=[embeddings]"]
 PP_MODEL = [*LORA, "model.n_layers=4", "distributed.pipeline.pp_microbatch_size=2"]
+MOE = ["model.preset=tiny_moe", "peft.rank=4", "peft.target_modules=['*_proj']"]  # attention, shared, experts
 CKPT_DIR = Path(os.environ.get("MESHFORGE_TEST_SHARED", "/tmp")) / "lora_n2"
 
 N2 = {
@@ -41,13 +42,17 @@ N2 = {
                          "model.init_device=meta"],
     "lora_pp2_1f1b": [*PP_MODEL, "distributed.pp_size=2"],
     "lora_pp2_interleaved": [*PP_MODEL, "distributed.pp_size=2", "distributed.pipeline.pp_schedule=interleaved_1f1b"],
+    "lora_moe_ep2": [*MOE, "distributed.ep_size=2"],
 }
-REFERENCE = {name: NORMS if "norms" in name else [*LORA, "model.n_layers=4"] if "pp2" in name else LORA
-             for name in N2}
+REFERENCE = {name: NORMS if "norms" in name else [*LORA, "model.n_layers=4"] if "pp2" in name
+             else MOE if "moe" in name else LORA for name in N2}
 # PP: the schedule sums microbatch gradients in another order; AdamW turns the ~1e-7 differences of the
 # near-zero gradients of A (B starts at zero) into ~lr-sized steps, so grad norms drift to ~2e-3 relative
 # and weights to ~2e-4 over 10 steps (measured) while the per-step losses stay within 1e-5 (as dense PP)
 PP_GRAD_NORM_RTOL, PP_WEIGHT_ATOL = 5e-3, 1e-3
+# MoE: the bounds of tests/parallel/test_expert_parallel.py (top-k routing is discrete: a near-tie flipped by
+# roundoff sends a token to another expert)
+MOE_WEIGHT_ATOL, MOE_GRAD_NORM_RTOL = 1e-3, 1e-3
 
 N4 = {"lora_hsdp_2x2": [*LORA, "distributed.dp_replicate_size=2"]}
 
@@ -60,6 +65,9 @@ def test_lora_parity_n2(reference, group, name):
     ref, got = reference(REFERENCE[name]), results_of(group("lora parity n2"))[name]
     if "pp2" in name:
         compare(ref, got, name, LOSS_RTOL, PP_WEIGHT_ATOL, grad_norm_rtol=PP_GRAD_NORM_RTOL)
+    elif "moe" in name:
+        compare(ref, got, name, LOSS_RTOL, MOE_WEIGHT_ATOL, grad_norm_rtol=MOE_GRAD_NORM_RTOL)
+        assert any(".experts.adapters." in k for k in got.weights), "no per-expert adapters"
     else:
         compare(ref, got, name, LOSS_RTOL, WEIGHT_ATOL)
     frozen = [k for k in ref.weights if ".lora_" not in k and not (name.endswith("norms") and "norm" in k)]

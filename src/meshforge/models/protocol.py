@@ -37,7 +37,7 @@ then needs `distributed.tp_plan`; pipeline and context parallelism and HF intero
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # importable without torch, so config can read model presets without loading it
@@ -81,6 +81,10 @@ class AdapterLayout:
     linears: dict[str, str]  # role -> module-name pattern of the nn.Linear layers LoRA may adapt
     embeddings: tuple[str, ...]  # module-name patterns: input embedding and output head
     norms: tuple[str, ...]  # module-name patterns: the normalisation layers
+    # role -> module-name pattern of grouped-expert modules (stacked per-expert weights) that take per-expert
+    # adapters: such a module has `add_lora(role, rank, alpha)` and `merge_lora()`; roles are the Hugging Face
+    # (transformers 5) expert parameter names, e.g. `experts.gate_up_proj`, `experts.down_proj`
+    experts: dict[str, str] = field(default_factory=dict)
 
 
 @runtime_checkable
