@@ -167,9 +167,9 @@ def adapter_modules(model: nn.Module) -> dict[str, LoRALinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
 
 
-def expert_adapters(model: nn.Module) -> dict[str, ExpertLoRA]:
-    """{name: ExpertLoRA} of an adapted model's grouped experts, in module order."""
-    return {n: m for n, m in model.named_modules() if isinstance(m, ExpertLoRA)}
+def expert_adapters(model: nn.Module) -> list[tuple[str, str, ExpertLoRA]]:
+    """(grouped-experts module name, role, its ExpertLoRA) of an adapted model, in module and role order."""
+    return [(n, role, m.lora(role)) for n, m in model.named_modules() for role in getattr(m, "lora_roles", ())]
 
 
 @torch.no_grad()

@@ -132,6 +132,9 @@ class GroupedExperts(nn.Module):
     def lora_roles(self) -> list[str]:
         return [f"experts.{k}" for k in self.adapters]
 
+    def lora(self, role: str) -> ExpertLoRA:
+        return self.adapters[role.rpartition(".")[2]]
+
     def add_lora(self, role: str, rank: int, alpha: float) -> None:
         """Per-expert adapters on `experts.gate_up_proj` (w1 and w3, fused as HF stores them) or `experts.down_proj`."""
         n, dim, hidden = self.w1.shape

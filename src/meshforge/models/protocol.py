@@ -82,8 +82,9 @@ class AdapterLayout:
     embeddings: tuple[str, ...]  # module-name patterns: input embedding and output head
     norms: tuple[str, ...]  # module-name patterns: the normalisation layers
     # role -> module-name pattern of grouped-expert modules (stacked per-expert weights) that take per-expert
-    # adapters: such a module has `add_lora(role, rank, alpha)` and `merge_lora()`; roles are the Hugging Face
-    # (transformers 5) expert parameter names, e.g. `experts.gate_up_proj`, `experts.down_proj`
+    # adapters: such a module has `add_lora(role, rank, alpha)`, `lora(role)`, `lora_roles` and `merge_lora()`;
+    # roles are the Hugging Face (transformers 5) expert parameter names, e.g. `experts.gate_up_proj`, in the
+    # order the HF experts module registers them (PEFT nests its `target_parameters` wrappers in that order)
     experts: dict[str, str] = field(default_factory=dict)
 
 
