@@ -1,7 +1,8 @@
 """LoRA parity: ddp, fsdp2 (CP, trained norms), megatron_fsdp (optim_grads_params with meta init and activation
-checkpointing; optim with trained norms and overlapped collectives), TP2 (and SP) and PP2 at N=2, and HSDP 2x2 at
-N=4, reproduce the single-process LoRA run; the frozen base stays bitwise equal to it; an fsdp2 N=2 adapter
-checkpoint resumes in one megatron_fsdp process (resharded, across strategies) on the same trajectory.
+checkpointing; optim with trained norms and overlapped collectives), TP2 (and SP), PP2 and EP2 on tiny_moe (per-expert
+adapters) at N=2, and HSDP 2x2 and megatron_fsdp optim_grads at N=4, reproduce the single-process LoRA run; the
+frozen base stays bitwise equal to it; an fsdp2 N=2 adapter checkpoint resumes in one megatron_fsdp process
+(resharded, across strategies) on the same trajectory.
 
 fp32, the parity harness's tiny model and batch, 10 steps; tolerances as the dense dp parity tests (relative
 loss <= 1e-5 per step, final weights within 5e-5). Runs inside the shared launches (`conftest.group`).
@@ -54,7 +55,9 @@ PP_GRAD_NORM_RTOL, PP_WEIGHT_ATOL = 5e-3, 1e-3
 # roundoff sends a token to another expert)
 MOE_WEIGHT_ATOL, MOE_GRAD_NORM_RTOL = 1e-3, 1e-3
 
-N4 = {"lora_hsdp_2x2": [*LORA, "distributed.dp_replicate_size=2"]}
+N4 = {"lora_hsdp_2x2": [*LORA, "distributed.dp_replicate_size=2"],
+      "lora_mfsdp_optim_grads_n4": [*LORA, "distributed.strategy=megatron_fsdp",
+                                    "distributed.data_parallel_sharding_strategy=optim_grads"]}
 
 GROUP_JOBS = [Job("lora parity n2", "meshforge.testing.parity:configs_job", {"configs": N2}, 2),
               Job("lora parity n4", "meshforge.testing.parity:configs_job", {"configs": N4}, 4)]
@@ -75,9 +78,10 @@ def test_lora_parity_n2(reference, group, name):
         f"{name}: a frozen base weight differs from the single-process run's (its initial value)"
 
 
-def test_lora_hsdp_n4(reference, group):
-    ref, got = reference(LORA), results_of(group("lora parity n4"))["lora_hsdp_2x2"]
-    compare(ref, got, "lora_hsdp_2x2", LOSS_RTOL, WEIGHT_ATOL)
+@pytest.mark.parametrize("name", list(N4))
+def test_lora_parity_n4(reference, group, name):
+    ref, got = reference(LORA), results_of(group("lora parity n4"))[name]
+    compare(ref, got, name, LOSS_RTOL, WEIGHT_ATOL)
     frozen = [k for k in ref.weights if ".lora_" not in k]
     assert all(torch.equal(ref.weights[k], got.weights[k]) for k in frozen)
 
