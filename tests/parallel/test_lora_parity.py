@@ -1,6 +1,6 @@
 """LoRA parity: ddp, fsdp2 (CP, trained norms), megatron_fsdp (optim_grads_params with meta init and activation
 checkpointing; optim with trained norms and overlapped collectives), TP2 (and SP), PP2 and EP2 on tiny_moe (per-expert
-adapters) at N=2, and HSDP 2x2 and megatron_fsdp optim_grads at N=4, reproduce the single-process LoRA run; the
+adapters) at N=2, and HSDP 2x2 and megatron_fsdp optim_grads x TP2 at N=4, reproduce the single-process LoRA run; the
 frozen base stays bitwise equal to it; an fsdp2 N=2 adapter checkpoint resumes in one megatron_fsdp process
 (resharded, across strategies) on the same trajectory.
 
@@ -56,8 +56,9 @@ PP_GRAD_NORM_RTOL, PP_WEIGHT_ATOL = 5e-3, 1e-3
 MOE_WEIGHT_ATOL, MOE_GRAD_NORM_RTOL = 1e-3, 1e-3
 
 N4 = {"lora_hsdp_2x2": [*LORA, "distributed.dp_replicate_size=2"],
-      "lora_mfsdp_optim_grads_n4": [*LORA, "distributed.strategy=megatron_fsdp",
-                                    "distributed.data_parallel_sharding_strategy=optim_grads"]}
+      # TP2 x dp2: the factors beside a tp-sharded base are replicated over tp and count once in the grad norm
+      "lora_mfsdp_optim_grads_tp2": [*LORA, "distributed.strategy=megatron_fsdp", "distributed.tp_size=2",
+                                     "distributed.data_parallel_sharding_strategy=optim_grads"]}
 
 GROUP_JOBS = [Job("lora parity n2", "meshforge.testing.parity:configs_job", {"configs": N2}, 2),
               Job("lora parity n4", "meshforge.testing.parity:configs_job", {"configs": N4}, 4)]

@@ -370,11 +370,13 @@ class MegatronFSDPStrategy(Strategy):
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
         sq_tp = torch.zeros((), dtype=torch.float32, device=self.device)
         for s, leaf in pairs:
-            if s.tp_mesh is not None:
+            # a tp-sharded parameter: different pieces on each tp rank; a replicated one (a LoRA factor beside a
+            # sharded base, a norm under SP) is whole on every tp rank and counts once
+            if s.tp_mesh is not None and any(pl.is_shard() for pl in s.placements):
                 sq_tp += leaf.grad.float().pow(2).sum()
             else:
                 sq += leaf.grad.float().pow(2).sum()
-        if self.mesh_ctx.tp_size > 1:  # tp-sharded parameters: different pieces on each tp rank
+        if self.mesh_ctx.tp_size > 1:
             dist.all_reduce(sq_tp, group=self.mesh_ctx.group("tp"))
             self.comm.calls["grad_norm_tp"] += 1
         sq = sq + sq_tp
