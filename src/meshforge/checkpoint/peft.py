@@ -293,11 +293,12 @@ def load_peft_adapter(model: nn.Module, pcfg) -> None:
     if sorted([theirs] if isinstance(theirs, str) else theirs or []) != roles:
         raise CheckpointError(f"{where / ADAPTER_CONFIG}: target_modules={theirs} but this run adapts {roles}: set "
                               "peft.target_modules to match")
-    # per-expert adapters <-> PEFT target_parameters (`experts.down_proj`, or any longer suffix form of it)
+    # per-expert adapters <-> PEFT target_parameters (`experts.down_proj`, `mlp.experts.down_proj`, `down_proj`)
     layout, experts = layout_of(model), expert_adapters(model)
     mine = sorted({role for _, role, _ in experts})
     params = cfg.get("target_parameters") or []
-    named = sorted({r for r in layout.experts for t in params if t == r or t.endswith("." + r)})
+    named = sorted({r for r in layout.experts for t in params
+                    if t == r or t.endswith("." + r) or r.endswith("." + t)})
     if named != mine or len(named) != len(params):
         raise CheckpointError(f"{where / ADAPTER_CONFIG}: target_parameters={params or None} but this run adapts the "
                               f"expert parameters {mine or 'none'}: set peft.target_modules to match")
