@@ -192,6 +192,8 @@ def test_expert_adapters_export_to_peft_merge_and_import(family, tmp_path):
         base_logits = base(tokens).logits
         theirs = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(tokens).logits
         merged = getattr(transformers, cls).from_pretrained(tmp_path / "merged").eval()(tokens).logits
+    print(f"{family}: peft moved the logits by {(theirs - base_logits).abs().max():.2e}; |peft - meshforge| "
+          f"{(theirs - ours).abs().max():.2e}, |merged - peft| {(merged - theirs).abs().max():.2e}")
     assert (theirs - base_logits).abs().max() > 1e-3  # the expert adapters trained: the comparison means something
     assert (theirs - ours).abs().max() < 1e-4
     assert (merged - theirs).abs().max() < 1e-4
