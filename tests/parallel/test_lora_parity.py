@@ -24,8 +24,13 @@ LOSS_RTOL, WEIGHT_ATOL = 1e-5, 5e-5
 LORA = ["peft.rank=4", "peft.target_modules=[q_proj,v_proj,o_proj,gate_proj,down_proj]"]
 NORMS = [*LORA, "peft.freeze=[embeddings]"]
 PP_MODEL = [*LORA, "model.n_layers=4", "distributed.pipeline.pp_microbatch_size=2"]
-MOE = ["model.preset=tiny_moe", "peft.rank=4", "peft.target_modules=['*_proj']"]  # attention, shared, experts
+# a Mixtral-shaped tiny MoE (so its checkpoint exports to HF): attention and per-expert adapters. lr 1e-3: at
+# 1e-2 this LoRA run spikes (grad norm 3.7 at step 7) and amplifies roundoff into 1e-4 loss differences with any
+# data parallelism, EP or not (measured: fsdp2 dp2 without EP too); at 1e-3 all of it matches to 1e-7
+MOE = ["model.preset=tiny_moe", "model.family=mixtral", "model.n_shared_experts=0", "peft.rank=4",
+       "peft.target_modules=['*_proj']", "optimizer.lr=1e-3"]
 CKPT_DIR = Path(os.environ.get("MESHFORGE_TEST_SHARED", "/tmp")) / "lora_n2"
+MOE_DIR = Path(os.environ.get("MESHFORGE_TEST_SHARED", "/tmp")) / "lora_moe_ep2"
 
 N2 = {
     "lora_ddp": [*LORA, "distributed.strategy=ddp"],
@@ -43,7 +48,7 @@ N2 = {
                          "model.init_device=meta"],
     "lora_pp2_1f1b": [*PP_MODEL, "distributed.pp_size=2"],
     "lora_pp2_interleaved": [*PP_MODEL, "distributed.pp_size=2", "distributed.pipeline.pp_schedule=interleaved_1f1b"],
-    "lora_moe_ep2": [*MOE, "distributed.ep_size=2"],
+    "lora_moe_ep2": [*MOE, "distributed.ep_size=2", "checkpoint.interval=10", f"run.output_dir={MOE_DIR}"],
 }
 REFERENCE = {name: NORMS if "norms" in name else [*LORA, "model.n_layers=4"] if "pp2" in name
              else MOE if "moe" in name else LORA for name in N2}
@@ -98,3 +103,31 @@ def test_n2_adapter_checkpoint_resumes_in_one_process(reference, group):
     ref = reference(LORA)
     tail = type(ref)(ref.losses[5:], ref.grad_norms[5:], ref.weights)
     compare(tail, got, "lora resume n2 -> 1", LOSS_RTOL, WEIGHT_ATOL)
+
+
+def test_ep2_expert_adapter_checkpoint_exports_merged(group, tmp_path):
+    """The EP2 run's adapter checkpoint (expert adapters saved as ep-sharded DTensors) -> `export --merge` ->
+    transformers' Mixtral gives the trained meshforge model's logits."""
+    transformers = pytest.importorskip("transformers")
+    from meshforge.cli import main as cli_main
+    from meshforge.models import build_model
+    from meshforge.models.lora import apply_lora
+
+    weights = results_of(group("lora parity n2"))["lora_moe_ep2"].weights
+    ck = MOE_DIR / "checkpoints" / "step_10"
+    assert cli_main(["checkpoint", "export", str(ck), "--to", str(tmp_path / "merged"), "--merge"]) == 0
+    cfg = config(MOE, world_size=1)
+    ours = build_model(cfg.model)
+    apply_lora(ours, cfg.peft)
+    ours.load_state_dict(weights)
+    hf = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "merged").float().eval()
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = ours.eval()(tokens)
+        diff = (hf(tokens).logits - want).abs().max().item()
+        for name, p in ours.named_parameters():
+            if "lora_B" in name:
+                p.zero_()
+        moved = (want - ours(tokens)).abs().max().item()
+    print(f"lora ep2 --merge: |transformers(merged) - meshforge| {diff:.2e}; the adapters move the logits {moved:.2e}")
+    assert moved > 1e-3 and diff < 1e-4
