@@ -2,6 +2,8 @@
 
 One flow shared by the tests (module fixture): a random transformers LlamaForCausalLM saved as the base ->
 a meshforge LoRA run on it (`model.init_from`) with adapter checkpoints at steps 2 and 4 -> exports.
+Per-expert adapters: a random transformers 5 Mixtral / Qwen3-MoE base, the experts adapted (PEFT's
+`target_parameters`), exported, loaded by peft, merged, and imported back.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from safetensors.torch import load_file
 from meshforge.checkpoint.files import dcp_tensor_shapes
 from meshforge.cli import main as cli_main
 from meshforge.errors import CheckpointError
-from meshforge.models import ModelArgs
+from meshforge.models import ModelArgs, resolve_model_args
 from meshforge.models.hf_families import dense_adapter
 from meshforge.testing.parity import config, single_info
 from meshforge.training.trainer import Trainer
@@ -155,3 +157,50 @@ def test_peft_export_keeps_trained_norms_as_modules_to_save(flow):
         assert (back.pm.model.eval()(tokens) - ours).abs().max() < 1e-5
     with pytest.raises(CheckpointError, match="modules_to_save=.* set peft.freeze to match"):
         Trainer.build(config([*ov, f"peft.init_from={tmp / 'norms_adapter'}"], steps=1, world_size=1), single_info())
+
+
+MOE_SHAPES = {"mixtral": ("MixtralForCausalLM", "MixtralConfig", ["model.ffn_dim=64"]),
+              "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", ["model.qk_norm=true"])}
+
+
+@pytest.mark.parametrize("family", list(MOE_SHAPES))
+def test_expert_adapters_export_to_peft_merge_and_import(family, tmp_path):
+    """Only the experts adapted (so the logits move through them alone): PEFT's ParamWrapper on the fused
+    gate_up_proj and down_proj loads the export, the merged export equals it, and the folder imports back."""
+    cls, conf, extra = MOE_SHAPES[family]
+    shape = ["model.preset=tiny_moe", f"model.family={family}", "model.n_shared_experts=0", *extra]
+    hcfg = dense_adapter(resolve_model_args(config(shape).model)).hf_config()
+    hcfg = {k: v for k, v in hcfg.items() if k not in ("architectures", "torch_dtype")}
+    torch.manual_seed(0)
+    getattr(transformers, cls)(getattr(transformers, conf)(**hcfg)).save_pretrained(tmp_path / "base")
+    ov = [*shape, f"model.init_from={tmp_path / 'base'}", "peft.rank=4", "peft.alpha=8",
+          "peft.target_modules=['experts.*']"]
+    tr = _train([*ov, "checkpoint.interval=2", f"run.output_dir={tmp_path / 'run'}"], steps=2)
+    assert {n.rpartition(".adapters.")[2] for n, p in tr.pm.model.named_parameters() if p.requires_grad} == \
+        {"gate_up_proj.lora_A.weight", "gate_up_proj.lora_B.weight", "down_proj.lora_A.weight",
+         "down_proj.lora_B.weight"}
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = tr.pm.model.eval()(tokens)
+    ck = tmp_path / "run" / "checkpoints" / "step_2"
+    assert cli_main(["checkpoint", "export", str(ck), "--to", str(tmp_path / "adapter"), "--adapter"]) == 0
+    assert cli_main(["checkpoint", "export", str(ck), "--to", str(tmp_path / "merged"), "--merge"]) == 0
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert saved["target_parameters"] == ["experts.down_proj", "experts.gate_up_proj"] and not saved["target_modules"]
+    base = getattr(transformers, cls).from_pretrained(tmp_path / "base").eval()
+    with torch.no_grad():
+        base_logits = base(tokens).logits
+        theirs = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(tokens).logits
+        merged = getattr(transformers, cls).from_pretrained(tmp_path / "merged").eval()(tokens).logits
+    print(f"{family}: peft moved the logits by {(theirs - base_logits).abs().max():.2e}; |peft - meshforge| "
+          f"{(theirs - ours).abs().max():.2e}, |merged - peft| {(merged - theirs).abs().max():.2e}")
+    assert (theirs - base_logits).abs().max() > 1e-3  # the expert adapters trained: the comparison means something
+    assert (theirs - ours).abs().max() < 1e-4
+    assert (merged - theirs).abs().max() < 1e-4
+    back = Trainer.build(config([*ov, f"peft.init_from={tmp_path / 'adapter'}"], steps=1, world_size=1),
+                         single_info())
+    with torch.no_grad():
+        assert (back.pm.model.eval()(tokens) - ours).abs().max() < 1e-5
+    with pytest.raises(CheckpointError, match="target_parameters=.* set peft.target_modules to match"):
+        Trainer.build(config([*ov[:-1], "peft.target_modules=['experts.down_proj']",
+                              f"peft.init_from={tmp_path / 'adapter'}"], steps=1, world_size=1), single_info())

@@ -14,6 +14,10 @@ maps acting on rows, so every export checks `to_hf(B A) == to_hf(B) A` and refus
 Trained norms/embeddings (`peft.freeze` without them) are PEFT's `modules_to_save`: written under their HF
 names, as PEFT saves them. `export_merged` rebuilds the base, folds the adapters in and writes full HF
 safetensors + config.json.
+Per-expert adapters (grouped MoE experts) are PEFT `target_parameters` on the transformers 5 experts module
+(`...mlp.experts.gate_up_proj` (E, 2 x hidden, dim), `...down_proj`): PEFT's 3-D `ParamWrapper` stores A as
+(E * rank, in) (expert-major rows) and B as (out, rank * E) (expert-minor columns), and nests one wrapper per
+targeted parameter in the module's parameter order, the inner one's keys under `base_layer.`.
 `load_peft_adapter` (`peft.init_from`) reads a PEFT folder back, every key and setting checked.
 """
 
@@ -34,7 +38,14 @@ from meshforge.checkpoint.files import DCP_ERRORS, MANIFEST, dcp_error_line, dcp
 from meshforge.checkpoint.hf import _adapter, load_hf_into
 from meshforge.errors import CheckpointError
 from meshforge.models import ModelArgs, build_model, init_weights, resolve_model_args
-from meshforge.models.lora import adapter_modules, apply_lora, is_adapter_param, merge_lora
+from meshforge.models.lora import (
+    adapter_modules,
+    apply_lora,
+    expert_adapters,
+    is_adapter_param,
+    layout_of,
+    merge_lora,
+)
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _PEFT_KEYS = ("method", "rank", "alpha", "target_modules", "freeze")  # must match to resume (dropout may change)
@@ -112,6 +123,30 @@ def _b_to_hf(adapter, name: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tens
     return b_hf
 
 
+def _hf_experts_module(adapter, model: nn.Module, module: str, role: str) -> str:
+    """The HF experts module a grouped-experts module maps to (`model.layers.0.mlp.experts`), from the HF names of
+    its own weights (`...experts.{e}.gate_proj.weight` per expert)."""
+    own = next(n for n, _ in model.get_submodule(module).named_parameters(recurse=False))
+    theirs = adapter.hf_names(f"{module}.{own}")
+    hf = {n.rsplit(".", 3)[0] for n in theirs}
+    if len(hf) != 1 or not next(iter(hf)).endswith("." + role.split(".")[0]):
+        raise CheckpointError(f"{module}: its Hugging Face tensors {theirs[:2]} are not one experts module, so its "
+                              "per-expert adapters have no PEFT form (use --merge)")
+    return hf.pop()
+
+
+def _expert_keys(layout, pcfg, hf_module: str, role: str) -> str:
+    """PEFT's key prefix of one targeted expert parameter: the earlier-registered ones nest under `base_layer.`."""
+    targeted = [r for r in layout.experts if r in _expert_roles(layout, pcfg)]
+    return f"base_model.model.{hf_module}." + "base_layer." * (len(targeted) - 1 - targeted.index(role))
+
+
+def _expert_roles(layout, pcfg) -> list[str]:
+    from meshforge.models.lora import resolve_roles
+
+    return [r for r in resolve_roles(layout, list(pcfg.target_modules)) if r in layout.experts]
+
+
 def _peft_model(manifest: dict, where: Path, device: str = "meta"):
     if "adapter" not in manifest.get("contents", []):
         raise CheckpointError(f"{where}: not a LoRA adapter checkpoint (no peft section in its run): export it "
@@ -171,13 +206,22 @@ def export_adapter(ckpt_dir: str | Path, out_dir: str | Path) -> dict:
         tensors[f"base_model.model.{hf}.lora_A.weight"] = a.contiguous()
         tensors[f"base_model.model.{hf}.lora_B.weight"] = _b_to_hf(adapter, name, a, b).contiguous()
         roles.add(hf.rpartition(".")[2])
+    names = {id(p): n for n, p in model.named_parameters()}
+    layout, params = layout_of(model), set()
+    for module, role, lo in expert_adapters(model):
+        key = _expert_keys(layout, pcfg, _hf_experts_module(adapter, model, module, role), role)
+        a, b = targets[names[id(lo.lora_A.weight)]], targets[names[id(lo.lora_B.weight)]]  # (E, r, in), (E, out, r)
+        tensors[f"{key}lora_A.weight"] = a.reshape(-1, a.shape[-1]).contiguous()
+        tensors[f"{key}lora_B.weight"] = b.permute(1, 2, 0).reshape(b.shape[1], -1).contiguous()
+        params.add(role)
     for name in whole:  # trained norms/embeddings: PEFT's modules_to_save, stored under their HF names
         for hf_name, t in adapter.to_hf(name, targets[name]).items():
             tensors[f"base_model.model.{hf_name}"] = t
             saved.add(hf_name.rpartition(".")[0].rpartition(".")[2])
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": pcfg.rank, "lora_alpha": pcfg.alpha,
-              "lora_dropout": pcfg.dropout, "target_modules": sorted(roles), "bias": "none",
-              "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+              "lora_dropout": pcfg.dropout, "target_modules": sorted(roles),
+              "target_parameters": sorted(params) or None, "bias": "none", "fan_in_fan_out": False,
+              "use_rslora": False, "use_dora": False, "init_lora_weights": True,
               "inference_mode": True, "modules_to_save": sorted(saved) or None, "base_model_name_or_path": None}
     _write_dir(out_dir, {ADAPTER_CONFIG: json.dumps(config, indent=2), ADAPTER_WEIGHTS: tensors})
     return {"dir": str(out_dir), "tensors": len(tensors), "modules": len(modules),
@@ -249,6 +293,15 @@ def load_peft_adapter(model: nn.Module, pcfg) -> None:
     if sorted([theirs] if isinstance(theirs, str) else theirs or []) != roles:
         raise CheckpointError(f"{where / ADAPTER_CONFIG}: target_modules={theirs} but this run adapts {roles}: set "
                               "peft.target_modules to match")
+    # per-expert adapters <-> PEFT target_parameters (`experts.down_proj`, `mlp.experts.down_proj`, `down_proj`)
+    layout, experts = layout_of(model), expert_adapters(model)
+    mine = sorted({role for _, role, _ in experts})
+    params = cfg.get("target_parameters") or []
+    named = sorted({r for r in layout.experts for t in params
+                    if t == r or t.endswith("." + r) or r.endswith("." + t)})
+    if named != mine or len(named) != len(params):
+        raise CheckpointError(f"{where / ADAPTER_CONFIG}: target_parameters={params or None} but this run adapts the "
+                              f"expert parameters {mine or 'none'}: set peft.target_modules to match")
     # whole trained parameters (norms/embeddings the freeze policy trains) <-> PEFT's modules_to_save
     whole = {n: p for n, p in model.named_parameters() if p.requires_grad and not is_adapter_param(n)}
     whole_hf = {n: adapter.hf_names(n) for n in whole}
@@ -272,6 +325,17 @@ def load_peft_adapter(model: nn.Module, pcfg) -> None:
                 if part == "lora_B":
                     t = adapter.from_hf(f"{name}.weight", {f"{hf[name]}.weight": t})
                 _copy_into(getattr(m, part).weight, t, key, f"{name}.{part}.weight", where)
+        for module, role, lo in experts:  # A (E * r, in) expert-major rows, B (out, r * E) expert-minor columns
+            key = _expert_keys(layout, pcfg, _hf_experts_module(adapter, model, module, role), role)
+            n_exp, rank, _ = lo.lora_A.weight.shape
+            a = take(f"{key}lora_A.weight", f"{module} {role}")
+            b = take(f"{key}lora_B.weight", f"{module} {role}")
+            if a.dim() != 2 or b.dim() != 2 or a.shape[0] != n_exp * rank or b.shape[1] != n_exp * rank:
+                raise CheckpointError(f"{where / ADAPTER_WEIGHTS}: {key}lora_A/B have shapes {tuple(a.shape)}, "
+                                      f"{tuple(b.shape)}, not ({n_exp} x {rank}, in) and (out, {rank} x {n_exp})")
+            _copy_into(lo.lora_A.weight, a.reshape(n_exp, rank, -1), f"{key}lora_A.weight", f"{module} {role}", where)
+            _copy_into(lo.lora_B.weight, b.reshape(b.shape[0], rank, n_exp).permute(2, 0, 1),
+                       f"{key}lora_B.weight", f"{module} {role}", where)
         for name, p in whole.items():
             if whole_hf[name]:  # a tied head loads through the embedding it shares
                 t = adapter.from_hf(name, {h: take(f"base_model.model.{h}", name) for h in whole_hf[name]})

@@ -303,32 +303,29 @@ def schedule_and_profiling_steps(cfg: Config, world_size: int) -> list[str]:
     return out
 
 
-_PEFT_STRATEGIES = ("ddp", "fsdp2")
+_PEFT_STRATEGIES = ("ddp", "fsdp2", "megatron_fsdp")
 
 
 @rule
 def peft_composes(cfg: Config, world_size: int) -> list[str]:
-    """LoRA runs on ddp and fsdp2 (with HSDP, TP/SP, CP, PP, activation checkpointing) on a model that declares
-    an adapter layout; what is not built yet is refused here, never run half-right."""
+    """LoRA runs on ddp, fsdp2 and megatron_fsdp (with HSDP, TP/SP, CP, PP, EP, activation checkpointing) on a
+    model that declares an adapter layout; what is not built yet is refused here, never run half-right."""
     p, d = cfg.peft, cfg.distributed
     if p is None:
         return []
     out = []
     if d.strategy not in _PEFT_STRATEGIES:
         out.append(f"peft (LoRA) with distributed.strategy={d.strategy} is not supported yet (frozen base weights "
-                   f"would still take gradient and optimizer memory): use strategy {' or '.join(_PEFT_STRATEGIES)}")
-    if d.ep_size > 1:
-        out.append(f"peft (LoRA) with distributed.ep_size={d.ep_size} is not supported yet (no per-expert adapters): "
-                   "set ep_size=1")
+                   f"would still take gradient and optimizer memory): use strategy {', '.join(_PEFT_STRATEGIES)}")
     if cfg.checkpoint.save_consolidated:
         out.append("checkpoint.save_consolidated with peft: a LoRA checkpoint holds the adapters only; leave it off "
                    "and run `meshforge checkpoint export --adapter` (PEFT format) or `--merge` (merged HF weights)")
     if _model_args(cfg) is not None:
         from meshforge.models import meta_modules
-        from meshforge.models.lora import layout_of, resolve_roles
+        from meshforge.models.lora import check_targets
 
         try:
-            resolve_roles(layout_of(meta_modules(cfg.model)[0]), p.target_modules)
+            check_targets(meta_modules(cfg.model)[0], p)
         except ValueError as err:
             out.append(str(err))
     return out

@@ -127,7 +127,8 @@ class PeftConfig(Section):
     rank: int = Field(8, gt=0)
     alpha: float = Field(16.0, gt=0)  # the update is scaled by alpha / rank
     dropout: float = Field(0.0, ge=0, lt=1)  # on the adapter's input only
-    # roles of the model contract (Hugging Face module names, as PEFT writes them) or fnmatch patterns ("*_proj")
+    # roles of the model contract (Hugging Face module names, as PEFT writes them) or fnmatch patterns ("*_proj");
+    # MoE models: `experts.gate_up_proj` / `experts.down_proj` add per-expert adapters (PEFT's target_parameters)
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
                                       min_length=1)
     # base modules kept frozen besides the adapted linears; remove one to train it fully

@@ -3,9 +3,10 @@
 `apply_ep(model, mesh_ctx, dcfg, strategy)` runs after TP/CP and before activation checkpointing and the
 strategy's `parallelize`. For every MoE layer the model declares (the model contract's `moe_layers()`):
 
-1. The stacked expert parameters (`experts.w1/w2/w3`, dim 0 = expert) become DTensors `Shard(0)` on the
-   `ep` mesh: ep rank j holds experts [j*E/ep, (j+1)*E/ep). Checkpoints, full state dicts and the global
-   gradient norm see the whole experts through DTensor, so nothing else needs to know about EP.
+1. The stacked expert parameters (`experts.w1/w2/w3` and any per-expert LoRA factors under the experts
+   module, dim 0 = expert) become DTensors `Shard(0)` on the `ep` mesh: ep rank j holds experts
+   [j*E/ep, (j+1)*E/ep). Checkpoints, full state dicts and the global gradient norm see the whole experts
+   through DTensor, so nothing else needs to know about EP.
 2. The layer's dispatcher becomes an `AllToAllDispatcher`: the per-expert counts of token copies are
    exchanged first (`all_to_all_single` on the counts), then the token copies (already sorted by expert)
    go to their owners with `all_to_all_single_autograd` (uneven and zero splits), are regrouped by local
@@ -148,12 +149,14 @@ def apply_ep(model: nn.Module, mesh_ctx, dcfg, strategy) -> nn.Module:
     replay = bool(moe_cfg.ignore_router_for_ac) and dcfg.ac_mode is not None
     for layer in layers:
         experts = layer.experts
-        for name, p in list(experts.named_parameters(recurse=False)):
+        for name, p in list(experts.named_parameters()):  # per-expert adapters below it too: all stacked on dim 0
             if isinstance(p, DTensor):
                 raise TypeError(f"expert parameter {name} is already a DTensor: apply_ep runs once, before "
                                  "any data-parallel wrapping")
             dt = distribute_tensor(p.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
-            experts.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
+            owner, _, attr = name.rpartition(".")
+            (experts.get_submodule(owner) if owner else experts).register_parameter(
+                attr, nn.Parameter(dt, requires_grad=p.requires_grad))
         experts.grad_scale = 1.0 / ep
         layer.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), ep, layer.n_experts)
         layer.router.replay_routing = replay

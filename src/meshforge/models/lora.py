@@ -11,6 +11,13 @@ names PEFT users write), matched as fnmatch patterns (`*_proj`); a pattern match
 it. Initialisation is a pure function of (seed, name) like every other parameter (`lora_init_spec`): A
 normal(0, 1/rank) as PEFT's `init_lora_weights="gaussian"`, B zeros, so the adapted model starts as the base.
 The freeze policy: every base parameter is frozen except the embeddings / norms the config lists as trainable.
+
+Grouped experts (an MoE layer's experts stacked in one 3-D weight) take per-expert adapters: the layout's
+`experts` roles name the grouped module, which adds an `ExpertLoRA` per role (`add_lora`): A (E, rank, in) and B
+(E, out, rank), stacked by expert like the weight so expert parallelism shards them with it, in PEFT's
+convention for 3-D `target_parameters` (delta_e = scaling * B_e A_e in the (out, in) layout of the Hugging Face
+expert weight). The module folds the deltas into its weights in forward (no dropout there: it cannot be
+factored out of a weight delta, as in PEFT).
 """
 
 from __future__ import annotations
@@ -48,6 +55,28 @@ class LoRALinear(nn.Linear):
         return f"{super().extra_repr()}, rank={self.lora_A.out_features}, scaling={self.scaling:g}"
 
 
+class _Factor(nn.Module):
+    def __init__(self, *shape: int, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(*shape, device=device, dtype=dtype))
+
+
+class ExpertLoRA(nn.Module):
+    """Per-expert LoRA factors of one grouped weight: A (E, rank, in), B (E, out, rank); `delta` is (E, out, in)."""
+
+    def __init__(self, n_experts: int, in_features: int, out_features: int, rank: int, alpha: float,
+                 like: torch.Tensor):
+        super().__init__()
+        kw = {"device": like.device, "dtype": like.dtype}
+        self.lora_A = _Factor(n_experts, rank, in_features, **kw)
+        self.lora_B = _Factor(n_experts, out_features, rank, **kw)
+        self.scaling = alpha / rank
+
+    def delta(self, local=lambda w: w) -> torch.Tensor:
+        """scaling * B_e A_e for every (local) expert; `local` maps a stacked parameter to this rank's experts."""
+        return torch.bmm(local(self.lora_B.weight), local(self.lora_A.weight)) * self.scaling
+
+
 def is_adapter_param(name: str) -> bool:
     """True for a LoRA parameter name (`...wq.lora_A.weight`)."""
     parts = name.split(".")
@@ -58,7 +87,7 @@ def lora_init_spec(name: str, shape: tuple[int, ...]) -> InitSpec | None:
     """A: normal(0, 1/rank); B: zeros (the adapted model starts equal to the base); None for other names."""
     if not is_adapter_param(name):
         return None
-    return InitSpec("normal", 1.0 / shape[0]) if name.split(".")[-2] == "lora_A" else InitSpec("zeros")
+    return InitSpec("normal", 1.0 / shape[-2]) if name.split(".")[-2] == "lora_A" else InitSpec("zeros")
 
 
 def pattern_matches(pattern: str, name: str) -> bool:
@@ -76,18 +105,30 @@ def layout_of(model: nn.Module) -> AdapterLayout:
 
 
 def resolve_roles(layout: AdapterLayout, target_modules: list[str]) -> list[str]:
-    """The roles `target_modules` names (in the layout's order); ValueError naming a pattern that matches none."""
+    """The roles `target_modules` names (in the layout's order: linears, then experts); ValueError naming a
+    pattern that matches none."""
+    roles = [*layout.linears, *layout.experts]
     for pat in target_modules:
-        if not fnmatch.filter(layout.linears, pat):
+        if not fnmatch.filter(roles, pat):
             raise ValueError(f"peft.target_modules: {pat!r} matches none of this model's linear layers "
-                             f"({', '.join(layout.linears)}); use those names or a pattern such as '*_proj'")
-    return [r for r in layout.linears if any(fnmatch.fnmatchcase(r, p) for p in target_modules)]
+                             f"({', '.join(roles)}); use those names or a pattern such as '*_proj'")
+    return [r for r in roles if any(fnmatch.fnmatchcase(r, p) for p in target_modules)]
+
+
+def check_targets(model: nn.Module, pcfg: Any) -> None:
+    """What `apply_lora` would refuse, without changing the model (ValueError, one line)."""
+    layout = layout_of(model)
+    experts = [r for r in resolve_roles(layout, list(pcfg.target_modules)) if r in layout.experts]
+    if experts and pcfg.dropout > 0:
+        raise ValueError(f"peft.dropout={pcfg.dropout} with expert adapters ({', '.join(experts)}): dropout cannot "
+                         "be applied to a per-expert weight delta; set peft.dropout=0 or leave the experts out of "
+                         "peft.target_modules")
 
 
 def target_module_names(model: nn.Module, pcfg: Any) -> list[str]:
-    """Dotted names of the modules `pcfg.target_modules` selects, in module order."""
+    """Dotted names of the linear modules `pcfg.target_modules` selects, in module order."""
     layout = layout_of(model)
-    patterns = [layout.linears[r] for r in resolve_roles(layout, list(pcfg.target_modules))]
+    patterns = [layout.linears[r] for r in resolve_roles(layout, list(pcfg.target_modules)) if r in layout.linears]
     return [n for n, _ in model.named_modules() if n and any(pattern_matches(p, n) for p in patterns)]
 
 
@@ -96,12 +137,19 @@ def apply_lora(model: nn.Module, pcfg: Any) -> list[str]:
 
     Works on a meta-device model too (the adapters are created where the base weight lives)."""
     layout = layout_of(model)
+    check_targets(model, pcfg)
     names = target_module_names(model, pcfg)
     for name in names:
         base = model.get_submodule(name)
         if not isinstance(base, nn.Linear) or isinstance(base, LoRALinear):
             raise ValueError(f"peft: {name} is a {type(base).__name__}, not a plain nn.Linear LoRA can adapt")
         set_submodule(model, name, LoRALinear(base, pcfg.rank, pcfg.alpha, pcfg.dropout))
+    for role in resolve_roles(layout, list(pcfg.target_modules)):
+        if role in layout.experts:
+            for name, m in model.named_modules():
+                if name and pattern_matches(layout.experts[role], name):
+                    m.add_lora(role, pcfg.rank, pcfg.alpha)
+                    names.append(f"{name}.{role}")
     train = []
     if "embeddings" not in pcfg.freeze:
         train += list(layout.embeddings)
@@ -119,6 +167,11 @@ def adapter_modules(model: nn.Module) -> dict[str, LoRALinear]:
     return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
 
 
+def expert_adapters(model: nn.Module) -> list[tuple[str, str, ExpertLoRA]]:
+    """(grouped-experts module name, role, its ExpertLoRA) of an adapted model, in module and role order."""
+    return [(n, role, m.lora(role)) for n, m in model.named_modules() for role in getattr(m, "lora_roles", ())]
+
+
 @torch.no_grad()
 def merge_lora(model: nn.Module) -> None:
     """Fold every adapter into its base weight (W += scaling * B A) and put the plain linear back."""
@@ -127,3 +180,6 @@ def merge_lora(model: nn.Module) -> None:
         plain = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
         plain.weight, plain.bias = m.weight, m.bias
         set_submodule(model, name, plain)
+    for m in list(model.modules()):
+        if getattr(m, "lora_roles", None):
+            m.merge_lora()

@@ -23,6 +23,12 @@ Token dispatch is pluggable: `MoE.dispatcher` is None here (all experts local). 
 (`distributed/expert_parallel.py`) sets it to an all-to-all dispatcher and shards the stacked expert
 parameters on dim 0; the model itself never imports torch.distributed.
 
+Per-expert LoRA (`peft:` with an `experts.*` role): `GroupedExperts.add_lora` adds an `ExpertLoRA` (models/lora.py)
+per role under `experts.adapters`, stacked by expert on dim 0 like the weights (so expert parallelism shards
+them with the experts); the roles are the transformers 5 expert parameters: `experts.gate_up_proj` (one adapter
+on the fused gate/up weight (E, 2 x hidden, dim), as PEFT adapts it: w1 and w3 share A) and `experts.down_proj`.
+Forward adds the per-expert deltas to the weights before the grouped matmuls.
+
 `Router.replay_routing` (set by expert parallelism for `moe.ignore_router_for_ac`): the routing decision
 (top-k indices) of each forward is kept and reused by the activation-checkpointing recompute, so the
 recompute routes every token exactly as the original forward did, whatever the numerics.
@@ -38,8 +44,9 @@ from torch import nn
 
 from meshforge.models.hf_families import dense_adapter
 from meshforge.models.llama import FeedForward, Llama, TransformerBlock, rope_cos_sin
+from meshforge.models.lora import ExpertLoRA
 from meshforge.models.presets import ModelArgs
-from meshforge.models.protocol import InitSpec, StateDictAdapter
+from meshforge.models.protocol import AdapterLayout, InitSpec, StateDictAdapter
 
 
 def in_backward() -> bool:
@@ -119,6 +126,41 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         # expert parallelism scales these parameters' gradients (see distributed/expert_parallel.py)
         self.grad_scale = 1.0
+        self.adapters = nn.ModuleDict()  # per-expert LoRA by role (empty: none); every tensor stacked on dim 0
+
+    @property
+    def lora_roles(self) -> list[str]:
+        return [f"experts.{k}" for k in self.adapters]
+
+    def lora(self, role: str) -> ExpertLoRA:
+        return self.adapters[role.rpartition(".")[2]]
+
+    def add_lora(self, role: str, rank: int, alpha: float) -> None:
+        """Per-expert adapters on `experts.gate_up_proj` (w1 and w3, fused as HF stores them) or `experts.down_proj`."""
+        n, dim, hidden = self.w1.shape
+        shapes = {"experts.gate_up_proj": (dim, 2 * hidden), "experts.down_proj": (hidden, dim)}
+        if role not in shapes:
+            raise ValueError(f"peft: grouped experts have no adapter role {role!r} (only {', '.join(shapes)})")
+        self.adapters[role.rpartition(".")[2]] = ExpertLoRA(n, *shapes[role], rank, alpha, like=self.w1)
+
+    def _adapted(self, w1, w3, w2):
+        """The (local) expert weights plus their adapters' deltas, in this module's (E, in, out) layout."""
+        if "gate_up_proj" in self.adapters:
+            d = self.adapters["gate_up_proj"].delta(self._local).transpose(1, 2)  # (E, dim, 2 x hidden): gate, up
+            h = w1.shape[-1]
+            w1, w3 = w1 + d[..., :h], w3 + d[..., h:]
+        if "down_proj" in self.adapters:
+            w2 = w2 + self.adapters["down_proj"].delta(self._local).transpose(1, 2)
+        return w1.contiguous(), w3.contiguous(), w2.contiguous()
+
+    @torch.no_grad()
+    def merge_lora(self) -> None:
+        """Fold the adapters into the (plain, whole) expert weights and drop them."""
+        w1, w3, w2 = self._adapted(self.w1, self.w3, self.w2)
+        self.w1.copy_(w1)
+        self.w3.copy_(w3)
+        self.w2.copy_(w2)
+        self.adapters = nn.ModuleDict()
 
     def _local(self, w: torch.Tensor) -> torch.Tensor:
         if hasattr(w, "to_local"):  # a DTensor sharded on the expert dim: this rank's experts
@@ -128,6 +170,8 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: (N, dim) rows grouped by expert in order; counts: (local experts,) rows per expert."""
         w1, w3, w2 = self._local(self.w1), self._local(self.w3), self._local(self.w2)
+        if len(self.adapters):
+            w1, w3, w2 = self._adapted(w1, w3, w2)
         x = x.to(w1.dtype)
         if self.use_grouped_mm and grouped_mm_supported(x, w1, w2):
             offs = torch.cumsum(counts, 0).to(torch.int32)
@@ -256,10 +300,18 @@ class MoETransformer(Llama):
     def total_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def adapter_layout(self) -> None:
-        """None yet: routed experts are grouped weights (per-expert adapters are not built), so LoRA is refused
-        rather than adapting the attention alone while the user expects the experts adapted too."""
-        return None
+    def adapter_layout(self) -> AdapterLayout:
+        """Attention projections as Llama's; the routed experts as grouped roles (per-expert adapters, HF's
+        transformers 5 names); shared experts (if any) as linears; the router is not adapted."""
+        dense = super().adapter_layout()
+        linears = {k: v for k, v in dense.linears.items() if ".feed_forward." not in v}
+        if self.args.n_shared_experts:
+            linears.update({"shared_experts.gate_proj": "layers.*.feed_forward.shared_experts.w1",
+                            "shared_experts.up_proj": "layers.*.feed_forward.shared_experts.w3",
+                            "shared_experts.down_proj": "layers.*.feed_forward.shared_experts.w2"})
+        experts = "layers.*.feed_forward.experts"
+        return AdapterLayout(linears=linears, embeddings=dense.embeddings, norms=dense.norms,
+                             experts={"experts.gate_up_proj": experts, "experts.down_proj": experts})
 
     def state_dict_adapter(self) -> StateDictAdapter:
         """Per `model.family` (mixtral, qwen3_moe): stacked experts <-> HF per-expert tensors (models/hf_moe.py)."""

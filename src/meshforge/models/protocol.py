@@ -39,7 +39,7 @@ the transformers class itself: blocks from `_no_split_modules`, the TP plan from
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # importable without torch, so config can read model presets without loading it
@@ -83,6 +83,11 @@ class AdapterLayout:
     linears: dict[str, str]  # role -> module-name pattern of the nn.Linear layers LoRA may adapt
     embeddings: tuple[str, ...]  # module-name patterns: input embedding and output head
     norms: tuple[str, ...]  # module-name patterns: the normalisation layers
+    # role -> module-name pattern of grouped-expert modules (stacked per-expert weights) that take per-expert
+    # adapters: such a module has `add_lora(role, rank, alpha)`, `lora(role)`, `lora_roles` and `merge_lora()`;
+    # roles are the Hugging Face (transformers 5) expert parameter names, e.g. `experts.gate_up_proj`, in the
+    # order the HF experts module registers them (PEFT nests its `target_parameters` wrappers in that order)
+    experts: dict[str, str] = field(default_factory=dict)
 
 
 @runtime_checkable

@@ -20,6 +20,10 @@ A *unit* (a transformer block, or "everything else") owns:
 - `grad_shard`: the reduced gradient slice (`optim_grads*`); `main_grad`: the fp32
   gradient the optimizer reads (an alias wherever the dtypes allow).
 
+A *frozen* unit (every parameter `requires_grad=False`: a LoRA base; `strategy.parallelize` gives each module's
+frozen parameters their own unit) has `compute` (and `compute_shard` under `optim_grads_params`) only: no
+`main`, no gradient buffers, no optimizer leaves, so frozen weights cost exactly their compute-dtype values.
+
 The optimizer never sees flat buffers: each parameter contributes one leaf
 tensor, the piece of `main` that falls into this rank's range, with `.grad` the
 matching piece of `main_grad`. AdamW is elementwise, so stepping the pieces is
@@ -144,10 +148,11 @@ class FlatUnit:
     shard: int = 0
     compute: torch.Tensor = field(init=False)
     compute_shard: torch.Tensor | None = field(init=False, default=None)
-    main: torch.Tensor = field(init=False)
-    grad_full: torch.Tensor = field(init=False)
+    main: torch.Tensor | None = field(init=False)  # None in a frozen unit
+    grad_full: torch.Tensor | None = field(init=False)
     grad_shard: torch.Tensor | None = field(init=False, default=None)
-    main_grad: torch.Tensor = field(init=False)
+    main_grad: torch.Tensor | None = field(init=False)
+    frozen: bool = field(init=False, default=False)  # no parameter of the unit trains
     # per-step bookkeeping
     ready: int = 0
     grads_seen: bool = False
@@ -161,6 +166,12 @@ class FlatUnit:
         _, self.padded, self.shard = flat_layout([s.numel for s in self.slots], self.world)
         dev, f32 = self.device, torch.float32
         self.compute = torch.zeros(self.padded, dtype=self.compute_dtype, device=dev)
+        self.frozen = not any(s.requires_grad for s in self.slots)
+        if self.frozen:  # values only: no fp32 main copy, no gradient buffers, no optimizer pieces
+            self.main = self.grad_full = self.main_grad = None
+            if self.params_sharded:
+                self.compute_shard = torch.zeros(self.shard, dtype=self.compute_dtype, device=dev)
+            return
         sharded = self.mode in SHARDED_OPTIM
         if not sharded:
             self.main = self.compute if self.compute_dtype == f32 else torch.zeros(self.padded, dtype=f32, device=dev)
@@ -245,6 +256,12 @@ class FlatUnit:
         """Write the unit's full values (fp32, length `padded`) into main, compute shard and compute."""
         lo, hi = self.opt_range
         with torch.no_grad():
+            if self.frozen:
+                if self.params_sharded:
+                    self.compute_shard.copy_(flat[self.rank * self.shard:(self.rank + 1) * self.shard])
+                if self.gathered:
+                    self.compute.copy_(flat)
+                return
             self.main.copy_(flat[lo:hi])
             if self.params_sharded:
                 if self.compute_shard is not self.main:

@@ -14,6 +14,12 @@ Lifecycle of one step (optim_grads_params, the default):
   step      a plain torch AdamW over per-parameter pieces of the fp32 main shard; `after_optimizer_step`
             copies main -> compute shard and all-gathers for optim/optim_grads.
 
+Frozen parameters (a LoRA base): each module's frozen parameters get a unit of their own (`FlatUnit.frozen`:
+values only, no fp32 main copy, no gradient buffer, no optimizer state, never reduced or re-gathered after a
+step). The module's units are gathered and prefetched together; under optim_grads_params a block's frozen unit
+is freed once backward has produced the gradient of the block's input (every use of a frozen weight lies on
+that path), else at `finish_grad_sync`.
+
 Overlap: with `overlap_param_gather` / `overlap_grad_reduce` (default on for CUDA, off for CPU) the
 collectives are issued with `async_op=True` and waited for at first use; NCCL runs them on its own
 streams, so they overlap compute. The code path is device-agnostic; on CPU/gloo it also works
@@ -71,8 +77,8 @@ class MegatronFSDPStrategy(Strategy):
             self.group, self.world, self.rank, self.dp_mesh = None, 1, 0, None
         self.comm = CommCounter(self.group, self.world)
         self.units: list[FlatUnit] = []
-        self.blocks: list[FlatUnit] = []
-        self.root_unit: FlatUnit | None = None
+        self.blocks: list[list[FlatUnit]] = []  # per block: its trainable and/or frozen unit
+        self.root_parts: list[FlatUnit] = []  # the units of everything outside the blocks
         self._is_last = True
         self.gathered_peak = 0
         self.grads_peak = 0
@@ -113,7 +119,9 @@ class MegatronFSDPStrategy(Strategy):
         for pid in params:  # model order
             groups[owner.get(pid, len(blocks))].append(pid)
         modules = list(blocks) + [model]
-        for i, pids in enumerate(groups):
+        self.blocks = [[] for _ in blocks]
+        for i, pids, frozen in [(i, [q for q in pids if params[q].requires_grad != frozen], frozen)
+                                for i, pids in enumerate(groups) for frozen in (False, True)]:
             if not pids:
                 continue
             slots, off = [], 0
@@ -128,7 +136,7 @@ class MegatronFSDPStrategy(Strategy):
                     slot.global_shape, slot.global_stride = p.shape, p.stride()
                 slots.append(slot)
                 off += local.numel()
-            name = "root" if i == len(blocks) else f"unit{i}"
+            name = ("root" if i == len(blocks) else f"unit{i}") + ("_frozen" if frozen else "")
             u = FlatUnit(name, modules[i], slots, self.world, self.rank, self.mode, self.compute_dtype,
                          self.reduce_dtype, self.device, root=model)
             flat = None if meta else u.full_flat_from_params(
@@ -140,11 +148,8 @@ class MegatronFSDPStrategy(Strategy):
             if u.params_sharded:
                 free_storage(u.compute)
             self.units.append(u)
-            if i < len(blocks):
-                self.blocks.append(u)
-            else:
-                self.root_unit = u
-        self._order = [u for u in ([self.root_unit] if self.root_unit else []) + self.blocks]
+            (self.blocks[i] if i < len(blocks) else self.root_parts).append(u)
+        self.blocks = [b for b in self.blocks if b]
         self._register_hooks(model)
         return model
 
@@ -154,11 +159,11 @@ class MegatronFSDPStrategy(Strategy):
                 if s.requires_grad:
                     s.param.register_post_accumulate_grad_hook(self._grad_hook(u, s))
             u.n_grads = sum(s.requires_grad for s in u.slots)
-        for u in self.blocks:
-            u.module.register_forward_pre_hook(lambda m, a, u=u: self._pre_forward(u))
-            u.module.register_forward_hook(lambda m, a, out, u=u: self._post_forward(u, out))
-        # the root hooks also run when every parameter lives in the blocks (root_unit None)
-        model.register_forward_pre_hook(lambda m, a: self._pre_forward(self.root_unit))
+        for parts in self.blocks:
+            parts[0].module.register_forward_pre_hook(lambda m, a, parts=parts: self._pre_forward(parts, a))
+            parts[0].module.register_forward_hook(lambda m, a, out, parts=parts: self._post_forward(parts, out))
+        # the root hooks also run when every parameter lives in the blocks (root_parts empty)
+        model.register_forward_pre_hook(lambda m, a: self._pre_forward(self.root_parts, ()))
         model.register_forward_hook(lambda m, a, out: self._post_forward_root())
 
     # ================================================================== gather / free
@@ -186,39 +191,54 @@ class MegatronFSDPStrategy(Strategy):
             u.gather_work = None
         free_storage(u.compute)
 
-    def _next(self, u: FlatUnit | None, step: int) -> FlatUnit | None:
-        if u is None:
-            return None
-        i = self._order.index(u) + step
-        return self._order[i] if 0 <= i < len(self._order) and self._order[i] is not self.root_unit else None
+    def _next(self, parts: list[FlatUnit], step: int) -> list[FlatUnit]:
+        """The units of the block `step` blocks after `parts` (the first block after the root); [] past the end."""
+        if parts is self.root_parts:
+            return self.blocks[0] if self.blocks and step == 1 else []
+        i = next(j for j, b in enumerate(self.blocks) if b is parts) + step
+        return self.blocks[i] if 0 <= i < len(self.blocks) else []
 
-    def _pre_forward(self, u: FlatUnit | None) -> None:
+    def _pre_forward(self, parts: list[FlatUnit], args) -> None:
         if self.mode != "optim_grads_params":
             return
-        self._ensure_gathered(u)
-        nxt = self.blocks[0] if u is self.root_unit and self.blocks else self._next(u, 1)
-        self._gather(nxt, async_op=self.overlap_param)
+        for u in parts:
+            self._ensure_gathered(u)
+        for u in self._next(parts, 1):
+            self._gather(u, async_op=self.overlap_param)
+        frozen = [u for u in parts if u.frozen]
+        if frozen and parts is not self.root_parts and torch.is_grad_enabled():
+            # backward is done with the frozen weights once the block's input has its gradient
+            def free_frozen(grad):
+                for u in frozen:
+                    self._reshard(u)
+                return grad
 
-    def _post_forward(self, u: FlatUnit, out):
-        if not u.params_sharded:
+            for t in _tensors(args):
+                t.register_hook(free_frozen)
+
+    def _post_forward(self, parts: list[FlatUnit], out):
+        if self.mode != "optim_grads_params":
             return out
         if not torch.is_grad_enabled():
-            self._reshard(u)
+            for u in parts:
+                self._reshard(u)
             return out
-        if u is self.blocks[-1]:
+        if parts is self.blocks[-1]:
             return out  # backward needs it at once
-        tensors = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
-                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        tensors = _tensors(out)
         if not tensors:
             return out
-        self._reshard(u)
+        for u in parts:
+            self._reshard(u)
         fired = [False]
 
-        def pre_backward(grad, u=u):
+        def pre_backward(grad, parts=parts):
             if not fired[0]:
                 fired[0] = True
-                self._ensure_gathered(u)
-                self._gather(self._next(u, -1), async_op=self.overlap_param)
+                for u in parts:
+                    self._ensure_gathered(u)
+                for u in self._next(parts, -1):
+                    self._gather(u, async_op=self.overlap_param)
             return grad
 
         for t in tensors:
@@ -303,16 +323,18 @@ class MegatronFSDPStrategy(Strategy):
 
     def finish_grad_sync(self, model: nn.Module) -> None:
         for u in self.units:  # same order on every rank
-            if not u.reduced:
+            if not u.reduced and not u.frozen:
                 self._reduce(u)
         for u in self.units:
-            if not u.done:
+            if not u.done and not u.frozen:
                 self._complete_reduce(u)
             self._reshard(u)
             u.reduced, u.done, u.ready = False, False, 0
 
     def zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         for u in self.units:
+            if u.frozen:
+                continue
             if u.grads_sharded:
                 free_storage(u.grad_full)
                 u.grad_shard.zero_()
@@ -348,11 +370,13 @@ class MegatronFSDPStrategy(Strategy):
         sq = torch.zeros((), dtype=torch.float32, device=self.device)
         sq_tp = torch.zeros((), dtype=torch.float32, device=self.device)
         for s, leaf in pairs:
-            if s.tp_mesh is not None:
+            # a tp-sharded parameter: different pieces on each tp rank; a replicated one (a LoRA factor beside a
+            # sharded base, a norm under SP) is whole on every tp rank and counts once
+            if s.tp_mesh is not None and any(pl.is_shard() for pl in s.placements):
                 sq_tp += leaf.grad.float().pow(2).sum()
             else:
                 sq += leaf.grad.float().pow(2).sum()
-        if self.mesh_ctx.tp_size > 1:  # tp-sharded parameters: different pieces on each tp rank
+        if self.mesh_ctx.tp_size > 1:
             dist.all_reduce(sq_tp, group=self.mesh_ctx.group("tp"))
             self.comm.calls["grad_norm_tp"] += 1
         sq = sq + sq_tp
@@ -368,6 +392,8 @@ class MegatronFSDPStrategy(Strategy):
     def after_optimizer_step(self, model: nn.Module) -> None:
         works = []
         for u in self.units:
+            if u.frozen:  # unchanged by the step
+                continue
             if self.mode == "no_shard":
                 if u.compute is not u.main:
                     u.compute.copy_(u.main)
@@ -403,6 +429,14 @@ class MegatronFSDPStrategy(Strategy):
         self.comm.all_gather(out, local.contiguous(), kind="checkpoint")
         return out
 
+    def _values(self, u: FlatUnit) -> torch.Tensor:
+        """The unit's full flat values in fp32 (a frozen unit's from its compute buffer or shard)."""
+        if not u.frozen:
+            return self._gather_flat(u, u.main)
+        if not u.params_sharded:
+            return u.compute.float()
+        return self._gather_flat(u, u.compute_shard.float())
+
     def _sharded(self, full: torch.Tensor, s: ParamSlot):
         """This rank's value of `s` (its tp-local tensor, whole over dp) -> a DTensor for DCP: Shard(0) on the dp mesh
         (FSDP2's layout), or, under tensor parallelism, the tp DTensor itself (replicated over dp); a plain clone
@@ -430,7 +464,7 @@ class MegatronFSDPStrategy(Strategy):
             return self.full_state_dict(model)
         out = {}
         for u in self.units:
-            full = self._gather_flat(u, u.main)
+            full = self._values(u)
             for s in u.slots:
                 t = self._sharded(full[s.offset:s.offset + s.numel].view(s.shape), s)
                 for n in s.names:
@@ -438,7 +472,10 @@ class MegatronFSDPStrategy(Strategy):
         return out
 
     def load_model_state_dict(self, model: nn.Module, sd: dict) -> None:
+        """A frozen unit none of whose names `sd` holds keeps its values (an adapter-only checkpoint)."""
         for u in self.units:
+            if u.frozen and not any(s.fqn in sd for s in u.slots):
+                continue
             flat = torch.zeros(u.padded, dtype=torch.float32, device=self.device)
             for s in u.slots:
                 if s.fqn not in sd:
@@ -451,7 +488,7 @@ class MegatronFSDPStrategy(Strategy):
         """Every parameter as a full tensor on every rank (for parity checks and consolidated export)."""
         out = {}
         for u in self.units:
-            full = self._gather_flat(u, u.main)
+            full = self._values(u)
             for s in u.slots:
                 for n in s.names:
                     out[n] = s.global_of(full[s.offset:s.offset + s.numel].view(s.shape)).clone()
@@ -480,6 +517,8 @@ class MegatronFSDPStrategy(Strategy):
             step = float(t.item())
         state = {}
         for u in self.units:
+            if u.frozen:
+                continue
             lo, hi = u.opt_range
             fulls = {}
             for k in keys:
@@ -549,6 +588,11 @@ class MegatronFSDPStrategy(Strategy):
             "largest_unit_bytes": max((u.padded * u.compute.element_size() for u in self.units), default=0),
             "total_param_numel": sum(u.numel for u in self.units),
         }
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    """The tensors of a forward's arguments or output that require grad."""
+    return [t for t in (x if isinstance(x, (tuple, list)) else (x,)) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
