@@ -73,3 +73,89 @@ def test_packing_refused_where_the_mask_is_not_carried():
     assert load_config(None, base + ["distributed.cp_size=2"], world_size=2).data.packing  # cp carries the mask
     with pytest.raises(ConfigError, match="data.packing is not read"):
         load_config(None, ["data.packing=true"], world_size=1)
+
+
+# ------------------------------------------------------------------ the block-mask (FlexAttention) path
+def _packed_batch(g):
+    """Two rows of several documents each (lengths not multiples of any block size)."""
+    docs = torch.tensor([[0] * 5 + [1] * 11 + [2] * 3 + [3] * 13, [0] * 17 + [1] * 1 + [2] * 14])
+    return torch.randint(0, 256, docs.shape, generator=g), docs
+
+
+@pytest.fixture(scope="module")
+def gqa_model():
+    cfg = load_config(None, ["model.preset=tiny"], world_size=1)
+    m = build_model(cfg.model)
+    assert m.args.n_kv_heads < m.args.n_heads  # grouped-query heads: the case that leaves flash under a dense mask
+    init_weights(m, 4)
+    return m.eval()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # eager FlexAttention warns that it is unfused
+def test_block_mask_path_equals_dense_and_keeps_documents_apart(gqa_model, monkeypatch):
+    """The CUDA fast path (FlexAttention block mask, chosen by the ids' device) run on CPU (forward only, eager):
+    equal to the dense-mask SDPA path, and a change in one document never reaches another."""
+    import meshforge.models.llama as llama
+    from meshforge.models import attention
+
+    g = torch.Generator().manual_seed(1)
+    x, docs = _packed_batch(g)
+    pos = packed_positions(docs)
+    with torch.no_grad():
+        dense = gqa_model(x, pos, docs)
+        monkeypatch.setattr(llama, "document_mask", lambda ids: attention.document_block_mask(ids, compiled=False))
+        monkeypatch.setattr(attention.F, "scaled_dot_product_attention", None)  # the block mask path: no SDPA
+        flex = gqa_model(x, pos, docs)
+        x2 = x.clone()
+        x2[0, 5:16] = torch.randint(0, 256, (11,), generator=g)  # row 0, document 1 changes
+        changed = gqa_model(x2, pos, docs)
+    assert (flex - dense).abs().max() <= 1e-5
+    others = torch.ones_like(docs, dtype=torch.bool)
+    others[0, 5:16] = False
+    assert torch.equal(flex[others], changed[others])  # every other document of both rows is untouched
+    assert not torch.equal(flex[0, 5:16], changed[0, 5:16])
+
+
+def test_mask_kind_follows_the_device():
+    from meshforge.models.attention import document_mask, is_block_mask
+
+    docs = torch.tensor([[0, 0, 1, 1]])
+    assert not is_block_mask(document_mask(docs))  # CPU: dense (FlexAttention has no CPU backward)
+    assert document_mask(docs).shape == (1, 1, 4, 4)
+    assert not is_block_mask(document_mask(docs.to("meta")))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-4), (torch.bfloat16, 3e-2)])
+def test_block_mask_matches_dense_on_cuda(gqa_model, dtype, tol):
+    """On CUDA the model's packed forward and backward (compiled FlexAttention) equal the dense-mask SDPA path."""
+    import copy
+
+    from meshforge.models import attention
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(2)
+    x, docs = (t.cuda() for t in _packed_batch(g))
+    pos = packed_positions(docs)
+    m = copy.deepcopy(gqa_model).cuda().to(dtype).train()
+    assert attention.is_block_mask(attention.document_mask(docs))
+
+    def run(mask_fn):
+        import meshforge.models.llama as llama
+
+        old = llama.document_mask
+        llama.document_mask = mask_fn
+        try:
+            m.zero_grad(set_to_none=True)
+            out = m(x, pos, docs)
+            out.float().logsumexp(-1).mean().backward()
+        finally:
+            llama.document_mask = old
+        return out.float(), [p.grad.float() for p in m.parameters()]
+
+    fast, fast_g = run(attention.document_mask)
+    dense, dense_g = run(attention.dense_document_mask)
+    assert (fast - dense).abs().max() <= tol * dense.abs().max()
+    for a, b in zip(fast_g, dense_g):
+        assert (a - b).abs().max() <= tol * max(b.abs().max(), 1e-3)

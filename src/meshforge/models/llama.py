@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshforge.models.attention import document_mask, masked_attention
 from meshforge.models.hf_families import dense_adapter
 from meshforge.models.loss import HeadInput, head_input
 from meshforge.models.presets import ModelArgs
@@ -71,21 +72,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
-def document_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """(B, S) document ids of packed sequences -> (B, 1, S, S) boolean attention mask: causal, within a document."""
-    s = document_ids.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
-    return (document_ids[:, :, None] == document_ids[:, None, :]).logical_and(causal)[:, None]
-
-
 class CoreAttention(nn.Module):
     """Causal scaled-dot-product attention on (B, H, S, D); context parallelism swaps this module. `mask` (packed
-    sequences, `document_mask`) replaces the causal mask: a dense boolean mask, which SDPA's CPU kernel takes."""
+    sequences, `document_mask`) replaces the causal mask: a FlexAttention block mask on CUDA, a dense boolean mask
+    elsewhere (models/attention.py)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
         if mask is not None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+            return masked_attention(q, k, v, mask)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
