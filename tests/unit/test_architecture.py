@@ -38,8 +38,9 @@ LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 MODEL_INTERNALS = {"tok_embeddings", "feed_forward", "attention_norm", "ffn_norm", "wq", "wk", "wv", "wo", "w1",
                    "w2", "w3", "shared_experts", "CoreAttention", "Llama", "MoETransformer", "TransformerBlock",
                    "GroupedExperts", "hf_name_map", "pp_split_points"}
-# what other packages may import from models/: the package, its contract, the presets, the loss and LoRA
-MODELS_PUBLIC = {"protocol", "presets", "loss", "lora"}
+# what other packages may import from models/: the package, its contract, the presets, the loss, LoRA and the
+# packed-sequence attention kernels (context parallelism masks with the same ones)
+MODELS_PUBLIC = {"protocol", "presets", "loss", "lora", "attention"}
 # modules that must import without torch.distributed (beyond what `import torch` itself loads)
 PROCESS_FREE = {"errors", "models", "data", "config", "planning", "recipes"}
 

@@ -25,6 +25,8 @@ _SAVE_OPS = {
 }
 if hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
     _SAVE_OPS.add(torch.ops.aten._scaled_dot_product_cudnn_attention.default)
+if hasattr(torch.ops.higher_order, "flex_attention"):  # packed sequences on CUDA (models/attention.py)
+    _SAVE_OPS.add(torch.ops.higher_order.flex_attention)
 
 
 def _selective_policy(ctx, op, *args, **kwargs):

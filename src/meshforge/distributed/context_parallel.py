@@ -19,6 +19,9 @@ Forward: one `all_gather_into_tensor` of the stacked local (K, V) over the cp gr
 global order, then for each of the two local query chunks (global chunk index i, c = S/(2cp) tokens) one
 scaled-dot-product attention over the key prefix [0, (i+1)c) with a lower-right causal mask. On CUDA that is
 `causal_lower_right` (flash / memory-efficient kernels); on CPU an explicit boolean mask (the SDPA CPU kernel).
+Packed sequences (document ids) mask causal AND same-document with the full ids: on CUDA one FlexAttention call
+of both local query chunks against the full K/V under a block mask built once per micro batch from the ids and
+this rank's query positions; elsewhere a dense boolean mask per chunk.
 Backward (a hand-written `autograd.Function`, collectives called directly, so gloo works and gradients are
 exact; `torch.distributed.nn.functional.all_gather` gives wrong gradients on gloo): all-gather K/V again,
 recompute the local attention under autograd, and `reduce_scatter_tensor` (sum) the gradients of the full
@@ -46,6 +49,7 @@ from torch import nn
 
 from meshforge.errors import ConfigError
 from meshforge.models import contract_of, set_submodule
+from meshforge.models.attention import document_block_mask, is_block_mask, masked_attention
 
 
 # ------------------------------------------------------------------------------ load balancing
@@ -65,10 +69,12 @@ class _Documents:
     """The document ids (B, S) of the micro batch in flight, in global order, shared by the batch transform (which
     sets them) and every cp attention (which masks with them). The step transforms a micro batch and runs its
     forward and backward before the next (activation checkpointing recomputes within that backward), and each
-    attention call keeps its own reference for its backward, so the ids always belong to the batch computed."""
+    attention call keeps its own reference for its backward, so the ids always belong to the batch computed.
+    On CUDA `block_mask` holds the FlexAttention block mask of this rank's queries (built once per micro batch)."""
 
     def __init__(self):
         self.ids: torch.Tensor | None = None
+        self.block_mask = None
 
 
 class CPBatchTransform:
@@ -84,6 +90,8 @@ class CPBatchTransform:
                  document_ids: torch.Tensor | None = None):
         idx = load_balanced_indices(x.shape[1], self.cp_size, self.cp_rank, device=x.device)
         self.documents.ids = document_ids
+        self.documents.block_mask = (document_block_mask(document_ids, q_positions=idx)
+                                     if document_ids is not None and document_ids.is_cuda else None)
         local = (x.index_select(1, idx), y.index_select(1, idx), idx if positions is None else
                  positions.index_select(1, idx))
         return local if document_ids is None else local + (document_ids.index_select(1, idx),)
@@ -132,10 +140,12 @@ class _CPGroup:
         _reduce_scatter(out, per_rank, self.group)
         return out[0], out[1]
 
-    def local_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        documents: torch.Tensor | None = None) -> torch.Tensor:
+    def local_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None) -> torch.Tensor:
         """Exact causal attention of this rank's two query chunks against the full-sequence k, v; with the full
-        (B, S) `documents` of packed sequences, also within a document (a dense boolean mask per chunk)."""
+        (B, S) `documents` of packed sequences, also within a document (a dense boolean mask per chunk), or
+        `documents` is the FlexAttention block mask of this rank's query positions (CUDA; one call)."""
+        if documents is not None and is_block_mask(documents):
+            return masked_attention(q, k, v, documents)
         if k.shape[1] != q.shape[1]:  # grouped-query attention: expand kv heads (transient)
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -200,6 +210,8 @@ class ContextParallelAttention(nn.Module):
             if documents is None or documents.shape != (q.shape[0], q.shape[-2] * self.cp.size):
                 raise RuntimeError("context-parallel attention got a document mask but not the micro batch's "
                                    "document ids (packed batches must go through the cp batch transform)")
+            if self.documents.block_mask is not None:  # CUDA: the block mask of the same ids
+                documents = self.documents.block_mask
         return _AllGatherKVAttention.apply(q, k, v, self.cp, documents)
 
     def extra_repr(self) -> str:

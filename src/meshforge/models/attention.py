@@ -24,19 +24,27 @@ def dense_document_mask(document_ids: torch.Tensor) -> torch.Tensor:
     return (document_ids[:, :, None] == document_ids[:, None, :]).logical_and(causal)[:, None]
 
 
-def document_block_mask(document_ids: torch.Tensor, compiled: bool | None = None):
+def document_block_mask(document_ids: torch.Tensor, q_positions: torch.Tensor | None = None,
+                        compiled: bool | None = None):
     """(B, S) document ids -> a FlexAttention `BlockMask` (causal, within a document; heads broadcast).
-    `compiled` (default: on CUDA) builds it with a compiled `create_block_mask`, which never holds the S x S mask."""
+    `q_positions` (context parallelism): the global positions of the queries this rank holds, attending to all S
+    keys. `compiled` (default: on CUDA) builds it with a compiled `create_block_mask`, which never holds the
+    Q x S mask."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     ids = document_ids
-
-    def same_document_causal(b, h, q_idx, kv_idx):
-        return (ids[b, q_idx] == ids[b, kv_idx]) & (q_idx >= kv_idx)
+    if q_positions is None:
+        def same_document_causal(b, h, q_idx, kv_idx):
+            return (ids[b, q_idx] == ids[b, kv_idx]) & (q_idx >= kv_idx)
+    else:
+        def same_document_causal(b, h, q_idx, kv_idx):
+            pos = q_positions[q_idx]
+            return (ids[b, pos] == ids[b, kv_idx]) & (pos >= kv_idx)
 
     build = _compiled_create_block_mask() if (ids.is_cuda if compiled is None else compiled) else create_block_mask
     b, s = ids.shape
-    return build(same_document_causal, b, None, s, s, device=ids.device)
+    q_len = s if q_positions is None else q_positions.shape[0]
+    return build(same_document_causal, b, None, q_len, s, device=ids.device)
 
 
 def document_mask(document_ids: torch.Tensor):
