@@ -24,7 +24,7 @@ def test_the_1b_training_call_is_flash_eligible():
 def test_what_would_leave_flash_is_named():
     (fp32,) = sdpa_calls(ONE_B, 64, 1, dtype=torch.float32)
     assert flash_ineligible(fp32) == ["dtype torch.float32"]
-    (packed,) = sdpa_calls(ONE_B, 64, 1, packed=True)  # packed documents: a dense mask (not flash on GPU)
+    (packed,) = sdpa_calls(ONE_B, 64, 1, packed=True)  # packed, off CUDA: a dense mask (CUDA: FlexAttention)
     assert "a dense attention mask (packed documents)" in flash_ineligible(packed)
 
 

@@ -97,8 +97,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, args.norm_eps)
             self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
         b, s, _ = x.shape
         # -1 instead of n_heads: under tensor parallelism each rank holds a slice of the heads
         q = self.wq(x).view(b, s, -1, self.head_dim)
@@ -133,8 +132,7 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = feed_forward if feed_forward is not None else FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
