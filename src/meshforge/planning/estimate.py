@@ -421,7 +421,8 @@ def activation_bytes(args, cfg, layout: Layout, blocks: int, first: bool, last: 
     d, t = cfg.distributed, cfg.training
     return dict(_activation_bytes(args, _bf16_compute(cfg), micro_batch or t.micro_batch_size,
                                   t.seq_len, layout.cp, layout.tp, d.sequence_parallel, d.ac_mode,
-                                  fused_loss_on(cfg), blocks, first, last, _lora_profile(cfg, args)))
+                                  fused_loss_on(cfg), blocks, first, last, _lora_profile(cfg, args),
+                                  _bf16_params(cfg)))
 
 
 LORA_ROLES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -451,7 +452,7 @@ _ROLES: dict = {}
 @functools.lru_cache(maxsize=8192)
 def _activation_bytes(args, bf16: bool, micro_batch: int, seq_len: int, cp: int, tp: int, sequence_parallel: bool,
                       mode: str | None, fused: bool, blocks: int, first: bool, last: bool,
-                      lora: tuple | None = None) -> dict[str, int]:
+                      lora: tuple | None = None, bf16_params: bool = False) -> dict[str, int]:
     e = 2 if bf16 else F32
     tokens = micro_batch * seq_len // cp
     sp = tp if sequence_parallel else 1
@@ -494,6 +495,15 @@ def _activation_bytes(args, bf16: bool, micro_batch: int, seq_len: int, cp: int,
         elif mode == "selective":
             per_tok += sum(r + out_features[role] for role in roles) * e
         head_norm = 0 if norms_train else dim_sp * e
+    if bf16_params:
+        # bf16 parameters without autocast: each RMSNorm saves its input upcast to fp32 (`x.float()`, 4 bytes)
+        # where fp32 and autocast runs save the input itself (measured, saved-tensor hooks, one process): 2 bytes
+        # more per element of every norm whose forward is kept, the final norm's included
+        upcast = 2 * dim_sp
+        per_tok += 2 * upcast if mode is None else 0
+        full_block += 2 * upcast
+        head_norm -= upcast
+        first_block += upcast if first_block else 0  # block 0's first norm keeps no upcast input either
     # the fused loss keeps one log-sum-exp per token, not the log-softmax
     rope = 2 * (seq_len // cp) * (hd // 2) * F32 if blocks else 0  # cos/sin of this rank's positions
     out = {"blocks": blocks * per_tok * tokens + rope - (first_block * tokens if first and blocks else 0),
