@@ -12,7 +12,12 @@ the strategy's storage rules, so it equals what the bench counts (`bench/measure
   AdamW        exp_avg + exp_avg_sq (fp32) per optimizer tensor and a 4-byte `step`.
 On CUDA, fsdp2 and megatron_fsdp compute in bf16 (megatron_fsdp keeps a bf16 compute buffer beside fp32 main).
 
-LoRA (`peft:`): frozen parameters hold their parameter bytes only; adapters hold gradients and AdamW state too.
+LoRA (`peft:`): frozen parameters hold their parameter bytes only; adapters hold gradients and AdamW state too
+(megatron_fsdp: the frozen parameters of each unit form a flat buffer of their own, values only; per-expert
+adapters are stacked by expert and shard with EP like the experts).
+training.precision=bf16_params: unsharded (world size 1), bf16 parameters and gradients and an fp32 master beside
+the moments in the optimizer (12 bytes + a step per tensor), plus a transient fp32 copy of the gradients during
+the step; fsdp2 over dp*cp > 1 keeps fp32 shards (the masters) and gathers them in bf16.
 
 Activations per micro batch are the tensors autograd saves (see `activation_bytes`); a pipeline rank keeps as
 many alive as the replay of its schedule's forward/backward order says (`_alive_peak`). Communication per step
@@ -50,12 +55,13 @@ class ParamRec:
     # replicated over tp while its gradient arrives Partial: the norms under sequence parallelism (their input is
     # sequence-sharded) and the LoRA factor kept whole beside a split base layer
     partial_grad: bool = False
+    adapter: bool = False  # a LoRA factor (`models.lora.is_adapter_param`), decided once: the search asks often
 
 
 def model_params(cfg) -> tuple[list[ParamRec], object]:
     """Every parameter of the configured built-in model (tied weights once), from its meta description."""
     from meshforge.models import contract_of, meta_modules, resolve_model_args
-    from meshforge.models.lora import ADAPTER_PARTS
+    from meshforge.models.lora import ADAPTER_PARTS, is_adapter_param
     from meshforge.planning.tp_plan import resolve_plan, sharded_dim
 
     args = resolve_model_args(cfg.model)
@@ -94,8 +100,9 @@ def model_params(cfg) -> tuple[list[ParamRec], object]:
                 # split by rows and A whole; under rowwise A is split by columns and B whole
                 tp_dim = {("colwise", "lora_B"): 0, ("rowwise", "lora_A"): 1}.get((styles[parent], part))
                 partial = tp_dim is None
-            out.append(ParamRec(f"{mname}.{pname}" if mname else pname, tuple(p.shape), block, tp_dim,
-                                id(p) in expert_ids, place, p.requires_grad, partial))
+            full = f"{mname}.{pname}" if mname else pname
+            out.append(ParamRec(full, tuple(p.shape), block, tp_dim, id(p) in expert_ids, place, p.requires_grad,
+                                partial, is_adapter_param(full)))
     return out, args
 
 
@@ -129,12 +136,6 @@ def _chunk_rows(dim0: int, world: int, rank: int) -> int:
     size = -(-dim0 // world) if dim0 else 0
     start = min(rank * size, dim0)
     return min(start + size, dim0) - start
-
-
-def _adapter(p: ParamRec) -> bool:
-    from meshforge.models.lora import is_adapter_param
-
-    return is_adapter_param(p.name)
 
 
 def _local_shape(p: ParamRec, layout: Layout) -> list[int]:
@@ -594,7 +595,7 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
         tokens = t.micro_batch_size * t.seq_len // layout.cp
         act = tokens * args.dim * e
         mine_all = [p for st in stages for p in st]
-        mine = [p for p in mine_all if p.tp_dim is not None and not _adapter(p)]
+        mine = [p for p in mine_all if p.tp_dim is not None and not p.adapter]
         in_blocks = [p for p in mine if p.block is not None]
         rows = sum(1 for p in in_blocks if p.tp_dim == 1)  # row-wise projections: one per sub-layer
         cols = sum(1 for p in in_blocks if p.tp_dim == 0)
@@ -901,6 +902,9 @@ def _notes(cfg) -> list[str]:
     if cfg.peft is not None and cfg.distributed.tp_size * cfg.distributed.cp_size > 1:
         out.append("LoRA: activations are exact on one process; under tensor/context parallelism they were "
                    "measured within 5% (TP2 + sequence parallelism +4.6%, CP2 +0.3%), not exact")
+    if _bf16_params(cfg) and cfg.distributed.tp_size * cfg.distributed.cp_size > 1:
+        out.append("bf16_params: activations (bf16, each kept norm's input upcast to fp32) are exact on one "
+                   "process; under tensor/context parallelism they are counted alike but not measured")
     if cfg.peft is not None and _lora_profile(cfg, _args_of(cfg)) is None:
         out.append("LoRA: activations are counted as for full training (this model's adapter roles are not the "
                    "Llama block's); parameters, gradients, optimizer state and communication are exact")
