@@ -714,7 +714,7 @@ class Plan:
             "strategy": self.strategy, "sharding": self.mode, "n_params": self.n_params,
             "device": dataclasses.asdict(self.device),
             "ranks": [{"rank": r.rank, **{k: getattr(r.parts, k) for k in ("params", "grads", "optimizer", "host",
-                                                                           "buffers")},
+                                                                           "buffers", "step_transient")},
                        "activations": r.activations, "in_flight_microbatches": r.in_flight, "peak": r.peak}
                       for r in self.ranks],
             "peak_bytes": pr.peak, "peak_rank": pr.rank, "fits": self.fits,
