@@ -24,7 +24,12 @@ MFSDP = {f"mfsdp_{m}": ["distributed.strategy=megatron_fsdp", f"distributed.data
 N4 = {"ddp": ["distributed.strategy=ddp"], "fsdp2": ["distributed.strategy=fsdp2"], **MFSDP,
       "hsdp": ["distributed.strategy=fsdp2", "distributed.dp_replicate_size=2"],
       "fsdp2_tp2": ["distributed.strategy=fsdp2", "distributed.tp_size=2"]}
-N2 = {"ddp": ["distributed.strategy=ddp"], "fsdp2": ["distributed.strategy=fsdp2"], **MFSDP,
+# a Mixtral-shaped tiny MoE with attention and per-expert adapters (stacked by expert: they shard with EP)
+MOE_LORA = ["model.preset=tiny_moe", "model.family=mixtral", "model.n_shared_experts=0", "peft.rank=4",
+            "peft.target_modules=['*_proj']"]
+# (megatron_fsdp's four modes are checked at N=4; at N=2 with LoRA, whose frozen parameters get flat buffers of
+# their own)
+N2 = {"ddp": ["distributed.strategy=ddp"], "fsdp2": ["distributed.strategy=fsdp2"],
       "fsdp2_tp2": ["distributed.strategy=fsdp2", "distributed.tp_size=2"],
       "fsdp2_tp2_sp_full": ["distributed.strategy=fsdp2", "distributed.tp_size=2", "distributed.sequence_parallel=true",
                             "distributed.activation_checkpointing=full"],
@@ -37,7 +42,13 @@ N2 = {"ddp": ["distributed.strategy=ddp"], "fsdp2": ["distributed.strategy=fsdp2
       "lora_fsdp2": ["distributed.strategy=fsdp2", *LORA, "peft.freeze=[embeddings]"],
       "lora_tp2": ["distributed.strategy=fsdp2", "distributed.tp_size=2", *LORA],
       "lora_tp2_sp_full": ["distributed.strategy=fsdp2", "distributed.tp_size=2", "distributed.sequence_parallel=true",
-                           "distributed.activation_checkpointing=full", *LORA]}
+                           "distributed.activation_checkpointing=full", *LORA],
+      "lora_mfsdp": ["distributed.strategy=megatron_fsdp", *LORA],
+      "lora_mfsdp_optim": ["distributed.strategy=megatron_fsdp", "distributed.data_parallel_sharding_strategy=optim",
+                           *LORA, "peft.freeze=[embeddings]"],
+      "lora_ep2": ["distributed.strategy=fsdp2", *MOE_LORA, "distributed.ep_size=2"],
+      # bf16_params under fsdp2: fp32 shards are the masters, parameters gathered in bf16, gradients reduced in fp32
+      "bf16_params_fsdp2": ["distributed.strategy=fsdp2", "training.precision=bf16_params"]}
 STEPS = 3
 
 
@@ -145,7 +156,7 @@ def test_state_and_comm_n4(group):
 
 def test_state_and_comm_n2(group):
     for name, bench, plan in _compare(group("plan accuracy n2"), N2, 2):
-        if name == "fsdp2_ep2":  # what a rank receives from the all-to-all depends on the routing; the plan
+        if name in ("fsdp2_ep2", "lora_ep2"):  # what a rank receives from the all-to-all depends on the routing; the plan
             # counts the balanced top_k copies per token (within 5% here); everything else exact
             a2a = bench.pop("all_to_all")
             assert abs(a2a - plan.pop("all_to_all")) / a2a < 0.05

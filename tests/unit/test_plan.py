@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,8 @@ def _saved_bytes(overrides: list[str]) -> int:
 
         apply_lora(model, cfg.peft)
     init_weights(model, 0)
+    if cfg.training.precision == "bf16_params":  # bf16 parameters, no autocast (distributed/build.py casts so)
+        model.to(torch.bfloat16)
     contract_of(model).set_fused_loss(fused_loss_on(cfg))  # the loss path training takes
     caches = []
 
@@ -100,6 +103,20 @@ def test_lora_activations_match_saved_tensors(variant, ac):
     assert plan == measured, (plan, measured)
 
 
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("ac", ["false", "full", "selective"])
+def test_bf16_params_activations_match_saved_tensors(ac, lora):
+    """training.precision=bf16_params: activations in bf16, each kept RMSNorm's input upcast to fp32 (the plan
+    counts it: without that it was 10-16% low); equal to the saved-tensor measurement of the bf16 model."""
+    ov = ["training.precision=bf16_params", f"distributed.activation_checkpointing={ac}"]
+    ov += ["peft.rank=4", *LORA_VARIANTS["default_freeze"]] if lora else []
+    cfg = config(ov, world_size=1)
+    _, args = model_params(cfg)
+    plan = activation_bytes(args, cfg, Layout.from_sizes(1), args.n_layers, True, True)["total"]
+    measured = _saved_bytes(ov)
+    assert plan == measured, (plan, measured)
+
+
 def test_plan_cli_example_json(capsys):
     rc = main(["plan", str(ROOT / "examples" / "llama3_70b_tp_pp.yaml"), "--world-size", "64", "--json"])
     assert rc == 0
@@ -139,8 +156,9 @@ def test_validate_warns_when_plan_exceeds_memory(capsys):
 @pytest.mark.parametrize("freeze", ["[embeddings,norms]", "[embeddings]"])
 def test_lora_state_matches_bench_accounting(freeze, capsys):
     """Frozen base weights: parameter bytes only; adapters (and unfrozen norms): grads and AdamW state too. Equal
-    to the bench's exact per-parameter accounting (bench/peft_memory.py), process-free; the plan says what it
-    does not count exactly (LoRA's activations)."""
+    to the bench's exact accounting (bench/peft_memory.py), process-free: fsdp2 at one rank, and megatron_fsdp
+    (frozen parameters in a flat buffer of their own per unit) on every rank of 1, 2 and 4; the plan says what
+    it does not count exactly (LoRA's activations)."""
     from meshforge.bench.peft_memory import state_bytes
     from meshforge.errors import ConfigError
     from meshforge.planning.estimate import rank_state
@@ -152,13 +170,44 @@ def test_lora_state_matches_bench_accounting(freeze, capsys):
     want = state_bytes(cfg.model, cfg.peft)
     assert (got.params, got.grads, got.optimizer) == (want["params"], want["grads"], want["optimizer"])
     assert want["grads"] < want["params"] / 10  # the adapters are a small part: frozen weights really count as such
+    for n in (1, 2, 4):
+        cfg = config([*ov, "distributed.strategy=megatron_fsdp"], world_size=n)
+        params, _ = model_params(cfg)
+        for rank in range(n):
+            got = rank_state(params, cfg, Layout.from_sizes(n), rank)
+            want = state_bytes(cfg.model, cfg.peft, n, "megatron_fsdp", rank)
+            assert (got.params, got.grads, got.optimizer) == (want["params"], want["grads"], want["optimizer"]), \
+                (n, rank)
     tiny = str(ROOT / "examples" / "fsdp2_cpu_2proc.yaml")
     assert main(["plan", tiny, *ov, "distributed.tp_size=2", "--world-size", "2"]) == 0
     assert "note: LoRA" in capsys.readouterr().out  # activations under TP: said, not claimed
-    # a strategy whose frozen-parameter storage the planner does not model is refused, not planned as trainable
-    cfg.distributed.strategy = "megatron_fsdp"
+    # a (plugin) strategy whose frozen-parameter storage the planner does not model is refused, not planned as
+    # trainable
+    object.__setattr__(cfg.distributed, "strategy", "some_plugin")  # stands in for a registered plugin's name
     with pytest.raises(ConfigError, match="does not count frozen"):
-        rank_state(params, cfg, Layout.from_sizes(2), 0)
+        rank_state(params, cfg, Layout.from_sizes(4), 0)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_bf16_params_state_at_one_rank_matches_the_bench(lora):
+    """training.precision=bf16_params at world size 1: bf16 parameters and gradients, fp32 masters and moments in
+    the optimizer (+ a step per tensor), frozen LoRA bases bf16 only: the plan equals the bench's storage count
+    (`bench/measure.state_bytes`, masters included) after a real step. fsdp2 over 2 ranks (fp32 shards, bf16
+    gathers) is checked in tests/parallel/test_plan_accuracy.py."""
+    from meshforge.bench.worker import measure
+    from meshforge.planning.estimate import rank_state
+    from meshforge.testing.parity import single_info
+
+    ov = ["training.precision=bf16_params"]
+    if lora:
+        ov += ["peft.rank=4", "peft.target_modules=[q_proj,v_proj,o_proj,gate_proj,down_proj]"]
+    cfg = config(ov, 1, 1)
+    bench = measure(cfg, single_info(), 1, 0)["per_rank"][0]["state_bytes"]  # after a step, grads still held
+    params, _ = model_params(cfg)
+    got = rank_state(params, cfg, Layout.from_sizes(1), 0)
+    assert (got.params, got.grads, got.optimizer) == (bench["params"], bench["grads"], bench["optimizer"])
+    n_train = sum(math.prod(p.shape) for p in params if p.trainable)
+    assert got.step_transient == 4 * n_train  # the fp32 gradient copy during the step
 
 
 @pytest.mark.parametrize("p,m", [(4, 8), (4, 4), (2, 6)])

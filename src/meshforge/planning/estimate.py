@@ -12,7 +12,12 @@ the strategy's storage rules, so it equals what the bench counts (`bench/measure
   AdamW        exp_avg + exp_avg_sq (fp32) per optimizer tensor and a 4-byte `step`.
 On CUDA, fsdp2 and megatron_fsdp compute in bf16 (megatron_fsdp keeps a bf16 compute buffer beside fp32 main).
 
-LoRA (`peft:`): frozen parameters hold their parameter bytes only; adapters hold gradients and AdamW state too.
+LoRA (`peft:`): frozen parameters hold their parameter bytes only; adapters hold gradients and AdamW state too
+(megatron_fsdp: the frozen parameters of each unit form a flat buffer of their own, values only; per-expert
+adapters are stacked by expert and shard with EP like the experts).
+training.precision=bf16_params: unsharded (world size 1), bf16 parameters and gradients and an fp32 master beside
+the moments in the optimizer (12 bytes + a step per tensor), plus a transient fp32 copy of the gradients during
+the step; fsdp2 over dp*cp > 1 keeps fp32 shards (the masters) and gathers them in bf16.
 
 Activations per micro batch are the tensors autograd saves (see `activation_bytes`); a pipeline rank keeps as
 many alive as the replay of its schedule's forward/backward order says (`_alive_peak`). Communication per step
@@ -50,12 +55,13 @@ class ParamRec:
     # replicated over tp while its gradient arrives Partial: the norms under sequence parallelism (their input is
     # sequence-sharded) and the LoRA factor kept whole beside a split base layer
     partial_grad: bool = False
+    adapter: bool = False  # a LoRA factor (`models.lora.is_adapter_param`), decided once: the search asks often
 
 
 def model_params(cfg) -> tuple[list[ParamRec], object]:
     """Every parameter of the configured built-in model (tied weights once), from its meta description."""
     from meshforge.models import contract_of, meta_modules, resolve_model_args
-    from meshforge.models.lora import ADAPTER_PARTS
+    from meshforge.models.lora import ADAPTER_PARTS, is_adapter_param
     from meshforge.planning.tp_plan import resolve_plan, sharded_dim
 
     args = resolve_model_args(cfg.model)
@@ -69,7 +75,8 @@ def model_params(cfg) -> tuple[list[ParamRec], object]:
     styles = {}
     if d.tp_size > 1:
         styles, _, _ = resolve_plan(one, d.sequence_parallel, d.tp_plan, modules)
-    expert_ids = {id(p) for layer in contract.moe_layers() for p in layer.experts.parameters(recurse=False)}
+    # the stacked expert weights and their per-expert LoRA factors (dim 0 = expert: they shard with EP)
+    expert_ids = {id(p) for layer in contract.moe_layers() for p in layer.experts.parameters()}
     out, seen = [], set()
     for mname, mod in modules.items():
         block = None
@@ -93,8 +100,9 @@ def model_params(cfg) -> tuple[list[ParamRec], object]:
                 # split by rows and A whole; under rowwise A is split by columns and B whole
                 tp_dim = {("colwise", "lora_B"): 0, ("rowwise", "lora_A"): 1}.get((styles[parent], part))
                 partial = tp_dim is None
-            out.append(ParamRec(f"{mname}.{pname}" if mname else pname, tuple(p.shape), block, tp_dim,
-                                id(p) in expert_ids, place, p.requires_grad, partial))
+            full = f"{mname}.{pname}" if mname else pname
+            out.append(ParamRec(full, tuple(p.shape), block, tp_dim, id(p) in expert_ids, place, p.requires_grad,
+                                partial, is_adapter_param(full)))
     return out, args
 
 
@@ -112,10 +120,14 @@ def _with_lora(one, modules: dict, peft):
         if old is not None:
             for whole in names[id(old)]:
                 out[whole] = mod
-        else:  # a new adapter module under `parent`: under each of the parent's whole-model names
-            parent, _, child = name.rpartition(".")
+        else:  # a new adapter module (at any depth) under its nearest original ancestor: under each of that
+            # ancestor's whole-model names (expert adapters sit two levels down: `experts.adapters.<role>`)
+            parent, child = name, ""
+            while parent and parent not in before:
+                parent, _, last = parent.rpartition(".")
+                child = f"{last}.{child}" if child else last
             for whole in names[id(before[parent])] if parent in before else []:
-                out[f"{whole}.{child}"] = mod
+                out[f"{whole}.{child}" if whole else child] = mod
     return one, out
 
 
@@ -124,12 +136,6 @@ def _chunk_rows(dim0: int, world: int, rank: int) -> int:
     size = -(-dim0 // world) if dim0 else 0
     start = min(rank * size, dim0)
     return min(start + size, dim0) - start
-
-
-def _adapter(p: ParamRec) -> bool:
-    from meshforge.models.lora import is_adapter_param
-
-    return is_adapter_param(p.name)
 
 
 def _local_shape(p: ParamRec, layout: Layout) -> list[int]:
@@ -148,6 +154,9 @@ class Parts:
     optimizer: int = 0
     host: int = 0  # CPU-offloaded state (fsdp2 offload_policy)
     buffers: int = 0  # gathered/communication buffers in flight at the peak (largest unit, buckets)
+    # bf16_params unsharded: the fp32 copy of the gradients the optimizer steps the masters with (alive during
+    # `optimizer.step()` only, when the activations are gone)
+    step_transient: int = 0
 
     @property
     def total(self) -> int:
@@ -212,19 +221,33 @@ def _on_cuda(cfg) -> bool:
     return cfg.training.device != "cpu"
 
 
+def _bf16_params(cfg) -> bool:
+    """training.precision=bf16_params: bf16 parameters with fp32 masters in the optimizer (unsharded), or fp32
+    shards gathered in bf16 (fsdp2 over dp*cp > 1); bf16 compute on every device."""
+    return cfg.training.precision == "bf16_params"
+
+
+def _bf16_compute(cfg) -> bool:
+    """Activations (and the tensors TP/CP/PP move) in bf16: autocast on CUDA, or bf16 parameters anywhere."""
+    return _bf16_params(cfg) or (cfg.training.precision == "bf16" and _on_cuda(cfg))
+
+
+def _gather_bytes(cfg) -> int:
+    """Element size of sharded parameters gathered for compute: fsdp2 and megatron_fsdp gather bf16 on CUDA,
+    fsdp2 also on CPU under bf16_params."""
+    return 2 if (_on_cuda(cfg) or _bf16_params(cfg)) else F32
+
+
 def _refuse_uncounted(params: list[ParamRec], cfg, layout: Layout) -> None:
-    """Frozen parameters are counted for the strategies LoRA runs on here (ddp, fsdp2, with TP/SP/CP/PP); a
-    combination the planner has not been checked against is one line, never a silently wrong plan."""
+    """Frozen parameters are counted for the strategies LoRA runs on (ddp, fsdp2, megatron_fsdp, with
+    TP/SP/CP/PP/EP); another strategy is one line, never a silently wrong plan."""
     from meshforge.errors import ConfigError
 
     if all(p.trainable for p in params):
         return
-    if cfg.distributed.strategy not in ("ddp", "fsdp2"):
+    if cfg.distributed.strategy not in ("ddp", "fsdp2", "megatron_fsdp"):
         raise ConfigError(f"meshforge plan does not count frozen (LoRA) parameters under distributed.strategy="
-                          f"{cfg.distributed.strategy} yet: plan with strategy ddp or fsdp2")
-    if layout.ep > 1:
-        raise ConfigError(f"meshforge plan does not count frozen (LoRA) parameters with distributed.ep_size="
-                          f"{layout.ep} yet: plan with ep_size=1")
+                          f"{cfg.distributed.strategy}: plan with strategy ddp, fsdp2 or megatron_fsdp")
 
 
 def rank_state(params: list[ParamRec], cfg, layout: Layout, rank: int) -> Parts:
@@ -240,19 +263,23 @@ def rank_state(params: list[ParamRec], cfg, layout: Layout, rank: int) -> Parts:
         elif strategy == "fsdp2":
             _fsdp2(stage, cfg, layout, c, out)
         else:  # ddp and data-parallel plugins that keep full replicas
-            _replicas(stage, layout, out, buckets=strategy == "ddp" and layout.dp * layout.cp > 1)
+            _replicas(stage, layout, out, buckets=strategy == "ddp" and layout.dp * layout.cp > 1,
+                      bf16=_bf16_params(cfg))
     return out
 
 
-def _replicas(stage, layout, out: Parts, buckets: bool) -> None:
+def _replicas(stage, layout, out: Parts, buckets: bool, bf16: bool = False) -> None:
     """Full replicas; gradients, the reducer's buckets (counted as gradients) and optimizer state only for the
-    trainable parameters."""
+    trainable parameters. `bf16` (bf16_params, unsharded): bf16 parameters and gradients, and the optimizer's
+    fp32 master beside the moments (`distributed/master_weights.py`)."""
     train = [p for p in stage if p.trainable]
     n = sum(math.prod(_local_shape(p, layout)) for p in stage)
     n_train = sum(math.prod(_local_shape(p, layout)) for p in train)
-    out.params += n * F32
-    out.grads += n_train * F32 * (2 if buckets else 1)
-    out.optimizer += 2 * n_train * F32 + STEP_BYTES * len(train)
+    e = 2 if bf16 else F32
+    out.params += n * e
+    out.grads += n_train * e * (2 if buckets else 1)
+    out.optimizer += (3 if bf16 else 2) * n_train * F32 + STEP_BYTES * len(train)
+    out.step_transient += n_train * F32 if bf16 else 0
 
 
 def _fsdp2(stage, cfg, layout, c, out: Parts) -> None:
@@ -260,6 +287,9 @@ def _fsdp2(stage, cfg, layout, c, out: Parts) -> None:
     dense_n, dense_r = layout.dp_shard * layout.cp, c[MeshAxis.DP_SHARD_CP]
     ep_shard_n, ep_shard_r = layout.size(MeshAxis.EP_SHARD), c[MeshAxis.EP_SHARD]
     offload = bool(cfg.distributed.options.offload_policy)
+    if not active and _bf16_params(cfg):  # unsharded bf16 parameters, fp32 masters in the optimizer
+        _replicas(stage, layout, out, buckets=False, bf16=True)
+        return
     for p, k in _alike(stage):  # every block has the same parameters: each kind once, times its count
         s = _local_shape(p, layout)
         full_grad = None
@@ -284,7 +314,7 @@ def _fsdp2(stage, cfg, layout, c, out: Parts) -> None:
         out.params += k * stored * F32
         out.grads += k * (full_grad or stored) * F32
         out.optimizer += k * (2 * opt * F32 + STEP_BYTES)
-    out.buffers = max(out.buffers, _largest_block(stage, layout) * (2 if _on_cuda(cfg) else F32))
+    out.buffers = max(out.buffers, _largest_block(stage, layout) * _gather_bytes(cfg))
 
 
 def _alike(stage: list[ParamRec]) -> list[tuple[ParamRec, int]]:
@@ -335,15 +365,21 @@ def _megatron(stage, cfg, layout, c, out: Parts) -> None:
     compute_b = 2 if cuda else F32
     fp32_reduce = cfg.distributed.options.grad_reduce_in_fp32 is not False
     reduce_b = F32 if fp32_reduce else compute_b
-    units: dict = {}
+    units: dict = {}  # per FSDP unit, its trainable and its frozen parameters in a flat buffer of their own (LoRA)
     for p in stage:
-        units.setdefault(p.block, []).append(math.prod(_local_shape(p, layout)))
-    for numels in units.values():
+        units.setdefault((p.block, p.trainable), []).append(math.prod(_local_shape(p, layout)))
+    gathered: dict = {}  # a block's units are gathered together
+    for (block, trainable), numels in units.items():
         total = sum(numels)
         shard = -(-total // world) if total else 0
         padded = shard * world
         sharded = mode != "no_shard"
         lo, hi = (rank * shard, (rank + 1) * shard) if sharded else (0, padded)
+        gathered[block] = gathered.get(block, 0) + padded * compute_b
+        out.buffers = max(out.buffers, gathered[block])
+        if not trainable:  # values only, in the compute dtype: no main copy, gradients or optimizer state
+            out.params += (shard if mode == "optim_grads_params" else padded) * compute_b
+            continue
         # params at rest: main (+ compute when not sharded, + a compute shard in another dtype)
         main = (shard if sharded else padded) * F32
         if mode == "no_shard":
@@ -362,7 +398,6 @@ def _megatron(stage, cfg, layout, c, out: Parts) -> None:
             if a < b:
                 out.optimizer += 2 * (b - a) * F32 + STEP_BYTES
             off += n
-        out.buffers = max(out.buffers, padded * compute_b)
 
 
 # ---------------------------------------------------------------------------------------- activations
@@ -385,9 +420,10 @@ def activation_bytes(args, cfg, layout: Layout, blocks: int, first: bool, last: 
     Measured against saved-tensor hooks on CPU (fp32): exact without CP/SP, within 2% with them.
     """
     d, t = cfg.distributed, cfg.training
-    return dict(_activation_bytes(args, t.precision == "bf16" and _on_cuda(cfg), micro_batch or t.micro_batch_size,
+    return dict(_activation_bytes(args, _bf16_compute(cfg), micro_batch or t.micro_batch_size,
                                   t.seq_len, layout.cp, layout.tp, d.sequence_parallel, d.ac_mode,
-                                  fused_loss_on(cfg), blocks, first, last, _lora_profile(cfg, args)))
+                                  fused_loss_on(cfg), blocks, first, last, _lora_profile(cfg, args),
+                                  _bf16_params(cfg)))
 
 
 LORA_ROLES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -417,7 +453,7 @@ _ROLES: dict = {}
 @functools.lru_cache(maxsize=8192)
 def _activation_bytes(args, bf16: bool, micro_batch: int, seq_len: int, cp: int, tp: int, sequence_parallel: bool,
                       mode: str | None, fused: bool, blocks: int, first: bool, last: bool,
-                      lora: tuple | None = None) -> dict[str, int]:
+                      lora: tuple | None = None, bf16_params: bool = False) -> dict[str, int]:
     e = 2 if bf16 else F32
     tokens = micro_batch * seq_len // cp
     sp = tp if sequence_parallel else 1
@@ -460,6 +496,15 @@ def _activation_bytes(args, bf16: bool, micro_batch: int, seq_len: int, cp: int,
         elif mode == "selective":
             per_tok += sum(r + out_features[role] for role in roles) * e
         head_norm = 0 if norms_train else dim_sp * e
+    if bf16_params:
+        # bf16 parameters without autocast: each RMSNorm saves its input upcast to fp32 (`x.float()`, 4 bytes)
+        # where fp32 and autocast runs save the input itself (measured, saved-tensor hooks, one process): 2 bytes
+        # more per element of every norm whose forward is kept, the final norm's included
+        upcast = 2 * dim_sp
+        per_tok += 2 * upcast if mode is None else 0
+        full_block += 2 * upcast
+        head_norm -= upcast
+        first_block += upcast if first_block else 0  # block 0's first norm keeps no upcast input either
     # the fused loss keeps one log-sum-exp per token, not the log-softmax
     rope = 2 * (seq_len // cp) * (hd // 2) * F32 if blocks else 0  # cos/sin of this rank's positions
     out = {"blocks": blocks * per_tok * tokens + rope - (first_block * tokens if first and blocks else 0),
@@ -488,7 +533,7 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
     dp_cp = layout.size("dp_cp")
     micro_per_rank = t.global_batch_size // layout.dp
     accum = 1 if layout.pp > 1 else micro_per_rank // t.micro_batch_size
-    e_param = 2 if _on_cuda(cfg) else F32
+    e_param = _gather_bytes(cfg)
     stages = _stage_params(params, cfg, layout, c[MeshAxis.PP], args.n_layers)
     shard_axis = "dp_shard_cp" if layout.cp > 1 else "dp_shard"
     for stage in stages:
@@ -515,21 +560,24 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
                     add("dp_replicate", "all_reduce", sum(grads.values()) // nn_ * F32)
         elif d.strategy == "megatron_fsdp" and dp_cp > 1:
             mode = d.options.sharding_strategy
-            units = {}
+            units = {}  # {(block, trainable): elements}: frozen parameters have a flat buffer of their own (LoRA)
             for p in stage:
-                units[p.block] = units.get(p.block, 0) + math.prod(_local_shape(p, layout))
-            padded = sum(-(-u // dp_cp) * dp_cp for u in units.values())
-            blocks = sorted(k for k in units if k is not None)
+                key = (p.block, p.trainable)
+                units[key] = units.get(key, 0) + math.prod(_local_shape(p, layout))
+            pad = {k: -(-u // dp_cp) * dp_cp for k, u in units.items()}
+            padded = sum(pad.values())
+            train = sum(v for (_, tr), v in pad.items() if tr)  # only trainable units are reduced and re-gathered
+            blocks = sorted({b for b, _ in units if b is not None})
             if mode in ("no_shard", "optim"):
-                add("dp_cp", "all_reduce", padded * F32)
+                add("dp_cp", "all_reduce", train * F32)
             else:
-                add("dp_cp", "reduce_scatter", padded * F32)
+                add("dp_cp", "reduce_scatter", train * F32)
             if mode in ("optim", "optim_grads"):
-                add("dp_cp", "all_gather", padded * e_param)
+                add("dp_cp", "all_gather", train * e_param)
             if mode == "optim_grads_params":
-                last = -(-units[blocks[-1]] // dp_cp) * dp_cp if blocks else 0
-                add("dp_cp", "all_gather", (2 * padded - last - (-(-units.get(None, 0) // dp_cp) * dp_cp))
-                    * accum * e_param)
+                last = sum(v for (b, _), v in pad.items() if blocks and b == blocks[-1])
+                root = sum(v for (b, _), v in pad.items() if b is None)
+                add("dp_cp", "all_gather", (2 * padded - last - root) * accum * e_param)
         elif d.strategy != "fsdp2" and dp_cp > 1:
             add("dp", "all_reduce", sum(math.prod(_local_shape(p, layout)) for p in stage if p.trainable) * F32)
     # tensor parallelism, per micro batch (measured on torch's DTensor styles). Without sequence parallelism: an
@@ -543,11 +591,11 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
     # needs (non-reentrant checkpoint), and the block's output is not one. The vocabulary-parallel loss
     # reduces the max, sum of exponentials and target logit of every token (3 x tokens x 4 bytes).
     if layout.tp > 1:
-        e = 2 if (t.precision == "bf16" and _on_cuda(cfg)) else F32
+        e = 2 if _bf16_compute(cfg) else F32
         tokens = t.micro_batch_size * t.seq_len // layout.cp
         act = tokens * args.dim * e
         mine_all = [p for st in stages for p in st]
-        mine = [p for p in mine_all if p.tp_dim is not None and not _adapter(p)]
+        mine = [p for p in mine_all if p.tp_dim is not None and not p.adapter]
         in_blocks = [p for p in mine if p.block is not None]
         rows = sum(1 for p in in_blocks if p.tp_dim == 1)  # row-wise projections: one per sub-layer
         cols = sum(1 for p in in_blocks if p.tp_dim == 0)
@@ -600,13 +648,13 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
         add("dp_cp", "all_reduce", F32)
     if layout.pp > 1:
         pplan = pipeline_plan_of(cfg, layout, args.n_layers)
-        e = 2 if (t.precision == "bf16" and _on_cuda(cfg)) else F32
+        e = 2 if _bf16_compute(cfg) else F32
         act = pplan.microbatch_size * t.seq_len // layout.cp * args.dim // (layout.tp if d.sequence_parallel else 1)
         add("pp", "send_recv", 2 * pplan.n_microbatches * act * e * len(pplan.rank_stages(c[MeshAxis.PP])))
         add("pp", "broadcast", F32)  # the last stage's loss to the other stages
         add("pp", "all_reduce", F32)  # the stages' squared gradient norms
     if layout.ep > 1 and args.is_moe:
-        e = 2 if (t.precision == "bf16" and _on_cuda(cfg)) else F32
+        e = 2 if _bf16_compute(cfg) else F32
         n_micro = micro_per_rank // t.micro_batch_size
         tokens = t.micro_batch_size * t.seq_len // layout.cp
         moe_layers = len({p.block for st in stages for p in st if p.expert})
@@ -616,7 +664,7 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
     if layout.cp > 1:
         # per attention layer and micro batch: all-gather of the local K/V in forward, again in backward, and a
         # reduce-scatter of the K/V gradients (distributed/context_parallel.py); checkpointing adds the forward's
-        e = 2 if (t.precision == "bf16" and _on_cuda(cfg)) else F32
+        e = 2 if _bf16_compute(cfg) else F32
         n_micro = micro_per_rank // t.micro_batch_size
         layers = len({p.block for st in stages for p in st if p.block is not None})
         kv = 2 * t.micro_batch_size * (args.n_kv_heads // layout.tp) * t.seq_len * args.hd * e
@@ -666,7 +714,7 @@ class Plan:
             "strategy": self.strategy, "sharding": self.mode, "n_params": self.n_params,
             "device": dataclasses.asdict(self.device),
             "ranks": [{"rank": r.rank, **{k: getattr(r.parts, k) for k in ("params", "grads", "optimizer", "host",
-                                                                           "buffers")},
+                                                                           "buffers", "step_transient")},
                        "activations": r.activations, "in_flight_microbatches": r.in_flight, "peak": r.peak}
                       for r in self.ranks],
             "peak_bytes": pr.peak, "peak_rank": pr.rank, "fits": self.fits,
@@ -817,7 +865,7 @@ def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: floa
         else:
             acts = activation_bytes(args, cfg, layout, args.n_layers, True, True)
             in_flight, alive = 1, acts["total"]
-        peak = parts.total + parts.buffers + alive + acts["recompute"]
+        peak = parts.total + max(parts.buffers + alive + acts["recompute"], parts.step_transient)
         ranks.append(RankPlan(r, parts, acts, in_flight, peak))
     comm = comm_per_step(params, args, cfg, layout)
     secs = {key: _comm_seconds(key, n, layout, device, gpus_per_node) for key, n in comm.items()}
@@ -854,6 +902,9 @@ def _notes(cfg) -> list[str]:
     if cfg.peft is not None and cfg.distributed.tp_size * cfg.distributed.cp_size > 1:
         out.append("LoRA: activations are exact on one process; under tensor/context parallelism they were "
                    "measured within 5% (TP2 + sequence parallelism +4.6%, CP2 +0.3%), not exact")
+    if _bf16_params(cfg) and cfg.distributed.tp_size * cfg.distributed.cp_size > 1:
+        out.append("bf16_params: activations (bf16, each kept norm's input upcast to fp32) are exact on one "
+                   "process; under tensor/context parallelism they are counted alike but not measured")
     if cfg.peft is not None and _lora_profile(cfg, _args_of(cfg)) is None:
         out.append("LoRA: activations are counted as for full training (this model's adapter roles are not the "
                    "Llama block's); parameters, gradients, optimizer state and communication are exact")
