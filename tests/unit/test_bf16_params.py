@@ -28,6 +28,7 @@ def test_an_update_bf16_would_round_away_still_moves_the_master(fused):
         p.grad, plain_p.grad = torch.ones_like(p), torch.ones_like(p)
         opt.step()
         plain.step()
+        opt.zero_grad()  # the fp32 main grad, like p.grad after a backward, adds up until zero_grad
     master = opt.masters[p]
     assert master.dtype == torch.float32 and all(t.dtype == torch.float32 for t in opt.state[p].values())
     assert torch.all(plain_p == 1.0)  # ten updates of 1e-4 each round away in bf16 (half an ulp at 1.0 is 2^-8)
@@ -36,6 +37,7 @@ def test_an_update_bf16_would_round_away_still_moves_the_master(fused):
     for _ in range(40):  # enough to cross half an ulp: the bf16 parameter follows its master's rounding
         p.grad = torch.ones_like(p)
         opt.step()
+        opt.zero_grad()
     assert p[0].item() < 1.0 and torch.equal(p, opt.masters[p].to(torch.bfloat16))
 
 
