@@ -210,3 +210,14 @@ def test_lora_keeps_a_bf16_frozen_base_and_fp32_masters_for_the_adapters():
     rel = max(abs(a - b) / abs(a) for a, b in zip(ref.losses, res.losses))
     print(f"bf16_params LoRA vs fp32 LoRA: max rel loss diff {rel:.2e}")
     assert rel < LOSS_RTOL
+
+
+def test_injected_nan_gradients_reach_the_fp32_main_grads(monkeypatch, tmp_path):
+    """The fault injection (`nan_at_step`) poisons the gradients the step would use: under bf16_params the fp32
+    main grads (p.grad is already freed), so the logged grad norm is NaN and the skipped step changes nothing."""
+    monkeypatch.setenv("MESHFORGE_FAULT", "nan_at_step:2")
+    small = BF16 + ["training.global_batch_size=4", "training.seq_len=16", "training.nonfinite=skip",
+                    f"run.output_dir={tmp_path}"]
+    res = train(config(small, 2, 1), single_info())
+    assert res.skipped_steps == 1 and res.grad_norms[1] != res.grad_norms[1] and res.grad_norms[0] == res.grad_norms[0]
+    assert all(torch.isfinite(m).all() for m in res.optimizer.masters.values())
