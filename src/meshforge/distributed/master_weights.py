@@ -3,7 +3,7 @@
 Why: bf16 parameters run forward and backward in bf16 with no autocast (no per-op casts, no cast cache), but
 an update smaller than half a bf16 ulp of the weight (lr 1e-4 on a weight near 1: ulp 2^-7) would round away.
 So the optimizer keeps an fp32 copy of every trainable parameter (`masters`), steps it with the plain AdamW
-kernel (fused on every device) from the bf16 gradient upcast to fp32, and rounds the result back into the
+kernel (fused on every device) from the fp32 gradient (`main_grad`, below), and rounds the result back into the
 bf16 parameter: the parameter is always `master.to(bf16)`.
 
 Where the masters go:
