@@ -1,6 +1,6 @@
 """training.precision=bf16_params: bf16 parameters and no autocast, fp32 master weights in the optimizer
-(distributed/master_weights.py): fp32 main grads summed over the micro-batches, masters made from (and loaded
-into in) full precision. One process, tiny model.
+(distributed/master_weights.py): fp32 main grads summed over the micro-batches, masters made from, and loaded
+in, full precision. One process, tiny model.
 
 Tolerance against the fp32 run: 2e-2 relative loss per step over 10 steps at lr 1e-2 on random tokens (bf16
 rounds every matmul input: measured 2e-3)."""
