@@ -11,6 +11,7 @@ import torch
 from meshforge.bench.measure import state_bytes
 from meshforge.checkpoint.hf import export_checkpoint, save_weights_only
 from meshforge.checkpoint.manager import CheckpointManager
+from meshforge.checkpoint.peft import export_adapter
 from meshforge.config import load_config
 from meshforge.distributed.grad_norm import clip_grad_norm_
 from meshforge.distributed.master_weights import MasterWeightAdamW
@@ -192,12 +193,14 @@ def test_fp32_weights_loaded_at_start_reach_the_masters_unrounded(tmp_path, sour
         tr.loader.close()
 
 
-def test_lora_keeps_a_bf16_frozen_base_and_fp32_masters_for_the_adapters():
+def test_lora_keeps_a_bf16_frozen_base_and_fp32_masters_for_the_adapters(tmp_path):
     """bf16_params + LoRA at world size 1: the frozen base is only cast (2 bytes a weight, no master, no main
     grad, never updated), each adapter gets an fp32 master and main grad; the run tracks the fp32 LoRA run
-    (3 steps: measured 3e-4 relative)."""
+    (3 steps: measured 3e-4 relative). `peft.init_from` (a PEFT folder of fp32 adapters) loads into the masters
+    unrounded."""
     lora = ["peft.method=lora", "peft.rank=4", "training.global_batch_size=4", "training.seq_len=16"]
-    ref = train(config(lora, 3, 1), single_info())
+    ref = train(config(lora + [f"run.output_dir={tmp_path / 'ref'}", "checkpoint.save_final=true"], 3, 1),
+                single_info())
     res = train(config(BF16 + lora, 3, 1), single_info())
     model, opt = res.parallel_model.model, res.optimizer
     frozen = [p for p in model.parameters() if not p.requires_grad]
@@ -211,6 +214,13 @@ def test_lora_keeps_a_bf16_frozen_base_and_fp32_masters_for_the_adapters():
     rel = max(abs(a - b) / abs(a) for a, b in zip(ref.losses, res.losses))
     print(f"bf16_params LoRA vs fp32 LoRA: max rel loss diff {rel:.2e}")
     assert rel < LOSS_RTOL
+    export_adapter(tmp_path / "ref" / "checkpoints" / "step_3", tmp_path / "adapter")
+    tr = Trainer.build(config(BF16 + lora + [f"peft.init_from={tmp_path / 'adapter'}"], 1, 1), single_info())
+    tr.loader.close()
+    want = {n: p for n, p in ref.parallel_model.model.named_parameters() if p.requires_grad}
+    got = {n: tr.optimizer.masters[p] for n, p in tr.pm.model.named_parameters() if p.requires_grad}
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+    assert any(not torch.equal(v, v.to(torch.bfloat16).float()) for v in want.values())
 
 
 def test_injected_nan_gradients_reach_the_fp32_main_grads(monkeypatch, tmp_path):
