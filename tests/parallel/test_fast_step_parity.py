@@ -11,6 +11,10 @@
   tracks the single-process bf16_params run (bf16 parameters, fp32 masters in the optimizer), and its blocks
   really computed in bf16 (the logits' dtype). Not bit-equal: each rank's bf16 gradient of half the batch is
   rounded before the fp32 reduction, where one process rounds the whole batch's (tolerances below).
+  Its micro-batch gradients accumulate in fp32: with gradient sync deferred to the last micro-batch, fsdp2
+  upcasts the unsharded bf16 gradient to its reduce dtype (fp32) after the first one and adds the rest into it
+  (torch's FSDPParam.unsharded_accumulated_grad); the result equals, bit for bit, the fp32 sum of each
+  micro-batch's own reduced gradient (checked by hand with defer_fsdp_grad_sync=false too: also equal).
 """
 
 import traceback
@@ -20,6 +24,7 @@ import pytest
 import torch
 from test_float8_parity import FP8 as _FP8_PARITY, STEPS as _FP8_PARITY_STEPS
 
+from meshforge.models.loss import lm_loss
 from meshforge.testing.group import Job
 from meshforge.testing.parity import compare, config, results_of
 from meshforge.training.trainer import train
@@ -64,6 +69,7 @@ def fast_step_job(spec: dict, info) -> dict:
             out[name] = {"losses": res.losses, "grad_norms": res.grad_norms}
             out[name]["graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
             if name.startswith("bf16"):  # the logits, in the dtype the blocks computed in
+                out[name]["accumulation"] = _accumulation(res.parallel_model)
                 model = res.parallel_model.model.eval()
                 with torch.no_grad():
                     out[name]["logits_dtype"] = str(model(torch.zeros(1, 8, dtype=torch.long)).dtype)
@@ -78,6 +84,27 @@ def fast_step_job(spec: dict, info) -> dict:
 GROUP_JOBS = [Job("fast step n2", f"{Path(__file__).resolve()}:fast_step_job", N2, 2)]
 
 
+def _accumulation(pm) -> tuple[bool, float]:
+    """16 micro-batches (a large gradient, then 15 small ones) accumulated by fsdp2 against the fp32 sum of each
+    one's own gradient: (bit-equal, how far a bf16 sum would be from it)."""
+    model, gen = pm.model, torch.Generator().manual_seed(5)
+    xs = [torch.randint(0, 256, (2, 16), generator=gen) for _ in range(16)]
+
+    def grads(micro: list) -> dict:
+        model.zero_grad(set_to_none=True)
+        for i, x in enumerate(micro):
+            with pm.strategy.micro_step(model, is_last=i == len(micro) - 1):
+                (lm_loss(model(x), x).ce_sum * (1.0 if x is xs[0] else 1e-2)).backward()
+        return {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+    acc, each = grads(xs), [grads([x]) for x in xs]
+    ref = {n: sum((g[n] for g in each[1:]), each[0][n].clone()) for n in acc}  # fp32, in order
+    bf16 = {n: sum((g[n].bfloat16() for g in each[1:]), each[0][n].bfloat16()) for n in acc}
+    model.zero_grad(set_to_none=True)
+    return (all(acc[n].dtype == torch.float32 and torch.equal(acc[n], ref[n]) for n in acc),
+            max((bf16[n].float() - ref[n]).abs().max().item() for n in acc))
+
+
 @pytest.mark.parametrize("name", list(COMPILED))
 def test_regional_compile_composes_n2(reference, group, name):
     got = group("fast step n2")[name]
@@ -90,6 +117,8 @@ def test_bf16_params_under_fsdp2_tracks_one_process(reference, group):
     assert got.get("logits_dtype") == "torch.bfloat16", got.get("error") or got["logits_dtype"]  # gathered in bf16
     compare(reference(BF16, STEPS), results_of({"x": got})["x"], "bf16_params_fsdp2", LOSS_RTOL_BF16,
             WEIGHT_ATOL_BF16, GRAD_NORM_RTOL_BF16)
+    equal, bf16_off = got["accumulation"]
+    assert equal and bf16_off > 1e-3, got["accumulation"]  # fp32 accumulation, where bf16 would be off (3.5e-2)
 
 
 def test_fp8_with_context_parallelism_tracks_one_process(reference, group):

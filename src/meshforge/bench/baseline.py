@@ -35,7 +35,8 @@ from meshforge.bench.measure import percentile, step_stats, sync, throughput_fie
 from meshforge.config import load_config
 from meshforge.data import batch_loader, build_source
 from meshforge.distributed.env import DistInfo, pick_device
-from meshforge.distributed.master_weights import MasterWeightAdamW
+from meshforge.distributed.grad_norm import clip_grad_norm_
+from meshforge.distributed.master_weights import MasterWeightAdamW, cast_to_bf16_with_masters
 from meshforge.models import build_model, contract_of, init_weights, resolve_model_args
 from meshforge.training.metrics import device_peak_tflops
 from meshforge.training.optim import lr_factor, optimizer_impl
@@ -50,7 +51,9 @@ class BareLoop:
         self.model = build_model(cfg.model)
         init_weights(self.model, cfg.run.seed)
         bf16_params = cfg.training.precision == "bf16_params"  # bf16 weights, fp32 masters in the optimizer
-        self.model.to(device=device, dtype=torch.bfloat16 if bf16_params else None).train()
+        self.model.to(device=device).train()
+        if bf16_params:
+            cast_to_bf16_with_masters(self.model)
         o = cfg.optimizer
         impl = optimizer_impl(o)
         kw = {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
@@ -64,6 +67,8 @@ class BareLoop:
         for g in self.opt.param_groups:
             g["lr"] = o.lr * lr_factor(0, cfg.scheduler, self.max_steps)
         self.clip, self.device = cfg.training.grad_clip, device
+        # bf16_params: MasterWeightAdamW sums the gradients into fp32 `main_grad`s, which its clipping reads
+        self.clip_fn = clip_grad_norm_ if bf16_params else torch.nn.utils.clip_grad_norm_
         self.bf16 = cfg.training.precision == "bf16"
         self.batches = [[(x.to(device), y.to(device)) for x, y in b] for b in batches]
         self.k = 0
@@ -81,7 +86,7 @@ class BareLoop:
             total += loss.detach()
         t("forward_backward")
         if self.clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+            self.clip_fn(list(self.model.parameters()), self.clip)
         t("clip")
         self.opt.step()
         t("optimizer")

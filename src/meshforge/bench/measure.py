@@ -156,6 +156,7 @@ def _storage_count(models: list, optimizer: torch.optim.Optimizer) -> dict:
     params += [p for g in optimizer.param_groups for p in g["params"]]
     out = {"params": sum(seen.add(p) for p in params)}
     out["grads"] = sum(seen.add(p.grad) for p in params) + sum(_ddp_bucket_bytes(m) for m in models)
+    out["grads"] += sum(seen.add(getattr(p, "main_grad", None)) for p in params)  # bf16_params: fp32 grads
     out["optimizer"] = sum(seen.add(t) for st in optimizer.state.values() for t in st.values()
                            if isinstance(t, torch.Tensor))
     out["optimizer"] += sum(seen.add(t) for t in master_tensors(optimizer))  # bf16_params: fp32 masters

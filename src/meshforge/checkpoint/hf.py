@@ -36,6 +36,7 @@ from meshforge.checkpoint.files import (
     file_entry,
     write_atomic,
 )
+from meshforge.distributed.master_weights import write_param
 from meshforge.errors import CheckpointError
 from meshforge.models import HF_PREFIX, ModelArgs, args_from_hf_config, build_model, contract_of, hf_config_dict
 from meshforge.progress import track
@@ -406,7 +407,7 @@ def load_hf_into(model, hf_dir: str | Path, progress: bool = False) -> list[str]
             local = distribute_tensor(t.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
             p.to_local().copy_(local.to_local())
         else:
-            p.copy_(t.to(device=p.device, dtype=p.dtype))
+            write_param(p, t)  # bf16_params: into the fp32 master, unrounded
     return read_whole
 
 

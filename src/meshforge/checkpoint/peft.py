@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshforge.checkpoint.files import DCP_ERRORS, MANIFEST, dcp_error_line, dcp_tensor_shapes
 from meshforge.checkpoint.hf import _adapter, load_hf_into
+from meshforge.distributed.master_weights import write_param
 from meshforge.errors import CheckpointError
 from meshforge.models import ModelArgs, build_model, init_weights, resolve_model_args
 from meshforge.models.lora import (
@@ -269,7 +270,7 @@ def _copy_into(p: torch.Tensor, t: torch.Tensor, key: str, name: str, where: Pat
         local = distribute_tensor(t.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
         p.to_local().copy_(local.to_local())
     else:
-        p.copy_(t.to(device=p.device, dtype=p.dtype))
+        write_param(p, t)  # bf16_params: into the fp32 master, unrounded
 
 
 @torch.no_grad()

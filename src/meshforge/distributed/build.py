@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from meshforge.distributed.master_weights import cast_to_bf16_with_masters
 from meshforge.distributed.mesh import MeshContext
 from meshforge.distributed.parallelize import parallelize_model
 from meshforge.distributed.pipeline import build_pipeline_model
@@ -63,5 +64,5 @@ def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device, load_
     if meta:
         part.strategy.materialize(part.model, cfg.run.seed)
     if cfg.training.precision == "bf16_params" and not part.strategy.active:
-        part.model.to(torch.bfloat16)  # the fp32 master weights live in the optimizer (master_weights.py)
+        cast_to_bf16_with_masters(part.model)  # the fp32 masters live in the optimizer (master_weights.py)
     return ParallelModel([part], mesh_ctx, device, cfg.training.precision)

@@ -5,6 +5,10 @@ mesh with given placements); torch computes each group's norm (DTensor
 reductions know which shards to sum and which replicas not to double count),
 the groups combine as a 2-norm, and pipeline stages add their squares over the
 pp group, since each stage holds different parameters.
+
+A parameter's gradient is its fp32 `main_grad` where it has one (training.precision=bf16_params at world size
+1: the bf16 gradients are summed there in fp32, master_weights.py), else `p.grad`; both the norm and the
+clipping act on that tensor.
 """
 
 from __future__ import annotations
@@ -20,8 +24,14 @@ def _group_key(g: torch.Tensor):
     return ("plain", g.device, g.dtype)
 
 
+def grad_of(p: torch.Tensor) -> torch.Tensor | None:
+    """The gradient the optimizer will step with: the fp32 main gradient where there is one, else p.grad."""
+    main = getattr(p, "main_grad", None)
+    return main if main is not None else p.grad
+
+
 def total_grad_norm(params: list[torch.Tensor], mesh_ctx=None, extra_sq: torch.Tensor | None = None) -> torch.Tensor:
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [g for g in map(grad_of, params) if g is not None]
     groups: dict = {}
     for g in grads:
         groups.setdefault(_group_key(g), []).append(g)
@@ -51,4 +61,8 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float | None, mesh_ctx
             by_key.setdefault(_group_key(p.grad), []).append(p)
         for ps in by_key.values():
             torch.nn.utils.clip_grads_with_norm_(ps, max_norm, norm, foreach=None)
+        mains = [p.main_grad for p in params if getattr(p, "main_grad", None) is not None]
+        if mains:  # the same coefficient as torch's clip_grads_with_norm_, on the fp32 main gradients
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_(mains, coef.to(mains[0].device))
     return norm

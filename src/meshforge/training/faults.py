@@ -23,6 +23,8 @@ import time
 
 import torch
 
+from meshforge.distributed.grad_norm import grad_of
+
 
 def parse(raw: str, rank: int, world_size: int) -> dict[str, dict[int, list[str]]]:
     """{fault name: {step: extra args}} of the faults armed for this rank."""
@@ -50,9 +52,9 @@ def install(trainer) -> None:
             return loss
         with torch.no_grad():  # the gradients too, so an update that is not skipped would poison the weights
             for part in trainer.pm.parts:
-                for p in part.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(float("nan"))
+                for g in map(grad_of, part.parameters()):  # bf16_params: the fp32 main grad
+                    if g is not None:
+                        g.mul_(float("nan"))
         return loss * float("nan")
 
     def after_step(step: int) -> None:
