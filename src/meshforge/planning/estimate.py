@@ -15,9 +15,9 @@ On CUDA, fsdp2 and megatron_fsdp compute in bf16 (megatron_fsdp keeps a bf16 com
 LoRA (`peft:`): frozen parameters hold their parameter bytes only; adapters hold gradients and AdamW state too
 (megatron_fsdp: the frozen parameters of each unit form a flat buffer of their own, values only; per-expert
 adapters are stacked by expert and shard with EP like the experts).
-training.precision=bf16_params: unsharded (world size 1), bf16 parameters and gradients and an fp32 master beside
-the moments in the optimizer (12 bytes + a step per tensor), plus a transient fp32 copy of the gradients during
-the step; fsdp2 over dp*cp > 1 keeps fp32 shards (the masters) and gathers them in bf16.
+training.precision=bf16_params: unsharded (world size 1), bf16 parameters, an fp32 main gradient (micro-batches
+accumulate in fp32) and an fp32 master beside the moments in the optimizer (12 bytes + a step per tensor); fsdp2
+over dp*cp > 1 keeps fp32 shards (the masters) and gathers them in bf16.
 
 Activations per micro batch are the tensors autograd saves (see `activation_bytes`); a pipeline rank keeps as
 many alive as the replay of its schedule's forward/backward order says (`_alive_peak`). Communication per step
@@ -154,9 +154,6 @@ class Parts:
     optimizer: int = 0
     host: int = 0  # CPU-offloaded state (fsdp2 offload_policy)
     buffers: int = 0  # gathered/communication buffers in flight at the peak (largest unit, buckets)
-    # bf16_params unsharded: the fp32 copy of the gradients the optimizer steps the masters with (alive during
-    # `optimizer.step()` only, when the activations are gone)
-    step_transient: int = 0
 
     @property
     def total(self) -> int:
@@ -270,16 +267,15 @@ def rank_state(params: list[ParamRec], cfg, layout: Layout, rank: int) -> Parts:
 
 def _replicas(stage, layout, out: Parts, buckets: bool, bf16: bool = False) -> None:
     """Full replicas; gradients, the reducer's buckets (counted as gradients) and optimizer state only for the
-    trainable parameters. `bf16` (bf16_params, unsharded): bf16 parameters and gradients, and the optimizer's
-    fp32 master beside the moments (`distributed/master_weights.py`)."""
+    trainable parameters. `bf16` (bf16_params, unsharded): bf16 parameters, fp32 main gradients, and the
+    optimizer's fp32 master beside the moments (`distributed/master_weights.py`)."""
     train = [p for p in stage if p.trainable]
     n = sum(math.prod(_local_shape(p, layout)) for p in stage)
     n_train = sum(math.prod(_local_shape(p, layout)) for p in train)
     e = 2 if bf16 else F32
     out.params += n * e
-    out.grads += n_train * e * (2 if buckets else 1)
+    out.grads += n_train * F32 * (2 if buckets else 1)
     out.optimizer += (3 if bf16 else 2) * n_train * F32 + STEP_BYTES * len(train)
-    out.step_transient += n_train * F32 if bf16 else 0
 
 
 def _fsdp2(stage, cfg, layout, c, out: Parts) -> None:
@@ -714,7 +710,7 @@ class Plan:
             "strategy": self.strategy, "sharding": self.mode, "n_params": self.n_params,
             "device": dataclasses.asdict(self.device),
             "ranks": [{"rank": r.rank, **{k: getattr(r.parts, k) for k in ("params", "grads", "optimizer", "host",
-                                                                           "buffers", "step_transient")},
+                                                                           "buffers")},
                        "activations": r.activations, "in_flight_microbatches": r.in_flight, "peak": r.peak}
                       for r in self.ranks],
             "peak_bytes": pr.peak, "peak_rank": pr.rank, "fits": self.fits,
@@ -865,7 +861,7 @@ def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: floa
         else:
             acts = activation_bytes(args, cfg, layout, args.n_layers, True, True)
             in_flight, alive = 1, acts["total"]
-        peak = parts.total + max(parts.buffers + alive + acts["recompute"], parts.step_transient)
+        peak = parts.total + parts.buffers + alive + acts["recompute"]
         ranks.append(RankPlan(r, parts, acts, in_flight, peak))
     comm = comm_per_step(params, args, cfg, layout)
     secs = {key: _comm_seconds(key, n, layout, device, gpus_per_node) for key, n in comm.items()}
