@@ -27,7 +27,7 @@ from meshforge.models.protocol import (
 
 __all__ = ["HF_PREFIX", "PRESETS", "AdapterLayout", "ForeignModel", "InitSpec", "ModelArgs", "ModelContract",
            "PipelineLayout", "StateDictAdapter", "args_from_hf_config", "blocks_of", "build_model", "contract_of",
-           "hf_config_dict", "init_weights", "load_folder_weights", "meta_modules",
+           "hf_config_dict", "init_weights", "load_folder_weights", "meta_modules", "plan_modules",
            "param_init_tensor", "resolve_model_args", "set_submodule", "submodule_or_none"]
 
 
@@ -104,6 +104,26 @@ def meta_modules(model_cfg: Any):
         if name == block or name.startswith(block + "."):
             for i in range(args.n_layers):
                 modules[f"{container}.{i}{name[len(block):]}"] = mod
+        else:
+            modules[name] = mod
+    return one, modules
+
+
+def plan_modules(model_cfg: Any):
+    """`meta_modules` for the planner: a built-in model's torch-free description (models/shapes.py: same names,
+    shapes, ties and plans, one block standing in for every block), so `meshforge plan` never imports torch;
+    a `model.hf_model` on the meta device (transformers builds it)."""
+    args = resolve_model_args(model_cfg)
+    if args.hf_model:
+        return meta_modules(model_cfg)
+    from meshforge.models.shapes import describe
+
+    one = describe(dataclasses.replace(args, n_layers=1))
+    modules = {}
+    for name, mod in one.named_modules():
+        if name == "layers.0" or name.startswith("layers.0."):
+            for i in range(args.n_layers):
+                modules[f"layers.{i}{name[len('layers.0'):]}"] = mod
         else:
             modules[name] = mod
     return one, modules

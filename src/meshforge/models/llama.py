@@ -21,6 +21,7 @@ from torch import nn
 from meshforge.models.attention import document_mask, masked_attention
 from meshforge.models.hf_families import dense_adapter
 from meshforge.models.loss import HeadInput, head_input
+from meshforge.models import shapes
 from meshforge.models.presets import ModelArgs
 from meshforge.models.protocol import AdapterLayout, InitSpec, PipelineLayout, StateDictAdapter
 
@@ -192,23 +193,7 @@ class Llama(nn.Module):
     @staticmethod
     def tp_plan(sequence_parallel: bool = False) -> dict[str, str]:
         """Module-name patterns -> tensor-parallel style; interpreted by distributed/tensor_parallel.py."""
-        plan = {
-            "tok_embeddings": "vocab_embedding",
-            "layers.*.attention.wq": "colwise",
-            "layers.*.attention.wk": "colwise",
-            "layers.*.attention.wv": "colwise",
-            "layers.*.attention.wo": "rowwise",
-            "layers.*.feed_forward.w1": "colwise",
-            "layers.*.feed_forward.w3": "colwise",
-            "layers.*.feed_forward.w2": "rowwise",
-            "output": "vocab_output",
-        }
-        if sequence_parallel:
-            plan.update({"layers.*.attention_norm": "sequence_parallel", "layers.*.ffn_norm": "sequence_parallel",
-                         "norm": "sequence_parallel",
-                         # gather the sequence once per sub-layer for its column-wise projections
-                         "layers.*.attention": "sequence_gather", "layers.*.feed_forward": "sequence_gather"})
-        return plan
+        return shapes.dense_tp_plan(sequence_parallel)  # declared in models/shapes.py, which the planner reads
 
     def pipeline_layout(self) -> PipelineLayout:
         """The blocks, in order, are the split points; the embedding goes with the first stage and the final
@@ -233,17 +218,8 @@ class Llama(nn.Module):
         return InitSpec("normal", std)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 x matmul parameters, plus causal attention 6 * layers * heads * head_dim * seq
-        (the PaLM formula's 12 * L * H * hd * S, halved for the causal mask)."""
-        a = self.args
-        n = a.n_layers
-        attn_proj = a.dim * a.hd * (2 * a.n_heads + 2 * a.n_kv_heads)
-        dense_ffn = 3 * a.dim * a.ffn_dim
-        ffn = self.active_ffn_params_per_layer() if a.is_moe else dense_ffn
-        matmul = n * (attn_proj + ffn) + a.dim * a.vocab_size  # output projection (embedding lookup is free)
-        # attention scores + weighted sum: 2 matmuls of S x S x head_dim per head, causal halves it
-        attn = n * 2 * a.n_heads * a.hd * seq_len  # forward FLOPs/token: 2*2*S*hd*H / 2 (causal)
-        return 6 * matmul + 3 * attn
+        """Training FLOPs per token (models/shapes.py: the planner computes them without building the model)."""
+        return shapes.flops_per_token(self.args, seq_len)
 
     def active_ffn_params_per_layer(self) -> int:
         a = self.args

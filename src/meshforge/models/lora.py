@@ -30,8 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshforge.models.protocol import AdapterLayout, InitSpec, contract_of, set_submodule
-
-ADAPTER_PARTS = ("lora_A", "lora_B")
+from meshforge.models.shapes import ADAPTER_PARTS, is_adapter_param  # noqa: F401  (re-exported; torch-free)
 
 
 class LoRALinear(nn.Linear):
@@ -75,12 +74,6 @@ class ExpertLoRA(nn.Module):
     def delta(self, local=lambda w: w) -> torch.Tensor:
         """scaling * B_e A_e for every (local) expert; `local` maps a stacked parameter to this rank's experts."""
         return torch.bmm(local(self.lora_B.weight), local(self.lora_A.weight)) * self.scaling
-
-
-def is_adapter_param(name: str) -> bool:
-    """True for a LoRA parameter name (`...wq.lora_A.weight`)."""
-    parts = name.split(".")
-    return len(parts) >= 2 and parts[-2] in ADAPTER_PARTS
 
 
 def lora_init_spec(name: str, shape: tuple[int, ...]) -> InitSpec | None:

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshforge.models import shapes
 from meshforge.models.hf_families import dense_adapter
 from meshforge.models.llama import FeedForward, Llama, TransformerBlock, rope_cos_sin
 from meshforge.models.lora import ExpertLoRA
@@ -281,11 +282,7 @@ class MoETransformer(Llama):
     @staticmethod
     def tp_plan(sequence_parallel: bool = False) -> dict[str, str]:
         """Attention and shared experts split as in Llama; router and routed experts stay whole (EP splits those)."""
-        plan = {k: v for k, v in Llama.tp_plan(sequence_parallel).items() if ".feed_forward." not in k}
-        plan.update({"layers.*.feed_forward.shared_experts.w1": "colwise",
-                     "layers.*.feed_forward.shared_experts.w3": "colwise",
-                     "layers.*.feed_forward.shared_experts.w2": "rowwise"})
-        return plan
+        return shapes.moe_tp_plan(sequence_parallel)  # declared in models/shapes.py, which the planner reads
 
     def init_spec(self, name: str) -> InitSpec:
         if name.endswith("experts.w2"):  # stacked routed experts' down projection: a residual projection

@@ -60,15 +60,16 @@ class ParamRec:
 
 def model_params(cfg) -> tuple[list[ParamRec], object]:
     """Every parameter of the configured built-in model (tied weights once), from its meta description."""
-    from meshforge.models import contract_of, meta_modules, resolve_model_args
-    from meshforge.models.lora import ADAPTER_PARTS, is_adapter_param
-    from meshforge.planning.tp_plan import resolve_plan, sharded_dim
+    from meshforge.models import meta_modules, plan_modules, resolve_model_args
+    from meshforge.models.shapes import ADAPTER_PARTS, is_adapter_param
+    from meshforge.planning.tp_plan import model_contract, resolve_plan, sharded_dim
 
     args = resolve_model_args(cfg.model)
-    one, modules = meta_modules(cfg.model)
-    if cfg.peft is not None:
-        one, modules = _with_lora(one, modules, cfg.peft)
-    contract = contract_of(one)
+    if cfg.peft is not None:  # LoRA wraps real modules: the meta-device model (imports torch)
+        one, modules = _with_lora(*meta_modules(cfg.model), cfg.peft)
+    else:  # torch-free for the built-in models (models/shapes.py)
+        one, modules = plan_modules(cfg.model)
+    contract = model_contract(one)
     layout = contract.pipeline_layout()
     container = layout.split_points[0].rpartition(".")[0] if layout else None
     d = cfg.distributed
@@ -916,9 +917,12 @@ def _flops_per_token(args, seq_len: int, build_model) -> float:
     """The model contract's FLOPs per token, from a one-block meta model scaled to the real depth (FLOPs are
     affine in the number of layers: the output head once, the rest per layer)."""
     from meshforge.models import contract_of
+    from meshforge.models.shapes import describe
 
     one = dataclasses.replace(args, n_layers=1)
-    per_layer = contract_of(build_model(one, device="meta")).flops_per_token(seq_len) - _head_flops(one)
+    # a built-in model's contract answers from its torch-free description (models/shapes.py); hf_model's from meta
+    model = contract_of(build_model(one, device="meta")) if args.hf_model else describe(one)
+    per_layer = model.flops_per_token(seq_len) - _head_flops(one)
     return _head_flops(args) + args.n_layers * per_layer
 
 

@@ -22,12 +22,36 @@ import fnmatch
 import functools
 import re
 
-from torch import nn
+from typing import Any
 
-from meshforge.models import contract_of, meta_modules
+from meshforge.models import contract_of, plan_modules
+from meshforge.models.shapes import ModelShape, ModuleShape
 
 SHARDED_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_output")
 ALL_STYLES = SHARDED_STYLES + ("sequence_parallel", "sequence_gather", "replicate")
+
+
+def model_contract(model: Any):
+    """The contract the plan reads: a built-in model's torch-free description (models/shapes.py) answers it
+    itself; an nn.Module through `contract_of`."""
+    return model if isinstance(model, ModelShape) else contract_of(model)
+
+
+def _kind(mod: Any) -> str | None:
+    """What TP can shard: "linear" (nn.Linear or a subclass), "embedding" (nn.Embedding or a subclass), or their
+    torch-free descriptions; else None. Decided without importing torch."""
+    if isinstance(mod, ModuleShape):
+        return {"Linear": "linear", "Embedding": "embedding"}.get(mod.kind)
+    for c in type(mod).__mro__:
+        if c.__module__ == "torch.nn.modules.linear" and c.__name__ == "Linear":
+            return "linear"
+        if c.__module__ == "torch.nn.modules.sparse" and c.__name__ == "Embedding":
+            return "embedding"
+    return None
+
+
+def _type_name(mod: Any) -> str:
+    return mod.kind if isinstance(mod, ModuleShape) else type(mod).__name__
 
 
 @functools.lru_cache(maxsize=1 << 16)  # a 70B model's ~1000 module names x the plan's patterns, checked often
@@ -36,7 +60,7 @@ def pattern_matches(pattern: str, name: str) -> bool:
     return len(p) == len(n) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(n, p))
 
 
-def _expand(modules: dict[str, nn.Module], plan: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+def _expand(modules: dict[str, Any], plan: dict[str, str]) -> tuple[dict[str, str], list[str]]:
     """pattern plan -> {module name: style}, in module order; and the patterns that matched nothing."""
     names = [n for n in modules if n]
     out: dict[str, str] = {}
@@ -50,17 +74,17 @@ def _expand(modules: dict[str, nn.Module], plan: dict[str, str]) -> tuple[dict[s
     return out, unmatched
 
 
-def resolve_plan(model: nn.Module, sequence_parallel: bool, custom: dict[str, str] | None,
-                 modules: dict[str, nn.Module] | None = None) -> tuple[dict[str, str], dict[str, str], list[str]]:
+def resolve_plan(model: Any, sequence_parallel: bool, custom: dict[str, str] | None,
+                 modules: dict[str, Any] | None = None) -> tuple[dict[str, str], dict[str, str], list[str]]:
     """(resolved {module: style}, declared {module: style}, problems) for `model` (or its `modules` by name)."""
     modules = modules if modules is not None else dict(model.named_modules())
     problems: list[str] = []
-    declared_plan = contract_of(model).tp_plan(sequence_parallel)
+    declared_plan = model_contract(model).tp_plan(sequence_parallel)
     declared: dict[str, str] = {}
     if declared_plan is not None:
         declared, _ = _expand(modules, declared_plan)
     elif not custom:
-        problems.append(f"distributed.tp_size > 1 but the model ({type(model).__name__}) declares no tp_plan: "
+        problems.append(f"distributed.tp_size > 1 but the model ({_type_name(model)}) declares no tp_plan: "
                         "set distributed.tp_plan (module pattern -> colwise/rowwise/sequence_parallel/replicate)")
     resolved = dict(declared)
     if custom:
@@ -78,23 +102,23 @@ def resolve_plan(model: nn.Module, sequence_parallel: bool, custom: dict[str, st
     return resolved, declared, problems
 
 
-def _shape(module: nn.Module) -> tuple[int, ...] | None:
+def _shape(module: Any) -> tuple[int, ...] | None:
     w = getattr(module, "weight", None)
     return tuple(w.shape) if w is not None else None
 
 
-def sharded_dim(mod: nn.Module, style: str) -> int | None:
+def sharded_dim(mod: Any, style: str) -> int | None:
     """Which weight dimension a style splits (None: kept whole). Linear weights are (out, in), Embedding
     weights (num, dim)."""
     if style not in SHARDED_STYLES:
         return None
-    emb = isinstance(mod, nn.Embedding)
+    emb = _kind(mod) == "embedding"
     if style in ("colwise", "vocab_output"):
         return 1 if emb else 0
     return 0 if emb else 1
 
 
-def tied_parameters(model: nn.Module) -> list[list[str]]:
+def tied_parameters(model: Any) -> list[list[str]]:
     """Groups of parameter names that share one tensor (e.g. a tied embedding and output head)."""
     by_id: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -102,8 +126,8 @@ def tied_parameters(model: nn.Module) -> list[list[str]]:
     return [names for names in by_id.values() if len(names) > 1]
 
 
-def plan_problems(model: nn.Module, tp_size: int, sequence_parallel: bool, custom: dict[str, str] | None,
-                  modules: dict[str, nn.Module] | None = None) -> list[str]:
+def plan_problems(model: Any, tp_size: int, sequence_parallel: bool, custom: dict[str, str] | None,
+                  modules: dict[str, Any] | None = None) -> list[str]:
     """Every reason this plan cannot be applied at tp_size, naming the module and its shape."""
     modules = modules if modules is not None else dict(model.named_modules())
     resolved, declared, problems = resolve_plan(model, sequence_parallel, custom, modules)
@@ -117,8 +141,8 @@ def plan_problems(model: nn.Module, tp_size: int, sequence_parallel: bool, custo
             continue
         if style not in SHARDED_STYLES:
             continue
-        if not isinstance(mod, (nn.Linear, nn.Embedding)):
-            problems.append(f"tensor-parallel style {style!r} on module {name!r} ({type(mod).__name__}): only "
+        if _kind(mod) is None:
+            problems.append(f"tensor-parallel style {style!r} on module {name!r} ({_type_name(mod)}): only "
                             "nn.Linear and nn.Embedding can be sharded; point the pattern at the projections")
             continue
         shape, dim = _shape(mod), sharded_dim(mod, style)
@@ -156,7 +180,7 @@ def config_plan_problems(model_cfg, tp_size: int, sequence_parallel: bool, custo
     if key not in _PLAN_PROBLEMS:
         if len(_PLAN_PROBLEMS) > 256:
             _PLAN_PROBLEMS.clear()
-        model, modules = meta_modules(model_cfg)
+        model, modules = plan_modules(model_cfg)
         _PLAN_PROBLEMS[key] = tuple(plan_problems(model, tp_size, sequence_parallel, custom, modules))
     return list(_PLAN_PROBLEMS[key])
 
