@@ -1,0 +1,95 @@
+"""models/shapes.py describes the built-in models without torch, for `meshforge plan`: it must equal the model
+itself (names, shapes, tied weights, module classes) and give the same plan as the meta-device model."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import meshforge.models as models
+import meshforge.planning.estimate as estimate
+import meshforge.planning.tp_plan as tp_plan
+from meshforge.cli import main
+from meshforge.models import PRESETS, build_model, meta_modules, plan_modules
+from meshforge.models.shapes import describe
+from meshforge.testing.parity import config
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_VARIANTS = [{}, {"tie_embeddings": True}, {"qkv_bias": True}, {"attention_bias": True},
+                 {"qk_norm": True, "tie_embeddings": True}]
+MOE_VARIANTS = [{}, {"n_shared_experts": 0}, {"qk_norm": True, "tie_embeddings": True}]
+CASES = ([(name, {}) for name in PRESETS] + [("tiny", v) for v in TINY_VARIANTS[1:]]
+         + [("tiny_moe", v) for v in MOE_VARIANTS[1:]])
+
+
+def _params(model) -> list[tuple[str, tuple[int, ...], int]]:
+    """(name, shape, index of the tensor) of every parameter, tied ones under each name, in module order."""
+    ids: dict[int, int] = {}
+    return [(n, tuple(p.shape), ids.setdefault(id(p), len(ids)))
+            for n, p in model.named_parameters(remove_duplicate=False)]
+
+
+@pytest.mark.parametrize("preset,over", CASES, ids=[f"{p}-{'-'.join(o) or 'preset'}" for p, o in CASES])
+def test_description_equals_the_meta_model(preset, over):
+    # two blocks: every block is built alike, so this proves the container and the block for any depth
+    args = dataclasses.replace(PRESETS[preset], n_layers=2, **over)
+    model, shape = build_model(args, device="meta"), describe(args)
+    assert _params(shape) == _params(model)
+    assert [(n, m.kind) for n, m in shape.named_modules()] == [(n, type(m).__name__) for n, m in model.named_modules()]
+    assert all(p.requires_grad for p in shape.parameters())
+    for sp in (False, True):
+        assert shape.tp_plan(sp) == model.tp_plan(sp)
+    assert shape.pipeline_layout() == model.pipeline_layout()
+    assert shape.flops_per_token(512) == model.flops_per_token(512)
+    assert [[n for n, _ in m.named_parameters()] for m in shape.moe_layers()] == \
+        [[n for n, _ in m.named_parameters()] for m in model.moe_layers()]
+
+
+def _plan_json(capsys, argv: list[str]) -> dict:
+    for cache in (tp_plan._PLAN_PROBLEMS, estimate._STAGE_CACHE):
+        cache.clear()
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+PLANS = [
+    ["llama3_70b_tp_pp.yaml", "--world-size", "64"],
+    ["qwen3_moe_ep8.yaml", "--world-size", "64"],
+    ["tiny_cpu.yaml", "--world-size", "4", "distributed.tp_size=2", "model.qkv_bias=true", "model.qk_norm=true"],
+    ["tiny_cpu.yaml", "--world-size", "4", "distributed.tp_size=2", "model.tie_embeddings=true",
+     "distributed.strategy=megatron_fsdp"],
+    ["moe_ep_cpu.yaml", "--world-size", "4", "distributed.tp_size=2", "model.tie_embeddings=true"],
+]
+
+
+@pytest.mark.parametrize("argv", PLANS, ids=[" ".join(a[:1] + a[3:]) for a in PLANS])
+def test_plan_equals_the_meta_model_path(argv, capsys, monkeypatch):
+    argv = [str(ROOT / "examples" / argv[0]), *argv[1:]]
+    described = _plan_json(capsys, argv)
+    monkeypatch.setattr(models, "plan_modules", meta_modules)  # the planner as it was: the meta-device model
+    monkeypatch.setattr(tp_plan, "plan_modules", meta_modules)
+    assert _plan_json(capsys, argv) == described
+
+
+def test_plan_modules_stand_in_for_every_block():
+    cfg = config(["model.preset=tiny_moe", "model.n_layers=3"]).model
+    (_, modules), (_, described) = meta_modules(cfg), plan_modules(cfg)
+    assert list(described) == list(modules)
+    assert {n: getattr(m, "kind", None) for n, m in described.items()} == \
+        {n: type(m).__name__ for n, m in modules.items()}
+
+
+def test_plan_of_the_70b_example_imports_no_torch():
+    code = ("import sys; from meshforge.cli import main; "
+            f"rc = main(['plan', {str(ROOT / 'examples' / 'llama3_70b_tp_pp.yaml')!r}, '--world-size', '1024', "
+            "'--fit']); assert rc == 0, rc; "
+            "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')); "
+            "assert not bad, bad[:5]")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "fastest layouts that fit" in out.stdout
