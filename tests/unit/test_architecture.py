@@ -39,8 +39,9 @@ MODEL_INTERNALS = {"tok_embeddings", "feed_forward", "attention_norm", "ffn_norm
                    "w2", "w3", "shared_experts", "CoreAttention", "Llama", "MoETransformer", "TransformerBlock",
                    "GroupedExperts", "hf_name_map", "pp_split_points"}
 # what other packages may import from models/: the package, its contract, the presets, the loss, LoRA and the
-# packed-sequence attention kernels (context parallelism masks with the same ones)
-MODELS_PUBLIC = {"protocol", "presets", "loss", "lora", "attention"}
+# packed-sequence attention kernels (context parallelism masks with the same ones), and the built-in models'
+# torch-free description the planner reads (shapes)
+MODELS_PUBLIC = {"protocol", "presets", "loss", "lora", "attention", "shapes"}
 # modules that must import without torch.distributed (beyond what `import torch` itself loads)
 PROCESS_FREE = {"errors", "models", "data", "config", "planning", "recipes"}
 
