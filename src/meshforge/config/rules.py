@@ -270,14 +270,14 @@ def pipeline_split(cfg: Config, world_size: int) -> list[str]:
 @rule
 def tensor_parallel_plan(cfg: Config, world_size: int) -> list[str]:
     """The model's TP plan plus distributed.tp_plan must name real modules whose shapes divide by tp_size
-    (checked on the model's meta-device description; see planning/tp_plan.py)."""
+    (checked on the model's description, torch-free for the built-in models; see planning/tp_plan.py)."""
     d = cfg.distributed
     if d.tp_plan and d.tp_size == 1:
         return ["distributed.tp_plan is set but distributed.tp_size=1, so it would do nothing: set tp_size > 1 "
                 "or remove tp_plan"]
     if d.tp_size == 1 or _model_args(cfg) is None or (cfg.model.hf_model and d.sequence_parallel):
         return []  # (hf_model with sequence_parallel: refused by hf_model_keys)
-    # imported here: the check builds a meta-device model, and a config without TP never needs torch
+    # imported here: a config without TP never needs the plan check (hf_model's builds a meta-device model)
     from meshforge.planning.tp_plan import config_plan_problems
 
     try:

@@ -1,7 +1,8 @@
 """`meshforge plan`: memory per rank, communication, compute and step time of a config, without processes.
 
-State (params, grads, optimizer) is computed per parameter from the model's meta description
-(`models.meta_modules`: one block stands in for every block), its tensor-parallel plan, its pipeline split and
+State (params, grads, optimizer) is computed per parameter from the model's description
+(`models.plan_modules`: torch-free for the built-in models, the meta-device model for hf_model and LoRA; one block
+stands in for every block), its tensor-parallel plan, its pipeline split and
 the strategy's storage rules, so it equals what the bench counts (`bench/measure.py`):
   fsdp2        each parameter's local (TP) tensor sharded on dim 0 over dp_shard*cp, padded to a multiple of
                it (params and grads hold the padded shard; AdamW's moments the unpadded torch.chunk piece);

@@ -11,9 +11,9 @@ resolved plan with DTensor.
 
 `plan_problems` reports a pattern that names no module, a style on a module it cannot shard (not
 Linear/Embedding), a sharded dimension that does not divide by tp_size, and tied weights split differently,
-each with the module name and its shape. `config/rules.py` runs it on a meta-device model
-(`models.meta_modules`) before anything starts, so a bad plan fails in validation, not as an opaque
-DTensor assertion in the first step.
+each with the module name and its shape. `config/rules.py` runs it on the model's description
+(`models.plan_modules`: torch-free for the built-in models) before anything starts, so a bad plan fails in
+validation, not as an opaque DTensor assertion in the first step.
 """
 
 from __future__ import annotations
