@@ -50,6 +50,31 @@ def test_description_equals_the_meta_model(preset, over):
         [[n for n, _ in m.named_parameters()] for m in model.moe_layers()]
 
 
+LORA = [("tiny", {}, ["*_proj"], ("embeddings", "norms"), 0.0),
+        ("tiny", {"qk_norm": True, "tie_embeddings": True}, ["q_proj", "v_proj"], ("embeddings",), 0.1),
+        ("tiny", {"qkv_bias": True, "attention_bias": True}, ["o_proj", "down_proj"], ("norms",), 0.0),
+        ("tiny_moe", {}, ["*"], ("embeddings", "norms"), 0.0),
+        ("tiny_moe", {"tie_embeddings": True}, ["experts.down_proj", "k_proj"], (), 0.0),
+        ("tiny_moe", {"n_shared_experts": 0, "qk_norm": True}, ["experts.gate_up_proj"], ("norms",), 0.0)]
+
+
+@pytest.mark.parametrize("preset,over,targets,freeze,dropout", LORA)
+def test_lora_description_equals_the_adapted_meta_model(preset, over, targets, freeze, dropout):
+    from types import SimpleNamespace
+
+    from meshforge.models.lora import apply_lora
+    from meshforge.models.shapes import apply_lora as apply_to_description
+
+    args = dataclasses.replace(PRESETS[preset], n_layers=2, **over)
+    pcfg = SimpleNamespace(rank=4, alpha=8.0, dropout=dropout, target_modules=targets, freeze=freeze)
+    model, shape = build_model(args, device="meta"), describe(args)
+    assert apply_to_description(shape, pcfg) == apply_lora(model, pcfg)
+    assert _params(shape) == _params(model)
+    assert [p.requires_grad for _, p in shape.named_parameters(remove_duplicate=False)] == \
+        [p.requires_grad for _, p in model.named_parameters(remove_duplicate=False)]
+    assert [(n, m.kind) for n, m in shape.named_modules()] == [(n, type(m).__name__) for n, m in model.named_modules()]
+
+
 def _plan_json(capsys, argv: list[str]) -> dict:
     for cache in (tp_plan._PLAN_PROBLEMS, estimate._STAGE_CACHE):
         cache.clear()
@@ -64,6 +89,12 @@ PLANS = [
     ["tiny_cpu.yaml", "--world-size", "4", "distributed.tp_size=2", "model.tie_embeddings=true",
      "distributed.strategy=megatron_fsdp"],
     ["moe_ep_cpu.yaml", "--world-size", "4", "distributed.tp_size=2", "model.tie_embeddings=true"],
+    ["lora_tiny_cpu.yaml", "--world-size", "2", "distributed.tp_size=2", "distributed.sequence_parallel=true",
+     "peft.target_modules=[q_proj,v_proj,down_proj]", "peft.freeze=[embeddings]", "model.tie_embeddings=true"],
+    ["moe_ep_cpu.yaml", "--world-size", "4", "distributed.tp_size=2", "model.qkv_bias=true",
+     "peft={rank: 4, target_modules: [experts.down_proj, q_proj], dropout: 0, freeze: [norms]}"],
+    ["moe_ep_cpu.yaml", "--world-size", "2", "distributed.strategy=megatron_fsdp", "distributed.ep_size=1",
+     "peft={rank: 4, target_modules: ['*'], dropout: 0}"],
 ]
 
 
@@ -85,9 +116,12 @@ def test_plan_modules_stand_in_for_every_block():
 
 
 def test_plan_of_the_70b_example_imports_no_torch():
+    # and a LoRA plan after it (the adapters are described without torch too)
     code = ("import sys; from meshforge.cli import main; "
             f"rc = main(['plan', {str(ROOT / 'examples' / 'llama3_70b_tp_pp.yaml')!r}, '--world-size', '1024', "
             "'--fit']); assert rc == 0, rc; "
+            f"rc = main(['plan', {str(ROOT / 'examples' / 'lora_tiny_cpu.yaml')!r}, '--world-size', '1']); "
+            "assert rc == 0, rc; "
             "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')); "
             "assert not bad, bad[:5]")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -321,11 +321,11 @@ def peft_composes(cfg: Config, world_size: int) -> list[str]:
         out.append("checkpoint.save_consolidated with peft: a LoRA checkpoint holds the adapters only; leave it off "
                    "and run `meshforge checkpoint export --adapter` (PEFT format) or `--merge` (merged HF weights)")
     if _model_args(cfg) is not None:
-        from meshforge.models import meta_modules
-        from meshforge.models.lora import check_targets
+        from meshforge.models import plan_modules  # torch-free for the built-in models
+        from meshforge.models.shapes import check_targets
 
         try:
-            check_targets(meta_modules(cfg.model)[0], p)
+            check_targets(plan_modules(cfg.model)[0], p)
         except ValueError as err:
             out.append(str(err))
     return out

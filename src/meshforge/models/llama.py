@@ -230,11 +230,4 @@ class Llama(nn.Module):
 
     def adapter_layout(self) -> AdapterLayout | None:
         """The projections by their Hugging Face role names (LoRA's `target_modules`), embeddings, norms."""
-        return AdapterLayout(
-            linears={"q_proj": "layers.*.attention.wq", "k_proj": "layers.*.attention.wk",
-                     "v_proj": "layers.*.attention.wv", "o_proj": "layers.*.attention.wo",
-                     "gate_proj": "layers.*.feed_forward.w1", "up_proj": "layers.*.feed_forward.w3",
-                     "down_proj": "layers.*.feed_forward.w2"},
-            embeddings=("tok_embeddings", "output"),
-            norms=("layers.*.attention_norm", "layers.*.ffn_norm", "norm")
-            + (("layers.*.attention.q_norm", "layers.*.attention.k_norm") if self.args.qk_norm else ()))
+        return shapes.adapter_layout(self.args)  # declared in models/shapes.py, which the planner reads

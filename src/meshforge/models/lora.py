@@ -22,15 +22,23 @@ factored out of a weight delta, as in PEFT).
 
 from __future__ import annotations
 
-import fnmatch
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshforge.models.protocol import AdapterLayout, InitSpec, contract_of, set_submodule
-from meshforge.models.shapes import ADAPTER_PARTS, is_adapter_param  # noqa: F401  (re-exported; torch-free)
+from meshforge.models.protocol import InitSpec, set_submodule
+# torch-free (the planner reads them without torch): re-exported here
+from meshforge.models.shapes import (  # noqa: F401
+    ADAPTER_PARTS,
+    check_targets,
+    is_adapter_param,
+    layout_of,
+    pattern_matches,
+    resolve_roles,
+    target_module_names,
+)
 
 
 class LoRALinear(nn.Linear):
@@ -81,48 +89,6 @@ def lora_init_spec(name: str, shape: tuple[int, ...]) -> InitSpec | None:
     if not is_adapter_param(name):
         return None
     return InitSpec("normal", 1.0 / shape[-2]) if name.split(".")[-2] == "lora_A" else InitSpec("zeros")
-
-
-def pattern_matches(pattern: str, name: str) -> bool:
-    """A module-name pattern: `*` matches one dotted component."""
-    p, n = pattern.split("."), name.split(".")
-    return len(p) == len(n) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(n, p))
-
-
-def layout_of(model: nn.Module) -> AdapterLayout:
-    layout = contract_of(model).adapter_layout()
-    if layout is None:
-        raise ValueError(f"peft: {type(model).__name__} declares no adapter layout (which linear layers LoRA "
-                         "may adapt): remove the peft section or use a dense Llama preset")
-    return layout
-
-
-def resolve_roles(layout: AdapterLayout, target_modules: list[str]) -> list[str]:
-    """The roles `target_modules` names (in the layout's order: linears, then experts); ValueError naming a
-    pattern that matches none."""
-    roles = [*layout.linears, *layout.experts]
-    for pat in target_modules:
-        if not fnmatch.filter(roles, pat):
-            raise ValueError(f"peft.target_modules: {pat!r} matches none of this model's linear layers "
-                             f"({', '.join(roles)}); use those names or a pattern such as '*_proj'")
-    return [r for r in roles if any(fnmatch.fnmatchcase(r, p) for p in target_modules)]
-
-
-def check_targets(model: nn.Module, pcfg: Any) -> None:
-    """What `apply_lora` would refuse, without changing the model (ValueError, one line)."""
-    layout = layout_of(model)
-    experts = [r for r in resolve_roles(layout, list(pcfg.target_modules)) if r in layout.experts]
-    if experts and pcfg.dropout > 0:
-        raise ValueError(f"peft.dropout={pcfg.dropout} with expert adapters ({', '.join(experts)}): dropout cannot "
-                         "be applied to a per-expert weight delta; set peft.dropout=0 or leave the experts out of "
-                         "peft.target_modules")
-
-
-def target_module_names(model: nn.Module, pcfg: Any) -> list[str]:
-    """Dotted names of the linear modules `pcfg.target_modules` selects, in module order."""
-    layout = layout_of(model)
-    patterns = [layout.linears[r] for r in resolve_roles(layout, list(pcfg.target_modules)) if r in layout.linears]
-    return [n for n, _ in model.named_modules() if n and any(pattern_matches(p, n) for p in patterns)]
 
 
 def apply_lora(model: nn.Module, pcfg: Any) -> list[str]:

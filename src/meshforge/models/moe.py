@@ -298,17 +298,9 @@ class MoETransformer(Llama):
         return sum(p.numel() for p in self.parameters())
 
     def adapter_layout(self) -> AdapterLayout:
-        """Attention projections as Llama's; the routed experts as grouped roles (per-expert adapters, HF's
-        transformers 5 names); shared experts (if any) as linears; the router is not adapted."""
-        dense = super().adapter_layout()
-        linears = {k: v for k, v in dense.linears.items() if ".feed_forward." not in v}
-        if self.args.n_shared_experts:
-            linears.update({"shared_experts.gate_proj": "layers.*.feed_forward.shared_experts.w1",
-                            "shared_experts.up_proj": "layers.*.feed_forward.shared_experts.w3",
-                            "shared_experts.down_proj": "layers.*.feed_forward.shared_experts.w2"})
-        experts = "layers.*.feed_forward.experts"
-        return AdapterLayout(linears=linears, embeddings=dense.embeddings, norms=dense.norms,
-                             experts={"experts.gate_up_proj": experts, "experts.down_proj": experts})
+        """Attention projections as Llama's; the routed experts as grouped roles (per-expert adapters); shared
+        experts (if any) as linears; the router is not adapted (declared in models/shapes.py)."""
+        return shapes.adapter_layout(self.args)
 
     def state_dict_adapter(self) -> StateDictAdapter:
         """Per `model.family` (mixtral, qwen3_moe): stacked experts <-> HF per-expert tensors (models/hf_moe.py)."""

@@ -10,10 +10,12 @@ constructor must be made here too (that test fails until it is).
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
+from typing import Any
 
 from meshforge.models.presets import ModelArgs
-from meshforge.models.protocol import PipelineLayout
+from meshforge.models.protocol import AdapterLayout, PipelineLayout, contract_of
 
 ADAPTER_PARTS = ("lora_A", "lora_B")  # LoRA's factor modules (models/lora.py)
 
@@ -61,6 +63,12 @@ class ModuleShape:
 
     def parameters(self):
         return (p for _, p in self.named_parameters())
+
+    def get_submodule(self, name: str) -> ModuleShape:
+        mod = self
+        for part in name.split("."):
+            mod = mod.children[part]
+        return mod
 
 
 def _linear(n_in: int, n_out: int, bias: bool = False) -> ModuleShape:
@@ -128,6 +136,125 @@ class ModelShape(ModuleShape):
 
     def flops_per_token(self, seq_len: int) -> float:
         return flops_per_token(self.args, seq_len)
+
+    def adapter_layout(self) -> AdapterLayout:
+        return adapter_layout(self.args)
+
+
+def _set_child(root: ModuleShape, name: str, mod: ModuleShape) -> None:
+    parent, _, child = name.rpartition(".")
+    owner = root.get_submodule(parent) if parent else root
+    owner.children[child] = mod
+    setattr(owner, child, mod)
+
+
+def apply_lora(model: ModelShape, pcfg: Any) -> list[str]:
+    """models/lora.py's `apply_lora` on the description: each targeted Linear becomes a LoRALinear (its base
+    weight and bias, then lora_A (rank x in), lora_B (out x rank), lora_dropout), targeted grouped experts get
+    per-expert factors under `adapters.<role>`, and the freeze policy sets `requires_grad` in the same order."""
+    layout = layout_of(model)
+    check_targets(model, pcfg)
+    names = target_module_names(model, pcfg)
+    r = pcfg.rank
+    for name in names:
+        base = model.get_submodule(name)
+        if base.kind != "Linear":
+            raise ValueError(f"peft: {name} is a {base.kind}, not a plain nn.Linear LoRA can adapt")
+        out_f, in_f = base.params["weight"].shape
+        _set_child(model, name, ModuleShape("LoRALinear", dict(base.params), {
+            "lora_A": _linear(in_f, r), "lora_B": _linear(r, out_f),
+            "lora_dropout": ModuleShape("Dropout" if pcfg.dropout > 0 else "Identity")}))
+    for role in resolve_roles(layout, list(pcfg.target_modules)):
+        if role in layout.experts:
+            for name, m in list(model.named_modules()):
+                if name and pattern_matches(layout.experts[role], name):
+                    n, dim, hidden = m.params["w1"].shape
+                    shapes = {"experts.gate_up_proj": (dim, 2 * hidden), "experts.down_proj": (hidden, dim)}
+                    if role not in shapes:
+                        raise ValueError(f"peft: grouped experts have no adapter role {role!r} (only "
+                                         f"{', '.join(shapes)})")
+                    in_f, out_f = shapes[role]
+                    factors = {"lora_A": ModuleShape("_Factor", {"weight": ParamShape((n, r, in_f))}),
+                               "lora_B": ModuleShape("_Factor", {"weight": ParamShape((n, out_f, r))})}
+                    _set_child(m, f"adapters.{role.rpartition('.')[2]}", ModuleShape("ExpertLoRA", children=factors))
+                    names.append(f"{name}.{role}")
+    train = []
+    if "embeddings" not in pcfg.freeze:
+        train += list(layout.embeddings)
+    if "norms" not in pcfg.freeze:
+        train += list(layout.norms)
+    trainable_modules = [n for n, _ in model.named_modules() if n and any(pattern_matches(p, n) for p in train)]
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        p.requires_grad = is_adapter_param(pname) or pname.rpartition(".")[0] in trainable_modules
+    return names
+
+
+def adapter_layout(args: ModelArgs) -> AdapterLayout:
+    """`Llama.adapter_layout` / `MoETransformer.adapter_layout`: the projections by their Hugging Face role names
+    (LoRA's `target_modules`), embeddings, norms; MoE: attention projections as Llama's, the routed experts as
+    grouped roles (per-expert adapters, HF's transformers 5 names), shared experts (if any) as linears; the
+    router is not adapted."""
+    dense = AdapterLayout(
+        linears={"q_proj": "layers.*.attention.wq", "k_proj": "layers.*.attention.wk",
+                 "v_proj": "layers.*.attention.wv", "o_proj": "layers.*.attention.wo",
+                 "gate_proj": "layers.*.feed_forward.w1", "up_proj": "layers.*.feed_forward.w3",
+                 "down_proj": "layers.*.feed_forward.w2"},
+        embeddings=("tok_embeddings", "output"),
+        norms=("layers.*.attention_norm", "layers.*.ffn_norm", "norm")
+        + (("layers.*.attention.q_norm", "layers.*.attention.k_norm") if args.qk_norm else ()))
+    if not args.is_moe:
+        return dense
+    linears = {k: v for k, v in dense.linears.items() if ".feed_forward." not in v}
+    if args.n_shared_experts:
+        linears.update({"shared_experts.gate_proj": "layers.*.feed_forward.shared_experts.w1",
+                        "shared_experts.up_proj": "layers.*.feed_forward.shared_experts.w3",
+                        "shared_experts.down_proj": "layers.*.feed_forward.shared_experts.w2"})
+    experts = "layers.*.feed_forward.experts"
+    return AdapterLayout(linears=linears, embeddings=dense.embeddings, norms=dense.norms,
+                         experts={"experts.gate_up_proj": experts, "experts.down_proj": experts})
+
+
+def pattern_matches(pattern: str, name: str) -> bool:
+    """A module-name pattern: `*` matches one dotted component."""
+    p, n = pattern.split("."), name.split(".")
+    return len(p) == len(n) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(n, p))
+
+
+def layout_of(model: Any) -> AdapterLayout:
+    layout = (model if isinstance(model, ModelShape) else contract_of(model)).adapter_layout()
+    if layout is None:
+        raise ValueError(f"peft: {type(model).__name__} declares no adapter layout (which linear layers LoRA "
+                         "may adapt): remove the peft section or use a dense Llama preset")
+    return layout
+
+
+def resolve_roles(layout: AdapterLayout, target_modules: list[str]) -> list[str]:
+    """The roles `target_modules` names (in the layout's order: linears, then experts); ValueError naming a
+    pattern that matches none."""
+    roles = [*layout.linears, *layout.experts]
+    for pat in target_modules:
+        if not fnmatch.filter(roles, pat):
+            raise ValueError(f"peft.target_modules: {pat!r} matches none of this model's linear layers "
+                             f"({', '.join(roles)}); use those names or a pattern such as '*_proj'")
+    return [r for r in roles if any(fnmatch.fnmatchcase(r, p) for p in target_modules)]
+
+
+def check_targets(model: Any, pcfg: Any) -> None:
+    """What `apply_lora` would refuse, without changing the model (ValueError, one line)."""
+    layout = layout_of(model)
+    experts = [r for r in resolve_roles(layout, list(pcfg.target_modules)) if r in layout.experts]
+    if experts and pcfg.dropout > 0:
+        raise ValueError(f"peft.dropout={pcfg.dropout} with expert adapters ({', '.join(experts)}): dropout cannot "
+                         "be applied to a per-expert weight delta; set peft.dropout=0 or leave the experts out of "
+                         "peft.target_modules")
+
+
+def target_module_names(model: Any, pcfg: Any) -> list[str]:
+    """Dotted names of the linear modules `pcfg.target_modules` selects, in module order."""
+    layout = layout_of(model)
+    patterns = [layout.linears[r] for r in resolve_roles(layout, list(pcfg.target_modules)) if r in layout.linears]
+    return [n for n, _ in model.named_modules() if n and any(pattern_matches(p, n) for p in patterns)]
+
 
 
 def describe(args: ModelArgs) -> ModelShape:

@@ -1,7 +1,7 @@
 """`meshforge plan`: memory per rank, communication, compute and step time of a config, without processes.
 
 State (params, grads, optimizer) is computed per parameter from the model's description
-(`models.plan_modules`: torch-free for the built-in models, the meta-device model for hf_model and LoRA; one block
+(`models.plan_modules`: torch-free for the built-in models, LoRA included; the meta-device model for hf_model; one block
 stands in for every block), its tensor-parallel plan, its pipeline split and
 the strategy's storage rules, so it equals what the bench counts (`bench/measure.py`):
   fsdp2        each parameter's local (TP) tensor sharded on dim 0 over dp_shard*cp, padded to a multiple of
@@ -61,15 +61,14 @@ class ParamRec:
 
 def model_params(cfg) -> tuple[list[ParamRec], object]:
     """Every parameter of the configured built-in model (tied weights once), from its meta description."""
-    from meshforge.models import meta_modules, plan_modules, resolve_model_args
+    from meshforge.models import plan_modules, resolve_model_args
     from meshforge.models.shapes import ADAPTER_PARTS, is_adapter_param
     from meshforge.planning.tp_plan import model_contract, resolve_plan, sharded_dim
 
     args = resolve_model_args(cfg.model)
-    if cfg.peft is not None:  # LoRA wraps real modules: the meta-device model (imports torch)
-        one, modules = _with_lora(*meta_modules(cfg.model), cfg.peft)
-    else:  # torch-free for the built-in models (models/shapes.py)
-        one, modules = plan_modules(cfg.model)
+    one, modules = plan_modules(cfg.model)  # torch-free for the built-in models (models/shapes.py)
+    if cfg.peft is not None:
+        one, modules = _with_lora(one, modules, cfg.peft)
     contract = model_contract(one)
     layout = contract.pipeline_layout()
     container = layout.split_points[0].rpartition(".")[0] if layout else None
@@ -111,7 +110,13 @@ def model_params(cfg) -> tuple[list[ParamRec], object]:
 def _with_lora(one, modules: dict, peft):
     """The one-block meta model with LoRA applied (adapters on the targeted linears, the freeze policy) and
     the whole model's {name: module} rebuilt from it, each block's modules standing in for every block's."""
-    from meshforge.models.lora import apply_lora
+    from meshforge.models.shapes import ModelShape
+    from meshforge.models.shapes import apply_lora as apply_to_description
+
+    if isinstance(one, ModelShape):
+        apply_lora = apply_to_description  # the same adapters and freeze policy, without torch
+    else:
+        from meshforge.models.lora import apply_lora
 
     names = {id(m): [n for n, mm in modules.items() if mm is m] for m in modules.values()}
     before = dict(one.named_modules())
@@ -435,10 +440,10 @@ def _lora_profile(cfg, args) -> tuple | None:
         return None
     key = (cfg.model.model_dump_json(), tuple(cfg.peft.target_modules))
     if key not in _ROLES:
-        from meshforge.models import meta_modules
-        from meshforge.models.lora import layout_of, resolve_roles
+        from meshforge.models import plan_modules
+        from meshforge.models.shapes import layout_of, resolve_roles
 
-        _ROLES[key] = frozenset(resolve_roles(layout_of(meta_modules(cfg.model)[0]), list(cfg.peft.target_modules)))
+        _ROLES[key] = frozenset(resolve_roles(layout_of(plan_modules(cfg.model)[0]), list(cfg.peft.target_modules)))
     roles = _ROLES[key]
     if not roles <= set(LORA_ROLES):
         return None
