@@ -3,9 +3,10 @@ parameter shapes, tied weights and the declared plans, for the process-free plan
 validation's TP check), which must not pay torch's import (seconds) to list a 70B model's parameters.
 
 `describe(args)` mirrors the modules' constructors one for one (same names, same order, same shapes, tied weights
-as one shared `ParamShape`), and the declared plans and FLOPs live here, the models' contract methods returning
-them; tests/unit/test_model_shapes.py checks every preset against the meta-device model. A change to a model's
-constructor must be made here too (that test fails until it is).
+as one shared `ParamShape`) and `apply_lora` mirrors models/lora.py's; the declared TP plans, adapter layouts and
+FLOPs live here, the models' contract methods returning them. tests/unit/test_model_shapes.py checks every preset
+(and LoRA on them) against the meta-device model: a change to a model's constructor must be made here too (that
+test fails until it is).
 """
 
 from __future__ import annotations
