@@ -32,6 +32,7 @@ from meshforge.models.protocol import InitSpec, set_submodule
 # torch-free (the planner reads them without torch): re-exported here
 from meshforge.models.shapes import (  # noqa: F401
     ADAPTER_PARTS,
+    apply_freeze,
     check_targets,
     is_adapter_param,
     layout_of,
@@ -109,15 +110,7 @@ def apply_lora(model: nn.Module, pcfg: Any) -> list[str]:
                 if name and pattern_matches(layout.experts[role], name):
                     m.add_lora(role, pcfg.rank, pcfg.alpha)
                     names.append(f"{name}.{role}")
-    train = []
-    if "embeddings" not in pcfg.freeze:
-        train += list(layout.embeddings)
-    if "norms" not in pcfg.freeze:
-        train += list(layout.norms)
-    trainable_modules = [n for n, _ in model.named_modules() if n and any(pattern_matches(p, n) for p in train)]
-    for pname, p in model.named_parameters(remove_duplicate=False):
-        module = pname.rpartition(".")[0]
-        p.requires_grad_(is_adapter_param(pname) or module in trainable_modules)
+    apply_freeze(model, layout, pcfg)
     return names
 
 

@@ -179,6 +179,13 @@ def apply_lora(model: ModelShape, pcfg: Any) -> list[str]:
                                "lora_B": ModuleShape("_Factor", {"weight": ParamShape((n, out_f, r))})}
                     _set_child(m, f"adapters.{role.rpartition('.')[2]}", ModuleShape("ExpertLoRA", children=factors))
                     names.append(f"{name}.{role}")
+    apply_freeze(model, layout, pcfg)
+    return names
+
+
+def apply_freeze(model, layout: AdapterLayout, pcfg) -> None:
+    """The freeze policy, on a real model or its description: only adapters, plus the embeddings/norms the user
+    took out of `peft.freeze`, keep requires_grad."""
     train = []
     if "embeddings" not in pcfg.freeze:
         train += list(layout.embeddings)
@@ -187,7 +194,6 @@ def apply_lora(model: ModelShape, pcfg: Any) -> list[str]:
     trainable_modules = [n for n, _ in model.named_modules() if n and any(pattern_matches(p, n) for p in train)]
     for pname, p in model.named_parameters(remove_duplicate=False):
         p.requires_grad = is_adapter_param(pname) or pname.rpartition(".")[0] in trainable_modules
-    return names
 
 
 def adapter_layout(args: ModelArgs) -> AdapterLayout:
