@@ -27,7 +27,8 @@ from torch import nn
 
 from meshforge.models import HF_PREFIX as PREFIX  # the wrapper keeps the transformers model at `.hf`
 from meshforge.models.presets import ModelArgs
-from meshforge.models.protocol import InitSpec
+from meshforge.models.protocol import InitSpec, Undeclared
+from meshforge.models.shapes import pattern_matches
 
 # transformers' tp styles -> meshforge's (models/protocol.py); gather-output and embedding styles only where
 # the module is the output head / input embedding (meshforge's vocabulary-parallel loss and embedding)
@@ -123,8 +124,9 @@ def build_hf_model(args: ModelArgs) -> HFCausalLM:
     return HFCausalLM(inner, args.hf_model)
 
 
-class HFCausalLM(nn.Module):
-    """A transformers `PreTrainedModel` (for causal LM) implementing the model contract."""
+class HFCausalLM(Undeclared, nn.Module):
+    """A transformers `PreTrainedModel` (for causal LM) implementing the model contract: blocks, its own TP
+    plan, initialisation and FLOPs declared; no pipeline split, CP, MoE layers, LoRA layout or fused loss."""
 
     def __init__(self, inner: nn.Module, source: str):
         super().__init__()
@@ -150,7 +152,7 @@ class HFCausalLM(nn.Module):
         head, emb = self.hf.get_output_embeddings(), self.hf.get_input_embeddings()
         out = {}
         for pattern, style in plan.items():
-            mods = [m for n, m in self.hf.named_modules() if n and _matches(pattern, n)]
+            mods = [m for n, m in self.hf.named_modules() if n and pattern_matches(pattern, n)]
             if style in _TP_STYLES:
                 out[PREFIX + pattern] = _TP_STYLES[style]
             elif style in _HEAD_STYLES and mods and all(m is head for m in mods):
@@ -162,15 +164,6 @@ class HFCausalLM(nn.Module):
                                  f"{style!r}, which meshforge cannot map (it maps colwise, rowwise, replicate, "
                                  "the output head's gather and the embedding's rowwise): set distributed.tp_size 1")
         return out
-
-    def pipeline_layout(self) -> None:
-        return None
-
-    def attention_slots(self) -> list[str]:
-        return []
-
-    def moe_layers(self) -> list[nn.Module]:
-        return []
 
     def init_spec(self, name: str) -> InitSpec:
         """Linear and Embedding weights normal(initializer_range), their biases zero; any other parameter takes
@@ -201,18 +194,6 @@ class HFCausalLM(nn.Module):
         raise ValueError(f"{type(self.hf).__name__} (model.hf_model) keeps transformers' own names: "
                          "`meshforge checkpoint export` writes it with save_pretrained")
 
-    def adapter_layout(self) -> None:
-        return None
-
-    def set_fused_loss(self, enabled: bool) -> bool:
-        return not enabled  # forward returns logits
-
-
-def _matches(pattern: str, name: str) -> bool:
-    import fnmatch
-
-    p, n = pattern.split("."), name.split(".")
-    return len(p) == len(n) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(n, p, strict=True))
 
 
 _CONSTANTS: dict[tuple[type, str], InitSpec | None] = {}

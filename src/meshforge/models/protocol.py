@@ -113,7 +113,31 @@ class ModelContract(Protocol):
     def set_fused_loss(self, enabled: bool) -> bool: ...
 
 
-class ForeignModel:
+class Undeclared:
+    """The contract's optional declarations, all absent: no tensor-parallel plan, no pipeline split, no attention
+    slots (no context parallelism), no MoE layers, no LoRA layout, and forward returns logits (no fused loss).
+    A model that declares some of them overrides those."""
+
+    def tp_plan(self, sequence_parallel: bool = False) -> dict[str, str] | None:
+        return None
+
+    def pipeline_layout(self) -> None:
+        return None
+
+    def attention_slots(self) -> list[str]:
+        return []
+
+    def moe_layers(self) -> list[nn.Module]:
+        return []
+
+    def adapter_layout(self) -> None:
+        return None
+
+    def set_fused_loss(self, enabled: bool) -> bool:
+        return not enabled  # its forward returns logits: it cannot hand the loss its head's input
+
+
+class ForeignModel(Undeclared):
     """The contract of an `nn.Module` meshforge did not define: blocks found, nothing else declared."""
 
     def __init__(self, model: nn.Module):
@@ -128,18 +152,6 @@ class ForeignModel:
         largest = max(containers, key=lambda c: sum(p.numel() for p in c.parameters()))
         return list(largest.values()) if isinstance(largest, nn.ModuleDict) else list(largest)
 
-    def tp_plan(self, sequence_parallel: bool = False) -> None:
-        return None
-
-    def pipeline_layout(self) -> None:
-        return None
-
-    def attention_slots(self) -> list[str]:
-        return []
-
-    def moe_layers(self) -> list[nn.Module]:
-        return []
-
     def init_spec(self, name: str) -> InitSpec:
         raise ValueError(f"{type(self.model).__name__} declares no initialisation: initialise it yourself")
 
@@ -148,12 +160,6 @@ class ForeignModel:
 
     def state_dict_adapter(self) -> StateDictAdapter:
         raise ValueError(f"{type(self.model).__name__} has no Hugging Face state-dict adapter")
-
-    def adapter_layout(self) -> None:
-        return None
-
-    def set_fused_loss(self, enabled: bool) -> bool:
-        return not enabled  # its forward returns logits: it cannot hand the loss its head's input
 
 
 def contract_of(model: nn.Module) -> ModelContract:

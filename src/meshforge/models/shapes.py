@@ -12,6 +12,7 @@ test fails until it is).
 from __future__ import annotations
 
 import fnmatch
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -221,8 +222,9 @@ def adapter_layout(args: ModelArgs) -> AdapterLayout:
                          experts={"experts.gate_up_proj": experts, "experts.down_proj": experts})
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a 70B model's ~1000 module names x a plan's patterns, checked often
 def pattern_matches(pattern: str, name: str) -> bool:
-    """A module-name pattern: `*` matches one dotted component."""
+    """A module-name pattern (the model contract's, TP plans', LoRA's): `*` matches one dotted component."""
     p, n = pattern.split("."), name.split(".")
     return len(p) == len(n) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(n, p))
 

@@ -18,14 +18,12 @@ validation, not as an opaque DTensor assertion in the first step.
 
 from __future__ import annotations
 
-import fnmatch
-import functools
 import re
 
 from typing import Any
 
 from meshforge.models import contract_of, plan_modules
-from meshforge.models.shapes import ModelShape, ModuleShape
+from meshforge.models.shapes import ModelShape, ModuleShape, pattern_matches
 
 SHARDED_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_output")
 ALL_STYLES = SHARDED_STYLES + ("sequence_parallel", "sequence_gather", "replicate")
@@ -52,12 +50,6 @@ def _kind(mod: Any) -> str | None:
 
 def _type_name(mod: Any) -> str:
     return mod.kind if isinstance(mod, ModuleShape) else type(mod).__name__
-
-
-@functools.lru_cache(maxsize=1 << 16)  # a 70B model's ~1000 module names x the plan's patterns, checked often
-def pattern_matches(pattern: str, name: str) -> bool:
-    p, n = pattern.split("."), name.split(".")
-    return len(p) == len(n) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(n, p))
 
 
 def _expand(modules: dict[str, Any], plan: dict[str, str]) -> tuple[dict[str, str], list[str]]:
