@@ -55,6 +55,32 @@ def _adapter(model, where: Path):
 
 
 # --------------------------------------------------------------------------------- export
+def staging_dir(out_dir: Path) -> Path:
+    """An empty `<out_dir>.partial` to write an export into (`publish_dir` then puts it in place whole)."""
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def publish_dir(tmp: Path, out_dir: Path) -> None:
+    """Replace `out_dir` by the finished staging folder (a reader never sees a half-written export)."""
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+
+
+@torch.no_grad()
+def copy_param(p: torch.Tensor, t: torch.Tensor) -> None:
+    """A full tensor into a parameter: a DTensor takes its own shard (no collective: every rank holds `t`), a
+    plain one through `write_param` (bf16_params: into the fp32 master, unrounded)."""
+    if isinstance(p, DTensor):
+        local = distribute_tensor(t.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
+        p.to_local().copy_(local.to_local())
+    else:
+        write_param(p, t)
+
+
 def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, shard_mb: int = 2048) -> dict:
     """Write a meshforge DCP checkpoint's model as HF safetensors + config.json; returns a summary."""
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
@@ -87,9 +113,7 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, shard_mb: int =
             else:
                 shards[-1].setdefault(ours, [unit[0], unit[0]])[1] = unit[1]
             size += nbytes
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = staging_dir(out_dir)
     n = len(shards)
     weight_map = {}
     for i, group in enumerate(track(shards, "export: safetensors files")):
@@ -130,9 +154,7 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, shard_mb: int =
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total, "meshforge_step": manifest["step"]}, "weight_map": weight_map},
             indent=2))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+    publish_dir(tmp, out_dir)
     return {"files": n, "tensors": len(weight_map), "bytes": total, "dir": str(out_dir),
             "tokenizer": tokenizer is not None}
 
@@ -166,9 +188,7 @@ def export_hf_model(ckpt_dir: Path, out_dir: Path, manifest: dict, shard_mb: int
     except DCP_ERRORS as err:
         raise CheckpointError(f"{ckpt_dir}: DCP load failed: {dcp_error_line(err)}") from None
     model.load_state_dict({k: state[f"model.{HF_PREFIX}{k}"] for k in own}, strict=True)
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = staging_dir(out_dir)
     tokenizer = copy_tokenizer(manifest.get("tokenizer"), tmp)
     for key, value in (tokenizer or {}).items():  # bos/eos from the run's tokenizer where the model has none
         for cfg in (model.config, model.generation_config):
@@ -177,9 +197,7 @@ def export_hf_model(ckpt_dir: Path, out_dir: Path, manifest: dict, shard_mb: int
     model.save_pretrained(str(tmp), max_shard_size=f"{shard_mb}MB")
     for f in tmp.iterdir():
         follow_umask(f)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+    publish_dir(tmp, out_dir)
     files = sorted(out_dir.glob("*.safetensors"))
     written = {}
     for f in files:
@@ -402,12 +420,7 @@ def load_hf_into(model, hf_dir: str | Path, progress: bool = False) -> list[str]
             raise CheckpointError(f"model.init_from: parameter {ours} has no storage of its own here (the strategy "
                                   "keeps it in a flat buffer, e.g. megatron_fsdp): import with `meshforge checkpoint "
                                   "import` and start from it with checkpoint.resume instead")
-        t = adapter.from_hf(ours, {n: whole(n) for n in theirs})
-        if isinstance(p, DTensor):
-            local = distribute_tensor(t.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
-            p.to_local().copy_(local.to_local())
-        else:
-            write_param(p, t)  # bf16_params: into the fp32 master, unrounded
+        copy_param(p, adapter.from_hf(ours, {n: whole(n) for n in theirs}))
     return read_whole
 
 

@@ -24,19 +24,15 @@ targeted parameter in the module's parameter order, the inner one's keys under `
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
-from meshforge.checkpoint.files import DCP_ERRORS, MANIFEST, dcp_error_line, dcp_tensor_shapes
-from meshforge.checkpoint.hf import _adapter, load_hf_into
-from meshforge.distributed.master_weights import write_param
+from meshforge.checkpoint.files import DCP_ERRORS, MANIFEST, dcp_error_line, dcp_load, dcp_tensor_shapes
+from meshforge.checkpoint.hf import _adapter, copy_param, load_hf_into, publish_dir, staging_dir
 from meshforge.errors import CheckpointError
 from meshforge.models import ModelArgs, build_model, init_weights, resolve_model_args
 from meshforge.models.lora import (
@@ -166,24 +162,20 @@ def _load_tensors(ckpt_dir: Path, targets: dict[str, torch.Tensor]) -> None:
         if f"model.{k}" not in shapes or tuple(shapes[f"model.{k}"][0]) != tuple(t.shape):
             raise CheckpointError(f"{ckpt_dir}: tensor {k} {tuple(t.shape)} is not in the checkpoint as expected")
     try:
-        dcp.load({f"model.{k}": t for k, t in targets.items()}, checkpoint_id=str(ckpt_dir), no_dist=True)
+        dcp_load({f"model.{k}": t for k, t in targets.items()}, ckpt_dir, no_dist=True)
     except DCP_ERRORS as err:
         raise CheckpointError(f"{ckpt_dir}: DCP load failed: {dcp_error_line(err)}") from None
 
 
 def _write_dir(out_dir: Path, files: dict[str, dict | str]) -> None:
     """Write {name: tensors dict (safetensors) | text} into `out_dir` atomically (a .partial, then a rename)."""
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = staging_dir(out_dir)
     for name, content in files.items():
         if isinstance(content, str):
             (tmp / name).write_text(content)
         else:
             save_file(content, str(tmp / name), metadata={"format": "pt"})
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+    publish_dir(tmp, out_dir)
 
 
 def export_adapter(ckpt_dir: str | Path, out_dir: str | Path) -> dict:
@@ -266,11 +258,7 @@ def _copy_into(p: torch.Tensor, t: torch.Tensor, key: str, name: str, where: Pat
     if tuple(t.shape) != tuple(p.shape):
         raise CheckpointError(f"{where / ADAPTER_WEIGHTS}: {key} has shape {tuple(t.shape)} but {name} has "
                               f"{tuple(p.shape)}")
-    if isinstance(p, DTensor):
-        local = distribute_tensor(t.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
-        p.to_local().copy_(local.to_local())
-    else:
-        write_param(p, t)  # bf16_params: into the fp32 master, unrounded
+    copy_param(p, t)
 
 
 @torch.no_grad()

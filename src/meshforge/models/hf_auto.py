@@ -58,6 +58,12 @@ def has_weights(path: str | Path) -> bool:
     return p.is_dir() and (any((p / f).is_file() for f in WEIGHT_FILES) or any(p.glob("*.safetensors")))
 
 
+def _first_line(err: BaseException) -> str:
+    """transformers' error, as the one line a refusal quotes (its type when it says nothing)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 @functools.lru_cache(maxsize=16)
 def _config(path: str, mtime: float):
     p = Path(path)
@@ -68,8 +74,7 @@ def _config(path: str, mtime: float):
     try:
         return t.AutoConfig.from_pretrained(str(p))
     except (ValueError, KeyError, OSError, json.JSONDecodeError) as err:
-        msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"model.hf_model={path}: transformers cannot read its config ({msg})") from None
+        raise ValueError(f"model.hf_model={path}: transformers cannot read its config ({_first_line(err)})") from None
 
 
 def hf_config(path: str | Path):
@@ -113,9 +118,8 @@ def build_hf_model(args: ModelArgs) -> HFCausalLM:
         inner = t.AutoModelForCausalLM.from_config(hf_config(args.hf_model), attn_implementation="sdpa",
                                                    dtype=torch.float32)
     except (ValueError, KeyError, ImportError) as err:  # e.g. not a causal LM, or no SDPA attention
-        msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"model.hf_model={args.hf_model}: transformers cannot build it as a causal LM with SDPA "
-                         f"attention ({msg})") from None
+                         f"attention ({_first_line(err)})") from None
     open_ = sorted({type(m).__name__ for m in inner.modules() if getattr(m, "is_causal", True) is False})
     if open_:  # e.g. BERT without is_decoder: every token would see the ones it is trained to predict
         raise ValueError(f"model.hf_model={args.hf_model}: {type(inner).__name__}'s {open_[0]} attends to later "

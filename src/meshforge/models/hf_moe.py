@@ -96,7 +96,7 @@ class MoEStateDictAdapter(DenseStateDictAdapter):
         m = _EXPERT.match(name)
         if not m or m[3] is None:
             return super().to_hf(name, tensor)
-        return {theirs: tensor[e].t().contiguous() for e, theirs in enumerate(self.hf_names(name))}
+        return self.to_hf_experts(name, 0, tensor)
 
     def to_hf_experts(self, name: str, first: int, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         """Experts first..first+len(tensor)-1 of stacked weight `name` -> their HF tensors (export streams them
