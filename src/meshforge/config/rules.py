@@ -303,7 +303,7 @@ def schedule_and_profiling_steps(cfg: Config, world_size: int) -> list[str]:
     return out
 
 
-_PEFT_STRATEGIES = ("ddp", "fsdp2", "megatron_fsdp")
+PEFT_STRATEGIES = ("ddp", "fsdp2", "megatron_fsdp")
 
 
 @rule
@@ -314,9 +314,9 @@ def peft_composes(cfg: Config, world_size: int) -> list[str]:
     if p is None:
         return []
     out = []
-    if d.strategy not in _PEFT_STRATEGIES:
+    if d.strategy not in PEFT_STRATEGIES:
         out.append(f"peft (LoRA) with distributed.strategy={d.strategy} is not supported yet (frozen base weights "
-                   f"would still take gradient and optimizer memory): use strategy {', '.join(_PEFT_STRATEGIES)}")
+                   f"would still take gradient and optimizer memory): use strategy {', '.join(PEFT_STRATEGIES)}")
     if cfg.checkpoint.save_consolidated:
         out.append("checkpoint.save_consolidated with peft: a LoRA checkpoint holds the adapters only; leave it off "
                    "and run `meshforge checkpoint export --adapter` (PEFT format) or `--merge` (merged HF weights)")

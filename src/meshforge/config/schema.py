@@ -476,8 +476,6 @@ class CheckpointConfig(Section):
 
 
 # -------------------------------------------------------------------------- logging
-LOGGER_NAMES = ("jsonl", "tensorboard", "wandb", "mlflow")
-
 
 class LoggingConfig(Section):
     """Where metrics go (rank 0 only; see training/loggers.py). The old booleans `jsonl: BOOL` and

@@ -221,10 +221,6 @@ class Llama(nn.Module):
         """Training FLOPs per token (models/shapes.py: the planner computes them without building the model)."""
         return shapes.flops_per_token(self.args, seq_len)
 
-    def active_ffn_params_per_layer(self) -> int:
-        a = self.args
-        return 3 * a.dim * a.moe_ffn_dim * (a.top_k + a.n_shared_experts) + a.dim * a.n_experts
-
     def state_dict_adapter(self) -> StateDictAdapter:
         return dense_adapter(self.args)
 

@@ -139,10 +139,8 @@ class GroupedExperts(nn.Module):
     def add_lora(self, role: str, rank: int, alpha: float) -> None:
         """Per-expert adapters on `experts.gate_up_proj` (w1 and w3, fused as HF stores them) or `experts.down_proj`."""
         n, dim, hidden = self.w1.shape
-        shapes = {"experts.gate_up_proj": (dim, 2 * hidden), "experts.down_proj": (hidden, dim)}
-        if role not in shapes:
-            raise ValueError(f"peft: grouped experts have no adapter role {role!r} (only {', '.join(shapes)})")
-        self.adapters[role.rpartition(".")[2]] = ExpertLoRA(n, *shapes[role], rank, alpha, like=self.w1)
+        in_f, out_f = shapes.expert_lora_dims(role, dim, hidden)
+        self.adapters[role.rpartition(".")[2]] = ExpertLoRA(n, in_f, out_f, rank, alpha, like=self.w1)
 
     def _adapted(self, w1, w3, w2):
         """The (local) expert weights plus their adapters' deltas, in this module's (E, in, out) layout."""
@@ -291,8 +289,7 @@ class MoETransformer(Llama):
 
     def active_ffn_params_per_layer(self) -> int:
         """Routed experts a token visits (top_k) + shared experts (hidden moe_ffn_dim * n_shared) + router."""
-        a = self.args
-        return 3 * a.dim * a.moe_ffn_dim * (a.top_k + a.n_shared_experts) + a.dim * a.n_experts
+        return shapes.active_ffn_params_per_layer(self.args)
 
     def total_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -150,6 +150,14 @@ def _set_child(root: ModuleShape, name: str, mod: ModuleShape) -> None:
     setattr(owner, child, mod)
 
 
+def expert_lora_dims(role: str, dim: int, hidden: int) -> tuple[int, int]:
+    """(in, out) features of a per-expert adapter role on grouped experts (w1 and w3 fused as HF stores them)."""
+    dims = {"experts.gate_up_proj": (dim, 2 * hidden), "experts.down_proj": (hidden, dim)}
+    if role not in dims:
+        raise ValueError(f"peft: grouped experts have no adapter role {role!r} (only {', '.join(dims)})")
+    return dims[role]
+
+
 def apply_lora(model: ModelShape, pcfg: Any) -> list[str]:
     """models/lora.py's `apply_lora` on the description: each targeted Linear becomes a LoRALinear (its base
     weight and bias, then lora_A (rank x in), lora_B (out x rank), lora_dropout), targeted grouped experts get
@@ -171,11 +179,7 @@ def apply_lora(model: ModelShape, pcfg: Any) -> list[str]:
             for name, m in list(model.named_modules()):
                 if name and pattern_matches(layout.experts[role], name):
                     n, dim, hidden = m.params["w1"].shape
-                    shapes = {"experts.gate_up_proj": (dim, 2 * hidden), "experts.down_proj": (hidden, dim)}
-                    if role not in shapes:
-                        raise ValueError(f"peft: grouped experts have no adapter role {role!r} (only "
-                                         f"{', '.join(shapes)})")
-                    in_f, out_f = shapes[role]
+                    in_f, out_f = expert_lora_dims(role, dim, hidden)
                     factors = {"lora_A": ModuleShape("_Factor", {"weight": ParamShape((n, r, in_f))}),
                                "lora_B": ModuleShape("_Factor", {"weight": ParamShape((n, out_f, r))})}
                     _set_child(m, f"adapters.{role.rpartition('.')[2]}", ModuleShape("ExpertLoRA", children=factors))

@@ -35,7 +35,7 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from meshforge.config.rules import fused_loss_on
+from meshforge.config.rules import PEFT_STRATEGIES, fused_loss_on
 from meshforge.planning.hardware import Device
 from meshforge.planning.layout import Layout, MeshAxis
 from meshforge.planning.theory import textbook_bubble
@@ -118,7 +118,9 @@ def _with_lora(one, modules: dict, peft):
     else:
         from meshforge.models.lora import apply_lora
 
-    names = {id(m): [n for n, mm in modules.items() if mm is m] for m in modules.values()}
+    names: dict[int, list[str]] = {}  # each module object -> every name it stands under
+    for n, m in modules.items():
+        names.setdefault(id(m), []).append(n)
     before = dict(one.named_modules())
     apply_lora(one, peft)
     out = {}
@@ -249,7 +251,7 @@ def _refuse_uncounted(params: list[ParamRec], cfg, layout: Layout) -> None:
 
     if all(p.trainable for p in params):
         return
-    if cfg.distributed.strategy not in ("ddp", "fsdp2", "megatron_fsdp"):
+    if cfg.distributed.strategy not in PEFT_STRATEGIES:
         raise ConfigError(f"meshforge plan does not count frozen (LoRA) parameters under distributed.strategy="
                           f"{cfg.distributed.strategy}: plan with strategy ddp, fsdp2 or megatron_fsdp")
 
@@ -824,8 +826,6 @@ def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: floa
          params: list[ParamRec] | None = None, args=None, state_cache: dict | None = None) -> Plan:
     """The plan of `cfg` on `world_size` devices like `device` (`params`/`args` from `model_params` and a
     `state_cache` dict let a search share the work between candidates)."""
-    from meshforge.models import build_model
-
     d, t = cfg.distributed, cfg.training
     layout = Layout.from_sizes(world_size, tp=d.tp_size, pp=d.pp_size, cp=d.cp_size, ep=d.ep_size,
                                dp=d.dp_size, dp_replicate=d.dp_replicate_size)
@@ -866,14 +866,14 @@ def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: floa
             alive, in_flight = _alive_peak(pplan.schedule, layout.pp, c[MeshAxis.PP], pplan.n_microbatches,
                                            weights)
         else:
-            acts = activation_bytes(args, cfg, layout, args.n_layers, True, True)
+            acts = dict(acts_of(args.n_layers, True, True))
             in_flight, alive = 1, acts["total"]
         peak = parts.total + parts.buffers + alive + acts["recompute"]
         ranks.append(RankPlan(r, parts, acts, in_flight, peak))
     comm = comm_per_step(params, args, cfg, layout)
     secs = {key: _comm_seconds(key, n, layout, device, gpus_per_node) for key, n in comm.items()}
     comm_s = sum(secs.values())
-    model_fpt = _flops_per_token(args, t.seq_len, build_model)
+    model_fpt = _flops_per_token(args, t.seq_len)
     tokens = t.global_batch_size * t.seq_len
     recompute = {None: 1.0, "full": 4 / 3, "selective": 1.05}[d.ac_mode]
     compute_s = tokens * model_fpt * recompute / world_size / (device.peak_tflops * 1e12 * mfu)
@@ -919,16 +919,18 @@ def _n_params(params: list[ParamRec]) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _flops_per_token(args, seq_len: int, build_model) -> float:
-    """The model contract's FLOPs per token, from a one-block meta model scaled to the real depth (FLOPs are
-    affine in the number of layers: the output head once, the rest per layer)."""
-    from meshforge.models import contract_of
-    from meshforge.models.shapes import describe
+def _flops_per_token(args, seq_len: int) -> float:
+    """The model contract's FLOPs per token: a built-in model's closed form (models/shapes.py, what the model
+    itself answers); an hf_model's from a one-block meta model scaled to the real depth (FLOPs are affine in the
+    number of layers: the output head once, the rest per layer)."""
+    from meshforge.models import shapes
+
+    if not args.hf_model:
+        return shapes.flops_per_token(args, seq_len)
+    from meshforge.models import build_model, contract_of
 
     one = dataclasses.replace(args, n_layers=1)
-    # a built-in model's contract answers from its torch-free description (models/shapes.py); hf_model's from meta
-    model = contract_of(build_model(one, device="meta")) if args.hf_model else describe(one)
-    per_layer = model.flops_per_token(seq_len) - _head_flops(one)
+    per_layer = contract_of(build_model(one, device="meta")).flops_per_token(seq_len) - _head_flops(one)
     return _head_flops(args) + args.n_layers * per_layer
 
 
