@@ -104,7 +104,8 @@ class ExampleSource:
                 self.docs[r, at:at + len(ids)] = d
                 at += len(ids)
             self.docs[r, at:] = len(row)  # padding: a document of its own
-        h.update(self.tokens.tobytes() + self.masks.tobytes() + self.docs.tobytes())
+        for a in (self.tokens, self.masks, self.docs):  # the arrays' own buffers: no copy of the data set
+            h.update(a)
         self.num_samples = len(rows)
         self._digest = h.hexdigest()[:16]
 

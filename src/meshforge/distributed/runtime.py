@@ -61,17 +61,13 @@ class ParallelModel:
         every rank)."""
         model = self.model
         n = len(micro_batches)
-        micro_batches = [tuple(t.to(self.device, non_blocking=True) for t in mb) for mb in micro_batches]
+        micro_batches = self._to_device(micro_batches)
         count = self.global_label_count([mb[1] for mb in micro_batches])
         scale = self.mesh_ctx.size("dp_cp") / count
         total = torch.zeros((), device=self.device)
-        for i, (x, y, *docs) in enumerate(micro_batches):
-            positions = packed_positions(docs[0]) if docs else None
-            if self.batch_transform is not None:
-                x, y, positions, *docs = self.batch_transform(x, y, positions, *docs)
+        for i, mb in enumerate(micro_batches):
             with self.strategy.micro_step(model, is_last=i == n - 1):
-                with self.autocast():
-                    out = self._forward(model, x, positions, docs)
+                out, y = self._forward(model, mb)
                 with self.loss_context():
                     parts = lm_loss(out, y)
                     loss = parts.ce_sum * scale
@@ -86,26 +82,30 @@ class ParallelModel:
     def evaluate(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward only (validation): (cross-entropy sum, label count) of the global batch, the same on every
         rank. Touches no gradient, optimizer or RNG state."""
-        micro_batches = [tuple(t.to(self.device, non_blocking=True) for t in mb) for mb in micro_batches]
+        micro_batches = self._to_device(micro_batches)
         count = self.global_label_count([mb[1] for mb in micro_batches], clamp=False)
         total = torch.zeros((), device=self.device)
-        for x, y, *docs in micro_batches:
-            positions = packed_positions(docs[0]) if docs else None
-            if self.batch_transform is not None:
-                x, y, positions, *docs = self.batch_transform(x, y, positions, *docs)
-            with self.autocast():
-                out = self._forward(self.model, x, positions, docs)
+        for mb in micro_batches:
+            out, y = self._forward(self.model, mb)
             with self.loss_context():
                 total += lm_loss(out, y).ce_sum.detach().float()
         return self.reduce_loss(total, torch.ones((), device=self.device)), count
 
-    @staticmethod
-    def _forward(model, x, positions, docs):
-        """The model on one micro batch; packed sequences (`docs`: their document ids) get positions that restart
-        per document and a document mask (config rules refuse packing with pp)."""
-        if docs:
-            return model(x, positions, docs[0])
-        return model(x) if positions is None else model(x, positions)
+    def _to_device(self, micro_batches: list[tuple[torch.Tensor, ...]]) -> list[tuple[torch.Tensor, ...]]:
+        return [tuple(t.to(self.device, non_blocking=True) for t in mb) for mb in micro_batches]
+
+    def _forward(self, model, micro_batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the model's output, the labels it answers) on one micro batch `(inputs, labels[, document ids])`, after
+        the batch transform (this rank's cp share); packed sequences (document ids) get positions that restart per
+        document and a document mask (config rules refuse packing with pp)."""
+        x, y, *docs = micro_batch
+        positions = packed_positions(docs[0]) if docs else None
+        if self.batch_transform is not None:
+            x, y, positions, *docs = self.batch_transform(x, y, positions, *docs)
+        with self.autocast():
+            if docs:
+                return model(x, positions, docs[0]), y
+            return (model(x) if positions is None else model(x, positions)), y
 
     def global_label_count(self, labels: list[torch.Tensor], clamp: bool = True) -> torch.Tensor:
         """The global batch's label tokens (fp32, at least 1), from this rank's full-length labels (before any

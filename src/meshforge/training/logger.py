@@ -5,8 +5,7 @@ from __future__ import annotations
 import math
 import sys
 
-import torch.distributed as dist
-
+from meshforge.checkpoint.files import all_gather_object
 from meshforge.errors import ConfigError
 from meshforge.training.loggers import build_loggers, check_extras, run_metadata
 
@@ -74,10 +73,7 @@ class MetricsLogger:
             except Exception as err:  # noqa: BLE001 - any library's failure becomes the one line below
                 first = (str(err).strip().splitlines() or [""])[0][:200]
                 error = f"logging.loggers: a logger could not start ({type(err).__name__}: {first})"
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            errors: list = [None] * dist.get_world_size()
-            dist.all_gather_object(errors, error)
-            error = next((e for e in errors if e), None)
+        error = next((e for e in all_gather_object(error) if e), None)  # every rank stops, or none
         if error:
             self.close()
             raise ConfigError([error])

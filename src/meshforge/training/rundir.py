@@ -31,7 +31,7 @@ from meshforge.errors import ConfigError
 LOCK = ".meshforge.lock"
 
 
-def _writes_checkpoints(cfg) -> bool:
+def writes_checkpoints(cfg) -> bool:
     c = cfg.checkpoint
     return bool(c.interval or c.save_final or c.save_consolidated)
 
@@ -129,7 +129,7 @@ class RunDir:
 
 
 def _writes_output_dir(cfg) -> bool:
-    return bool(cfg.logging.loggers) or cfg.profiling.enabled or _writes_checkpoints(cfg)
+    return bool(cfg.logging.loggers) or cfg.profiling.enabled or writes_checkpoints(cfg)
 
 
 def claim(cfg, info, log=print) -> RunDir:
@@ -137,12 +137,12 @@ def claim(cfg, info, log=print) -> RunDir:
     out = Path(cfg.run.output_dir)
     problems: list[str] = []
     locks: list[Path] = []
-    if _writes_checkpoints(cfg) and (p := _probe(checkpoint_dir(cfg), "checkpoint.dir", info.rank)):
+    if writes_checkpoints(cfg) and (p := _probe(checkpoint_dir(cfg), "checkpoint.dir", info.rank)):
         problems.append(p)
     if info.rank == 0 and _writes_output_dir(cfg) and not problems:
         problem = _probe(out, "run.output_dir", 0)
         ck = checkpoint_dir(cfg)
-        outside = _writes_checkpoints(cfg) and not ck.resolve().is_relative_to(out.resolve())
+        outside = writes_checkpoints(cfg) and not ck.resolve().is_relative_to(out.resolve())
         for where in [out, ck] if outside else [out]:  # a checkpoint.dir of its own is locked too
             if problem is None:
                 problem, note = _take_lock(where)

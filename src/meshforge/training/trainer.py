@@ -148,7 +148,7 @@ class Trainer:
     # ------------------------------------------------------------------ the run
     def _open_checkpoints(self) -> CheckpointManager | None:
         c = self.cfg.checkpoint
-        wanted = c.interval or c.save_final or c.save_consolidated or c.resume not in (None, "auto")
+        wanted = rundir.writes_checkpoints(self.cfg) or c.resume not in (None, "auto")
         if not (wanted or (c.resume == "auto" and has_checkpoint(self.cfg))):
             return None
         ckpt = CheckpointManager(self.cfg, self.mesh_ctx, self.info)
