@@ -13,22 +13,35 @@ import numpy as np
 import torch
 
 
-class ShardedBatchLoader:
-    def __init__(self, source, global_batch_size: int, micro_batch_size: int, dp_rank: int = 0,
-                 dp_size: int = 1, seed: int = 0, shuffle: bool = True):
+class BatchGeometry:
+    """A global batch of G sequences, data-parallel rank r's contiguous slice [r*G/D, (r+1)*G/D) of it, split
+    into micro batches of m: the sizes every loader checks and shares."""
+
+    def __init__(self, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int):
         if global_batch_size % (micro_batch_size * dp_size):
             raise ValueError(f"global_batch_size={global_batch_size} is not divisible by micro_batch_size*dp_size = "
                              f"{micro_batch_size}*{dp_size}")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} outside dp_size={dp_size}")
-        self.source, self.G, self.m = source, global_batch_size, micro_batch_size
-        self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
-        self.step = 0
-        self._perm_epoch, self._perm = -1, None
+        self.G, self.m, self.dp_rank, self.dp_size = global_batch_size, micro_batch_size, dp_rank, dp_size
 
     @property
     def accum_steps(self) -> int:
         return self.G // (self.m * self.dp_size)
+
+    def local_slice(self) -> slice:
+        """This rank's positions in the global batch."""
+        local = self.G // self.dp_size
+        return slice(self.dp_rank * local, (self.dp_rank + 1) * local)
+
+
+class ShardedBatchLoader(BatchGeometry):
+    def __init__(self, source, global_batch_size: int, micro_batch_size: int, dp_rank: int = 0,
+                 dp_size: int = 1, seed: int = 0, shuffle: bool = True):
+        super().__init__(global_batch_size, micro_batch_size, dp_rank, dp_size)
+        self.source, self.seed, self.shuffle = source, seed, shuffle
+        self.step = 0
+        self._perm_epoch, self._perm = -1, None
 
     def _index(self, position: int) -> int:
         n = self.source.num_samples
@@ -52,11 +65,9 @@ class ShardedBatchLoader:
     def batch(self, k: int) -> list[tuple[torch.Tensor, ...]]:
         """This rank's micro batches of global batch k, as (inputs, labels) int64 tensors (plus document ids for
         packed sequences): a pure function of k, so background workers (`data.workers`) can build any of them."""
-        idx = self.global_batch_indices(k)
-        local = self.G // self.dp_size
-        mine = idx[self.dp_rank * local:(self.dp_rank + 1) * local]
+        mine = self.global_batch_indices(k)[self.local_slice()]
         out = []
-        for i in range(0, local, self.m):
+        for i in range(0, len(mine), self.m):
             if hasattr(self.source, "batch"):  # examples with label masks (SFT): (x, y[, document ids])
                 arrays = self.source.batch(mine[i:i + self.m])
                 out.append(tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in arrays))

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from meshforge.data.loader import BatchGeometry
 from meshforge.errors import DataError
 
 
@@ -55,23 +56,16 @@ class StreamingTextSource:
         return h.hexdigest()[:16]
 
 
-class StreamingBatchLoader:
+class StreamingBatchLoader(BatchGeometry):
     """`ShardedBatchLoader`'s interface over a `StreamingTextSource`: batches in stream order, one after another."""
 
     def __init__(self, source: StreamingTextSource, global_batch_size: int, micro_batch_size: int,
                  dp_rank: int = 0, dp_size: int = 1):
-        if global_batch_size % (micro_batch_size * dp_size):
-            raise ValueError(f"global_batch_size={global_batch_size} is not divisible by micro_batch_size*dp_size = "
-                             f"{micro_batch_size}*{dp_size}")
-        self.source, self.G, self.m, self.dp_rank, self.dp_size = source, global_batch_size, micro_batch_size, \
-            dp_rank, dp_size
+        super().__init__(global_batch_size, micro_batch_size, dp_rank, dp_size)
+        self.source = source
         self.step = 0
         self.position = (0, 0, 0, 0)  # (epoch, file, record, token offset) of the next window's first token
         self._reader = None  # (records iterator, pending [(file, record, ids)]) positioned at self.position
-
-    @property
-    def accum_steps(self) -> int:
-        return self.G // (self.m * self.dp_size)
 
     def _window(self) -> np.ndarray:
         """The next window of seq_len + 1 tokens; moves the position seq_len tokens on (the stream wraps)."""
@@ -121,10 +115,9 @@ class StreamingBatchLoader:
             raise RuntimeError(f"a streaming loader reads batches in order: asked for {k}, next is {self.step}")
         seqs = np.stack([self._window() for _ in range(self.G)])
         self.step += 1
-        local = self.G // self.dp_size
-        mine = torch.from_numpy(seqs[self.dp_rank * local:(self.dp_rank + 1) * local])
+        mine = torch.from_numpy(seqs[self.local_slice()])
         return [(mine[i:i + self.m, :-1].contiguous(), mine[i:i + self.m, 1:].contiguous())
-                for i in range(0, local, self.m)]
+                for i in range(0, len(mine), self.m)]
 
     def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return self.batch(self.step)
