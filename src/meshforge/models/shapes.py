@@ -233,8 +233,14 @@ def pattern_matches(pattern: str, name: str) -> bool:
     return len(p) == len(n) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(n, p))
 
 
+def model_contract(model: Any):
+    """The contract the plan reads: a built-in model's torch-free description answers it itself; an nn.Module
+    through `contract_of`."""
+    return model if isinstance(model, ModelShape) else contract_of(model)
+
+
 def layout_of(model: Any) -> AdapterLayout:
-    layout = (model if isinstance(model, ModelShape) else contract_of(model)).adapter_layout()
+    layout = model_contract(model).adapter_layout()
     if layout is None:
         raise ValueError(f"peft: {type(model).__name__} declares no adapter layout (which linear layers LoRA "
                          "may adapt): remove the peft section or use a dense Llama preset")

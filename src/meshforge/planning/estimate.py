@@ -63,7 +63,8 @@ def model_params(cfg) -> tuple[list[ParamRec], object]:
     """Every parameter of the configured built-in model (tied weights once), from its meta description."""
     from meshforge.models import plan_modules, resolve_model_args
     from meshforge.models.shapes import ADAPTER_PARTS, is_adapter_param
-    from meshforge.planning.tp_plan import model_contract, resolve_plan, sharded_dim
+    from meshforge.models.shapes import model_contract
+    from meshforge.planning.tp_plan import resolve_plan, sharded_dim
 
     args = resolve_model_args(cfg.model)
     one, modules = plan_modules(cfg.model)  # torch-free for the built-in models (models/shapes.py)
@@ -363,6 +364,17 @@ def _largest_block(stage, layout) -> int:
     return _memo("largest", stage, (layout.tp, layout.ep), compute)
 
 
+def _megatron_units(stage: list[ParamRec], layout: Layout) -> dict[tuple, list[int]]:
+    """{(block, trainable): local element counts}: megatron_fsdp's flat buffers per unit, trainable and frozen
+    parameters (LoRA) each in their own; memoised per parameter list (the search asks for every candidate)."""
+    def compute():
+        units: dict = {}
+        for p in stage:
+            units.setdefault((p.block, p.trainable), []).append(math.prod(_local_shape(p, layout)))
+        return units
+    return _memo("mfsdp", stage, (layout.tp, layout.ep), compute)
+
+
 def _megatron(stage, cfg, layout, c, out: Parts) -> None:
     mode = cfg.distributed.options.sharding_strategy
     world, rank = (layout.size("dp_cp"), c[MeshAxis.DP_CP]) if layout.world_size > 1 else (1, 0)
@@ -370,9 +382,7 @@ def _megatron(stage, cfg, layout, c, out: Parts) -> None:
     compute_b = 2 if cuda else F32
     fp32_reduce = cfg.distributed.options.grad_reduce_in_fp32 is not False
     reduce_b = F32 if fp32_reduce else compute_b
-    units: dict = {}  # per FSDP unit, its trainable and its frozen parameters in a flat buffer of their own (LoRA)
-    for p in stage:
-        units.setdefault((p.block, p.trainable), []).append(math.prod(_local_shape(p, layout)))
+    units = _megatron_units(stage, layout)
     gathered: dict = {}  # a block's units are gathered together
     for (block, trainable), numels in units.items():
         total = sum(numels)
@@ -565,10 +575,7 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
                     add("dp_replicate", "all_reduce", sum(grads.values()) // nn_ * F32)
         elif d.strategy == "megatron_fsdp" and dp_cp > 1:
             mode = d.options.sharding_strategy
-            units = {}  # {(block, trainable): elements}: frozen parameters have a flat buffer of their own (LoRA)
-            for p in stage:
-                key = (p.block, p.trainable)
-                units[key] = units.get(key, 0) + math.prod(_local_shape(p, layout))
+            units = {k: sum(v) for k, v in _megatron_units(stage, layout).items()}  # {(block, trainable): elements}
             pad = {k: -(-u // dp_cp) * dp_cp for k, u in units.items()}
             padded = sum(pad.values())
             train = sum(v for (_, tr), v in pad.items() if tr)  # only trainable units are reduced and re-gathered

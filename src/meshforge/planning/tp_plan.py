@@ -19,20 +19,13 @@ validation, not as an opaque DTensor assertion in the first step.
 from __future__ import annotations
 
 import re
-
 from typing import Any
 
-from meshforge.models import contract_of, plan_modules
-from meshforge.models.shapes import ModelShape, ModuleShape, pattern_matches
+from meshforge.models import plan_modules
+from meshforge.models.shapes import ModuleShape, model_contract, pattern_matches
 
 SHARDED_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_output")
 ALL_STYLES = SHARDED_STYLES + ("sequence_parallel", "sequence_gather", "replicate")
-
-
-def model_contract(model: Any):
-    """The contract the plan reads: a built-in model's torch-free description (models/shapes.py) answers it
-    itself; an nn.Module through `contract_of`."""
-    return model if isinstance(model, ModelShape) else contract_of(model)
 
 
 def _kind(mod: Any) -> str | None:
