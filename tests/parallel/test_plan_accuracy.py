@@ -34,6 +34,12 @@ N2 = {"ddp": ["distributed.strategy=ddp"], "fsdp2": ["distributed.strategy=fsdp2
       "fsdp2_tp2_sp_full": ["distributed.strategy=fsdp2", "distributed.tp_size=2", "distributed.sequence_parallel=true",
                             "distributed.activation_checkpointing=full"],
       "tp2_full": ["distributed.strategy=fsdp2", "distributed.tp_size=2", "distributed.activation_checkpointing=full"],
+      # without checkpointing each sub-layer gathers its kept sequence shard again in backward
+      "fsdp2_tp2_sp": ["distributed.strategy=fsdp2", "distributed.tp_size=2", "distributed.sequence_parallel=true"],
+      "tp2_selective": ["distributed.strategy=fsdp2", "distributed.tp_size=2",
+                        "distributed.activation_checkpointing=selective"],
+      "tp2_sp_selective": ["distributed.strategy=fsdp2", "distributed.tp_size=2", "distributed.sequence_parallel=true",
+                           "distributed.activation_checkpointing=selective"],
       "fsdp2_cp2": ["distributed.strategy=fsdp2", "distributed.cp_size=2"],
       "fsdp2_pp2": ["distributed.strategy=fsdp2", "distributed.pp_size=2"],
       "fsdp2_ep2": ["distributed.strategy=fsdp2", "model.preset=tiny_moe", "distributed.ep_size=2"],
@@ -41,6 +47,8 @@ N2 = {"ddp": ["distributed.strategy=ddp"], "fsdp2": ["distributed.strategy=fsdp2
       "lora_ddp": ["distributed.strategy=ddp", *LORA],
       "lora_fsdp2": ["distributed.strategy=fsdp2", *LORA, "peft.freeze=[embeddings]"],
       "lora_tp2": ["distributed.strategy=fsdp2", "distributed.tp_size=2", *LORA],
+      "lora_tp2_sp": ["distributed.strategy=fsdp2", "distributed.tp_size=2", "distributed.sequence_parallel=true",
+                      "peft.rank=4", "peft.target_modules=[v_proj,o_proj,down_proj]"],
       "lora_tp2_sp_full": ["distributed.strategy=fsdp2", "distributed.tp_size=2", "distributed.sequence_parallel=true",
                            "distributed.activation_checkpointing=full", *LORA],
       "lora_mfsdp": ["distributed.strategy=megatron_fsdp", *LORA],
@@ -173,4 +181,7 @@ def test_activations_tp_sp_cp_n2(group):
         plan = activation_bytes(args, cfg, Layout.from_sizes(2, tp=d.tp_size, cp=d.cp_size), args.n_layers,
                                 True, True)["total"]
         print(f"\n{name}: plan {plan} measured {measured} ({100 * (plan - measured) / measured:+.2f}%)")
-        assert abs(plan - measured) <= 0.10 * measured, (name, plan, measured)
+        # within 1% (the issue asks 10%): a projection keeping the gathered sequence under sequence parallelism
+        # (instead of its shard) would be 12% over the plan for tp2_sp_small; LoRA under TP+SP is +5.9%
+        tolerance = 0.07 if name == "lora_tp2_sp" else 0.01
+        assert abs(plan - measured) <= tolerance * measured, (name, plan, measured)

@@ -80,3 +80,46 @@ def test_flops_per_token_counts_matmuls_and_attention():
     f = m.flops_per_token(8192)
     n_matmul = 8_030_261_248 - 128256 * 4096 - 4096 * 65  # minus embedding lookup and norms
     assert f == pytest.approx(6 * n_matmul + 6 * 32 * 32 * 128 * 8192, rel=1e-9)
+
+
+@pytest.mark.parametrize("dtype, wdtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                           (torch.bfloat16, torch.float32)])
+def test_fused_norm_and_swiglu_equal_the_plain_expressions_and_keep_less(dtype, wdtype):
+    """The RMSNorm and SwiGLU autograd functions compute what the plain expressions compute (forward bitwise;
+    SwiGLU's gradients bitwise, the norm's within fp32 rounding) while autograd keeps only their inputs (and
+    the norm's fp32 rsqrt): the saved-tensor counts the planner relies on."""
+    from torch.autograd.graph import saved_tensors_hooks
+
+    from meshforge.models.llama import RMSNorm, swiglu
+
+    def kept(fn, *inputs):
+        seen = {}
+        with saved_tensors_hooks(lambda t: seen.setdefault(t.untyped_storage().data_ptr(), t.nbytes) and t,
+                                 lambda t: t):
+            out = fn(*inputs)
+        return out, sum(seen.values())
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 16, 64).to(dtype).requires_grad_()
+    norm = RMSNorm(64).to(wdtype)
+    with torch.no_grad():
+        norm.weight.mul_(1 + 0.1 * torch.randn(64).to(wdtype))
+    xf = x.float()
+    plain = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)).type_as(x) * norm.weight
+    out, nbytes = kept(norm, x)
+    # its input, one fp32 rsqrt per token, and the weight it scales by (a parameter, no new memory)
+    assert torch.equal(out, plain) and nbytes == x.nbytes + 2 * 16 * 4 + norm.weight.nbytes
+    go = torch.randn_like(out)
+    want = torch.autograd.grad(plain, (x, norm.weight), go)
+    got = torch.autograd.grad(out, (x, norm.weight), go)
+    for w, g in zip(want, got):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+    g_, u_ = (torch.randn(2, 16, 96).to(dtype).requires_grad_() for _ in range(2))
+    plain = torch.nn.functional.silu(g_) * u_
+    out, nbytes = kept(swiglu, g_, u_)
+    assert torch.equal(out, plain) and nbytes == g_.nbytes + u_.nbytes  # not silu(gate)
+    go = torch.randn_like(out)
+    for w, g in zip(torch.autograd.grad(plain, (g_, u_), go), torch.autograd.grad(out, (g_, u_), go)):
+        assert torch.equal(g, w)

@@ -39,12 +39,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from meshforge.models import shapes
 from meshforge.models.hf_families import dense_adapter
-from meshforge.models.llama import FeedForward, Llama, TransformerBlock, rope_cos_sin
+from meshforge.models.llama import FeedForward, Llama, TransformerBlock, rope_cos_sin, swiglu
 from meshforge.models.lora import ExpertLoRA
 from meshforge.models.presets import ModelArgs
 from meshforge.models.protocol import AdapterLayout, InitSpec, StateDictAdapter
@@ -175,7 +174,7 @@ class GroupedExperts(nn.Module):
         if self.use_grouped_mm and grouped_mm_supported(x, w1, w2):
             offs = torch.cumsum(counts, 0).to(torch.int32)
             x = x.contiguous()
-            h = F.silu(torch._grouped_mm(x, w1, offs=offs)) * torch._grouped_mm(x, w3, offs=offs)
+            h = swiglu(torch._grouped_mm(x, w1, offs=offs), torch._grouped_mm(x, w3, offs=offs))
             out = torch._grouped_mm(h, w2, offs=offs)
             if out.requires_grad:  # _grouped_mm's backward rejects expanded (stride 0) gradients, e.g. of .sum()
                 out.register_hook(lambda g: g.contiguous())
@@ -183,7 +182,7 @@ class GroupedExperts(nn.Module):
         # every expert runs, also on zero rows: its weights then get a zero gradient, never None
         outs = []
         for e, xe in enumerate(torch.split(x, counts.tolist())):
-            outs.append((F.silu(xe @ w1[e]) * (xe @ w3[e])) @ w2[e])
+            outs.append(swiglu(xe @ w1[e], xe @ w3[e]) @ w2[e])
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
 
 

@@ -422,23 +422,24 @@ def activation_bytes(args, cfg, layout: Layout, blocks: int, first: bool, last: 
     "recompute"} ("recompute": the transient of one block recomputed in backward under checkpointing).
 
     Per token per block, with the Llama block's saved tensors (element size e, fp32 norms statistics):
-      no checkpointing: 6*dim (block input, the two norms' x*rsqrt and outputs, residual) + 2 rsqrt
-        + q, k, v and the attention output (2*(heads + kv_heads)*head_dim) + heads (softmax log-sum-exp)
-        + 4*ffn (w1 and w3 outputs, silu output, the product) [MoE: routed copies top_k*moe_ffn, router]
+      no checkpointing: 4*dim (block input and residual, kept by the norms; the two norms' outputs, kept by the
+        projections) + 2 rsqrt + q, k, v and the attention output (2*(heads + kv_heads)*head_dim) + heads
+        (softmax log-sum-exp) + 3*ffn (w1 and w3 outputs, kept by the fused SwiGLU; the product, kept by w2)
+        [MoE: routed copies top_k*moe_ffn, router]
       full: the block input (dim) only; the block is recomputed in backward.
       selective: the block input + the matmul and attention outputs it caches (q, k, v, attention output and
         log-sum-exp, o-proj, ffn gate and up, down).
-    TP divides heads and ffn by tp; sequence parallelism divides the norms' tensors too, but the projections
-    save the gathered sequence (dim); CP divides the tokens.
-    Head: the final norm (3*dim + 1), the fp32 log-softmax of the logits (vocab/tp per token; with the fused
+    TP divides heads and ffn by tp; sequence parallelism divides the norms' tensors too (without checkpointing
+    the projections keep the sequence shard and gather it again in backward, distributed/tensor_parallel.py;
+    recomputed blocks gather it in their recompute); CP divides the tokens.
+    Head: the final norm (2*dim + 1), the fp32 log-softmax of the logits (vocab/tp per token; with the fused
     loss only its log-sum-exp, one fp32 per token: the logits are recomputed chunk by chunk), int64 labels.
-    Measured against saved-tensor hooks on CPU (fp32): exact without CP/SP, within 2% with them.
+    Measured against saved-tensor hooks on CPU: exact without CP/SP, within 2% with them.
     """
     d, t = cfg.distributed, cfg.training
     return dict(_activation_bytes(args, _bf16_compute(cfg), micro_batch or t.micro_batch_size,
                                   t.seq_len, layout.cp, layout.tp, d.sequence_parallel, d.ac_mode,
-                                  fused_loss_on(cfg), blocks, first, last, _lora_profile(cfg, args),
-                                  _bf16_params(cfg)))
+                                  fused_loss_on(cfg), blocks, first, last, _lora_profile(cfg, args)))
 
 
 LORA_ROLES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -468,7 +469,7 @@ _ROLES: dict = {}
 @functools.lru_cache(maxsize=8192)
 def _activation_bytes(args, bf16: bool, micro_batch: int, seq_len: int, cp: int, tp: int, sequence_parallel: bool,
                       mode: str | None, fused: bool, blocks: int, first: bool, last: bool,
-                      lora: tuple | None = None, bf16_params: bool = False) -> dict[str, int]:
+                      lora: tuple | None = None) -> dict[str, int]:
     e = 2 if bf16 else F32
     tokens = micro_batch * seq_len // cp
     sp = tp if sequence_parallel else 1
@@ -479,54 +480,43 @@ def _activation_bytes(args, bf16: bool, micro_batch: int, seq_len: int, cp: int,
     dim_full = args.dim
     dim_sp = args.dim // sp
     attn = 2 * (h + kv) * hd  # q, k, v, attention output
-    mm = 4 * ffn
+    mm = 3 * ffn
     if mode is None:
-        per_tok = (6 * dim_sp + attn + mm) * e + (2 + h) * F32
-        if sp > 1:  # each sub-layer's projections save the gathered sequence instead of the norm's shard
-            per_tok += 2 * (dim_full - dim_sp) * e
+        per_tok = (4 * dim_sp + attn + mm) * e + (2 + h) * F32
     elif mode == "full":
         per_tok = dim_sp * e
     else:
         per_tok = (dim_sp + attn + 2 * dim_full + 2 * ffn) * e + h * F32
-    full_block = (6 * dim_sp + attn + mm) * e + (2 + h) * F32
-    first_block = head_norm = 0  # LoRA: what block 0 and the final norm do not keep
+    full_block = (4 * dim_sp + attn + mm) * e + (2 + h) * F32
+    first_block = 0  # LoRA: what block 0 does not keep
     if lora is not None:
         # autograd keeps only what the gradients of inputs that require one need (measured, one process):
-        # a frozen norm drops x*rsqrt; a frozen projection keeps no input (its group keeps it if any member is
-        # adapted: LoRA's A reads it); each adapter adds its rank-r A output (selective checkpointing caches
-        # every matmul output, the adapters' B outputs too); with the embedding frozen, block 0's first norm
-        # keeps neither its input nor its rsqrt
+        # a frozen projection keeps no input (its group keeps it if any member is adapted: LoRA's A reads it);
+        # each adapter adds its rank-r A output (selective checkpointing caches every matmul output, the
+        # adapters' B outputs too); with the embedding and the norms frozen, block 0's first norm is not in the
+        # graph at all (a norm keeps its input and rsqrt whenever either needs a gradient)
         roles, norms_train, emb_train, r = lora
         out_features = {"q_proj": args.n_heads * hd // tp, "k_proj": args.n_kv_heads * hd // tp,
                         "v_proj": args.n_kv_heads * hd // tp, "o_proj": dim_full, "gate_proj": ffn,
                         "up_proj": ffn, "down_proj": dim_full}
-        kept = (0 if norms_train else -2 * dim_sp * e) + len(roles) * r * e
-        kept -= 0 if roles & {"q_proj", "k_proj", "v_proj"} else dim_full * e
-        kept -= 0 if roles & {"gate_proj", "up_proj"} else dim_full * e
+        kept = len(roles) * r * e
+        kept -= 0 if roles & {"q_proj", "k_proj", "v_proj"} else dim_sp * e
+        kept -= 0 if roles & {"gate_proj", "up_proj"} else dim_sp * e
         kept -= 0 if "down_proj" in roles else ffn * e
         full_block += kept
         if mode is None:
             per_tok += kept
-            first_block = 0 if emb_train else dim_sp * e + F32
+            first_block = 0 if emb_train or norms_train else dim_sp * e + F32
         elif mode == "selective":
             per_tok += sum(r + out_features[role] for role in roles) * e
-        head_norm = 0 if norms_train else dim_sp * e
-    if bf16_params:
-        # bf16 parameters without autocast: each RMSNorm saves its input upcast to fp32 (`x.float()`, 4 bytes)
-        # where fp32 and autocast runs save the input itself (measured, saved-tensor hooks, one process): 2 bytes
-        # more per element of every norm whose forward is kept, the final norm's included
-        upcast = 2 * dim_sp
-        per_tok += 2 * upcast if mode is None else 0
-        full_block += 2 * upcast
-        head_norm -= upcast
-        first_block += upcast if first_block else 0  # block 0's first norm keeps no upcast input either
     # the fused loss keeps one log-sum-exp per token, not the log-softmax
     rope = 2 * (seq_len // cp) * (hd // 2) * F32 if blocks else 0  # cos/sin of this rank's positions
     out = {"blocks": blocks * per_tok * tokens + rope - (first_block * tokens if first and blocks else 0),
            # int64 token ids (and the vocabulary-parallel embedding's masked copy of them)
            "embedding": tokens * 8 * (2 if tp > 1 else 1) if first else 0,
-           "head": (tokens * ((2 * dim_sp + dim_full if sp > 1 else 3 * dim_sp) * e + F32
-                              + (F32 if fused else (args.vocab_size // tp) * F32) - head_norm) + (0 if fused else F32))
+           # the final norm's input and rsqrt, the head's input (gathered along the sequence under SP)
+           "head": (tokens * ((dim_sp + dim_full) * e + F32 + (F32 if fused else (args.vocab_size // tp) * F32))
+                    + (0 if fused else F32))
            if last else 0,
            "recompute": full_block * tokens if mode and blocks else 0}
     out["total"] = out["blocks"] + out["embedding"] + out["head"]
@@ -598,7 +588,8 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
     # (backward). With it, each sub-layer all-gathers its sequence-sharded input and reduce-scatters its output
     # (forward), the output's gradient is all-gathered (backward) and each column-wise projection all-reduces
     # its input gradient as without it; the embedding reduce-scatters (forward) and the head all-gathers
-    # (forward), each with its mirror in backward. Full checkpointing runs the block's forward collectives
+    # (forward), each with its mirror in backward; without checkpointing each sub-layer gathers its kept sequence
+    # shard again in backward (distributed/tensor_parallel.py). Checkpointing (full or selective) runs the block's forward collectives
     # again, except the last reduction of each block: the recomputation stops at the last tensor backward
     # needs (non-reentrant checkpoint), and the block's output is not one. The vocabulary-parallel loss
     # reduces the max, sum of exponentials and target logit of every token (3 x tokens x 4 bytes).
@@ -626,17 +617,25 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
                     break
                 skip += 1
         n_micro = micro_per_rank // t.micro_batch_size
-        full = d.ac_mode == "full"
+        recompute = d.ac_mode is not None
         loss = 3 * tokens * F32 if head else 0
         # replicated parameters with Partial gradients are all-reduced twice per step, by the gradient norm and
         # by the optimizer step (measured, torch 2.13, dp 1)
         partial = 2 * F32 * sum(math.prod(p.shape) for p in mine_all if p.partial_grad and p.trainable)
         if d.sequence_parallel:
-            add("tp", "all_gather", n_micro * (2 * rows + first + head - frozen_in + (rows if full else 0)) * act)
-            add("tp", "reduce_scatter", n_micro * (rows + first + head + (rows - n_blocks if full else 0)) * act)
+            # without checkpointing a sub-layer (the parent of its row-wise projection) keeps the sequence shard
+            # of its gathered input and gathers it again in backward, if a trainable parameter reads that input
+            # (anything in the sub-layer but the row-wise projection and its adapters)
+            subs = {p.name.rsplit(".", 2)[0]: p.name.rsplit(".", 1)[0] for p in in_blocks if p.tp_dim == 1}
+            regather = 0 if d.ac_mode is not None else sum(
+                any(q.trainable and q.name.startswith(sub + ".") and not q.name.startswith(row + ".")
+                    for q in mine_all) for sub, row in subs.items())
+            add("tp", "all_gather",
+                n_micro * (2 * rows + first + head - frozen_in + (rows if recompute else 0) + regather) * act)
+            add("tp", "reduce_scatter", n_micro * (rows + first + head + (rows - n_blocks if recompute else 0)) * act)
             add("tp", "all_reduce", n_micro * ((cols - skip) * act + loss) + partial)
         else:
-            redo = rows - n_blocks if full else 0
+            redo = rows - n_blocks if recompute else 0
             add("tp", "all_reduce", n_micro * ((rows + cols - skip + first + head + redo) * act + loss) + partial)
     # scalars: the loss averaged over the data-parallel ranks and its label-token count; the gradient norm: one
     # 4-byte all-reduce per DTensor gradient and mesh dimension it is sharded over (megatron_fsdp: one for its
@@ -909,12 +908,19 @@ def _args_of(cfg):
 def _notes(cfg) -> list[str]:
     """What the plan does not count exactly for this config, said with the plan."""
     out = []
-    if cfg.peft is not None and cfg.distributed.tp_size * cfg.distributed.cp_size > 1:
+    d, t = cfg.distributed, cfg.training
+    if t.compile is True or (t.compile == "auto" and _on_cuda(cfg)):
+        out.append("training.compile: activations are counted as eager autograd keeps them; the compiled blocks "
+                   "keep what torch.compile's partitioner chooses" + (
+                       " (with sequence parallelism and no checkpointing that includes each sub-layer's gathered "
+                       "input, tp times the shard counted here; training.compile=false runs what is counted)"
+                       if d.sequence_parallel and d.tp_size > 1 and d.ac_mode is None else ""))
+    if cfg.peft is not None and d.tp_size * d.cp_size > 1:
         out.append("LoRA: activations are exact on one process; under tensor/context parallelism they were "
-                   "measured within 5% (TP2 + sequence parallelism +4.6%, CP2 +0.3%), not exact")
-    if _bf16_params(cfg) and cfg.distributed.tp_size * cfg.distributed.cp_size > 1:
-        out.append("bf16_params: activations (bf16, each kept norm's input upcast to fp32) are exact on one "
-                   "process; under tensor/context parallelism they are counted alike but not measured")
+                   "measured within 6% (TP2 + sequence parallelism +5.9%, CP2 +0.4%), not exact")
+    if _bf16_params(cfg) and d.tp_size * d.cp_size > 1:
+        out.append("bf16_params: activations (bf16) are exact on one process; under tensor/context parallelism "
+                   "they are counted alike but not measured")
     if cfg.peft is not None and _lora_profile(cfg, _args_of(cfg)) is None:
         out.append("LoRA: activations are counted as for full training (this model's adapter roles are not the "
                    "Llama block's); parameters, gradients, optimizer state and communication are exact")
