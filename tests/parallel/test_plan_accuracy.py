@@ -23,7 +23,8 @@ MFSDP = {f"mfsdp_{m}": ["distributed.strategy=megatron_fsdp", f"distributed.data
          for m in ("no_shard", "optim", "optim_grads", "optim_grads_params")}
 N4 = {"ddp": ["distributed.strategy=ddp"], "fsdp2": ["distributed.strategy=fsdp2"], **MFSDP,
       "hsdp": ["distributed.strategy=fsdp2", "distributed.dp_replicate_size=2"],
-      "fsdp2_tp2": ["distributed.strategy=fsdp2", "distributed.tp_size=2"]}
+      "fsdp2_tp2": ["distributed.strategy=fsdp2", "distributed.tp_size=2"],
+      "pp2_cp2": ["distributed.strategy=fsdp2", "distributed.pp_size=2", "distributed.cp_size=2"]}
 # a Mixtral-shaped tiny MoE with attention and per-expert adapters (stacked by expert: they shard with EP)
 MOE_LORA = ["model.preset=tiny_moe", "model.family=mixtral", "model.n_shared_experts=0", "peft.rank=4",
             "peft.target_modules=['*_proj']"]

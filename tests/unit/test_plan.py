@@ -232,3 +232,28 @@ def test_in_flight_activations_replay_torch_schedule(p, m):
                 peak = max(peak, now)
             assert _alive_peak("interleaved_1f1b", p, rank, m, weights)[0] == peak, (p, m, rank, weights)
     assert _alive_peak("1f1b", 4, 1, 8, (7,)) == (21, 3)  # Schedule1F1B: rank r keeps p - r micro batches
+
+
+LLAMA3_405B = ["model.dim=16384", "model.n_layers=128", "model.n_heads=128", "model.n_kv_heads=8",
+               "model.ffn_dim=53248", "distributed.pp_size=16", "distributed.pipeline.virtual_stages_per_rank=8",
+               "distributed.activation_checkpointing=false", "training.compile=false"]
+
+
+@pytest.mark.parametrize("world, extra, published", [
+    (8192, ["training.global_batch_size=2048"], 0.43),
+    (16384, ["training.global_batch_size=2048"], 0.41),
+    (16384, ["model.max_seq_len=131072", "distributed.cp_size=16", "training.seq_len=131072",
+             "training.global_batch_size=128"], 0.38),
+], ids=["8k_gpus", "16k_gpus", "16k_gpus_131k_seq"])
+def test_llama3_405b_layouts_fit_and_land_near_the_published_mfu(capsys, world, extra, published):
+    """The Llama 3 paper's 405B layouts (TP 8 x PP 16 x DP, CP 16 at 131K tokens, no checkpointing; Table 4)
+    fit an 80 GiB H100 in the plan, and at the compute efficiency calibrated on the 8,192-GPU row (0.575,
+    docs/strategies.md) the 8K rows land within 10% of the published MFU. The 131K row is 11% optimistic (one
+    compute efficiency for GEMMs and 131K-token attention alike): bounded here, so a change shows."""
+    cfg = str(ROOT / "examples" / "llama3_70b_tp_pp.yaml")
+    assert main(["plan", cfg, *LLAMA3_405B, *extra, "--world-size", str(world), "--mfu", "0.575", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and out["peak_bytes"] < 80 * 2**30
+    assert out["layout"]["tp"] == 8 and out["layout"]["pp"] == 16
+    bound = 0.12 if published == 0.38 else 0.10
+    assert abs(out["mfu"] - published) <= bound * published, out["mfu"]

@@ -258,9 +258,6 @@ def pipeline_split(cfg: Config, world_size: int) -> list[str]:
     if args.is_moe:
         out.append(f"distributed.pp_size={d.pp_size} with a mixture-of-experts model (model.preset="
                    f"{cfg.model.preset!r}) is not supported yet: set pp_size 1")
-    if d.cp_size > 1:
-        out.append(f"distributed.pp_size={d.pp_size} with cp_size={d.cp_size} is not supported yet: "
-                   "set one of them to 1")
     dp = _dp(cfg, world_size)
     if dp is not None and t.global_batch_size % dp == 0:
         out += pipeline_problems(args.n_layers, d.pp_size, d.pipeline_or_default, t.global_batch_size // dp)

@@ -39,6 +39,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.tensor import DTensor
 
+from meshforge.distributed.context_parallel import load_balanced_indices
 from meshforge.distributed.grad_norm import clip_grad_norm_
 from meshforge.distributed.mesh import MeshContext
 from meshforge.distributed.parallelize import Parallelized, parallelize_model
@@ -109,13 +110,19 @@ def build_stage_module(cfg, plan: PipelinePlan, stage: int, device: torch.device
     return model
 
 
-def _full_positions_from_sequence_shard(module: nn.Module, tp: int) -> None:
-    """Under sequence parallelism a later stage receives a sequence shard (B, S/tp, dim) of the hidden states;
-    the model derives RoPE positions from its input's length, so pass the whole sequence's positions."""
+def _stage_positions(module: nn.Module, seq_shard: int, cp_size: int, cp_rank: int) -> None:
+    """The RoPE positions of a stage's input, which the schedule does not carry (it passes one tensor between
+    stages): a sequence-parallel later stage receives a 1/tp sequence shard of the hidden states
+    (`seq_shard` = tp), and under context parallelism every stage holds this cp rank's load-balanced chunks
+    (`context_parallel.load_balanced_indices`), whose positions are not 0..n-1."""
 
     def hook(mod, args, kwargs):
         if kwargs.get("positions") is None and len(args) < 2:
-            kwargs = dict(kwargs, positions=torch.arange(args[0].shape[1] * tp, device=args[0].device))
+            n = args[0].shape[1] * seq_shard * cp_size
+            device = args[0].device
+            positions = (torch.arange(n, device=device) if cp_size == 1
+                         else load_balanced_indices(n, cp_size, cp_rank, device=device))
+            kwargs = dict(kwargs, positions=positions)
         return args, kwargs
 
     module.register_forward_pre_hook(hook, with_kwargs=True)
@@ -161,6 +168,8 @@ class PipelineParallelModel(ParallelModel):
         y = torch.cat([mb[1] for mb in micro_batches]).to(self.device, non_blocking=True)
         self._ces = []
         count = self.global_label_count([y])
+        if self.batch_transform is not None:  # this cp rank's share; the stages add its positions
+            x, y, _ = self.batch_transform(x, y)
         self._scale = self.mesh_ctx.size("dp_cp") / count
         args = (x,) if self.has_first else ()
         # the loss context (vocabulary-parallel loss under TP) must also cover the loss's backward, which the
@@ -185,6 +194,8 @@ class PipelineParallelModel(ParallelModel):
         x = torch.cat([mb[0] for mb in micro_batches]).to(self.device, non_blocking=True)
         y = torch.cat([mb[1] for mb in micro_batches]).to(self.device, non_blocking=True)
         count = self.global_label_count([y], clamp=False)
+        if self.batch_transform is not None:
+            x, y, _ = self.batch_transform(x, y)
         self._ces, self._scale = [], torch.ones((), device=self.device)
         with self.autocast(), self.loss_context():
             self.schedule.eval(*((x,) if self.has_first else ()), target=y if self.has_last else None)
@@ -262,8 +273,9 @@ def build_pipeline_model(cfg, mesh_ctx: MeshContext, device: torch.device, meta:
     parts = []
     for s in stage_ids:
         module = build_stage_module(cfg, plan, s, device, meta)
-        if s > 0 and dcfg.sequence_parallel and mesh_ctx.tp_size > 1:
-            _full_positions_from_sequence_shard(module, mesh_ctx.tp_size)
+        seq_shard = mesh_ctx.tp_size if s > 0 and dcfg.sequence_parallel else 1
+        if seq_shard > 1 or mesh_ctx.cp_size > 1:
+            _stage_positions(module, seq_shard, mesh_ctx.cp_size, mesh_ctx.cp_rank)
         part = parallelize_model(module, mesh_ctx, dcfg, device, compile=cfg.training.compile,
                                  compile_backend=cfg.training.compile_backend)
         if meta:
