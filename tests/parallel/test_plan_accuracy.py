@@ -37,6 +37,9 @@ N2 = {"ddp": ["distributed.strategy=ddp"], "fsdp2": ["distributed.strategy=fsdp2
       "tp2_full": ["distributed.strategy=fsdp2", "distributed.tp_size=2", "distributed.activation_checkpointing=full"],
       # without checkpointing each sub-layer gathers its kept sequence shard again in backward
       "fsdp2_tp2_sp": ["distributed.strategy=fsdp2", "distributed.tp_size=2", "distributed.sequence_parallel=true"],
+      "fsdp2_tp2_sp_compiled": ["distributed.strategy=fsdp2", "distributed.tp_size=2",
+                                "distributed.sequence_parallel=true", "training.compile=true",
+                                "training.compile_backend=aot_eager"],
       "tp2_selective": ["distributed.strategy=fsdp2", "distributed.tp_size=2",
                         "distributed.activation_checkpointing=selective"],
       "tp2_sp_selective": ["distributed.strategy=fsdp2", "distributed.tp_size=2", "distributed.sequence_parallel=true",
@@ -65,8 +68,11 @@ def plan_job(spec: dict, info) -> dict:
     """Measure each configuration with the bench's worker: {name: {per_rank state bytes, by_op bytes}}."""
     from meshforge.bench.worker import measure
 
+    import torch
+
     out = {}
     for name, overrides in spec["configs"].items():
+        torch._dynamo.reset()  # the compiled configs: a fresh cache, not a recompile limit hit by earlier ones
         r = measure(config(overrides, steps=STEPS, world_size=info.world_size), info, 1, 1)
         out[name] = {"state": [p["state_bytes"] for p in r["per_rank"]], "by_op": r["comm"]["by_op"]}
     return out
@@ -90,6 +96,7 @@ def saved_job(spec: dict, info) -> dict:
 
     out = {}
     for name, overrides in spec.items():
+        torch._dynamo.reset()
         cfg = config(overrides, steps=STEPS, world_size=info.world_size)
         pm = Trainer.build(cfg, info).pm
         seen: dict = {}
@@ -105,12 +112,14 @@ def saved_job(spec: dict, info) -> dict:
         positions = None
         if pm.batch_transform is not None:
             x, y, positions = pm.batch_transform(x, y)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            o = pm.model(x) if positions is None else pm.model(x, positions)
+        for _ in range(2):  # the second pass is measured: the first compiles (training.compile)
+            seen.clear()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                o = pm.model(x) if positions is None else pm.model(x, positions)
+                with pm.loss_context():
+                    ce = lm_loss(o, y).mean
             with pm.loss_context():
-                ce = lm_loss(o, y).mean
-        with pm.loss_context():
-            ce.backward()  # every rank runs the same collectives
+                ce.backward()  # every rank runs the same collectives
         out[name] = sum(seen.values())
     return out
 
@@ -118,6 +127,9 @@ def saved_job(spec: dict, info) -> dict:
 ACTS = {"tp2": ["distributed.tp_size=2"],
         "tp2_full": ["distributed.tp_size=2", "distributed.activation_checkpointing=full"],
         "tp2_sp_small": ["distributed.tp_size=2", "distributed.sequence_parallel=true", "model.preset=small"],
+        # compiled blocks keep the gathered input whole (the shard-keeping hooks would break the graph)
+        "tp2_sp_small_compiled": ["distributed.tp_size=2", "distributed.sequence_parallel=true", "model.preset=small",
+                                  "training.compile=true", "training.compile_backend=aot_eager"],
         "cp2": ["distributed.cp_size=2"],
         "cp2_full": ["distributed.cp_size=2", "distributed.activation_checkpointing=full"],
         "lora_tp2_sp": ["distributed.tp_size=2", "distributed.sequence_parallel=true", *LORA],

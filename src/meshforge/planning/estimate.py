@@ -234,6 +234,11 @@ def _bf16_params(cfg) -> bool:
     return cfg.training.precision == "bf16_params"
 
 
+def _compiled(cfg) -> bool:
+    """training.compile on the run's device (distributed/compile.py's rule, without torch)."""
+    return cfg.training.compile is True or (cfg.training.compile == "auto" and _on_cuda(cfg))
+
+
 def _bf16_compute(cfg) -> bool:
     """Activations (and the tensors TP/CP/PP move) in bf16: autocast on CUDA, or bf16 parameters anywhere."""
     return _bf16_params(cfg) or (cfg.training.precision == "bf16" and _on_cuda(cfg))
@@ -439,7 +444,8 @@ def activation_bytes(args, cfg, layout: Layout, blocks: int, first: bool, last: 
     d, t = cfg.distributed, cfg.training
     return dict(_activation_bytes(args, _bf16_compute(cfg), micro_batch or t.micro_batch_size,
                                   t.seq_len, layout.cp, layout.tp, d.sequence_parallel, d.ac_mode,
-                                  fused_loss_on(cfg), blocks, first, last, _lora_profile(cfg, args)))
+                                  fused_loss_on(cfg), blocks, first, last, _lora_profile(cfg, args),
+                                  _compiled(cfg)))
 
 
 LORA_ROLES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -469,7 +475,7 @@ _ROLES: dict = {}
 @functools.lru_cache(maxsize=8192)
 def _activation_bytes(args, bf16: bool, micro_batch: int, seq_len: int, cp: int, tp: int, sequence_parallel: bool,
                       mode: str | None, fused: bool, blocks: int, first: bool, last: bool,
-                      lora: tuple | None = None) -> dict[str, int]:
+                      lora: tuple | None = None, compiled: bool = False) -> dict[str, int]:
     e = 2 if bf16 else F32
     tokens = micro_batch * seq_len // cp
     sp = tp if sequence_parallel else 1
@@ -483,6 +489,8 @@ def _activation_bytes(args, bf16: bool, micro_batch: int, seq_len: int, cp: int,
     mm = 3 * ffn
     if mode is None:
         per_tok = (4 * dim_sp + attn + mm) * e + (2 + h) * F32
+        if compiled and sp > 1:  # compiled blocks keep each sub-layer's gathered input whole (measured, CPU)
+            per_tok += 2 * (dim_full - dim_sp) * e
     elif mode == "full":
         per_tok = dim_sp * e
     else:
@@ -625,7 +633,8 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
         if d.sequence_parallel:
             # without checkpointing a sub-layer (the parent of its row-wise projection) keeps the sequence shard
             # of its gathered input and gathers it again in backward, if a trainable parameter reads that input
-            # (anything in the sub-layer but the row-wise projection and its adapters)
+            # (anything in the sub-layer but the row-wise projection and its adapters); compiled blocks, which
+            # keep the gathered input, send as many gathers (measured with aot_eager, torch 2.13)
             subs = {p.name.rsplit(".", 2)[0]: p.name.rsplit(".", 1)[0] for p in in_blocks if p.tp_dim == 1}
             regather = 0 if d.ac_mode is not None else sum(
                 any(q.trainable and q.name.startswith(sub + ".") and not q.name.startswith(row + ".")
@@ -908,13 +917,11 @@ def _args_of(cfg):
 def _notes(cfg) -> list[str]:
     """What the plan does not count exactly for this config, said with the plan."""
     out = []
-    d, t = cfg.distributed, cfg.training
-    if t.compile is True or (t.compile == "auto" and _on_cuda(cfg)):
-        out.append("training.compile: activations are counted as eager autograd keeps them; the compiled blocks "
-                   "keep what torch.compile's partitioner chooses" + (
-                       " (with sequence parallelism and no checkpointing that includes each sub-layer's gathered "
-                       "input, tp times the shard counted here; training.compile=false runs what is counted)"
-                       if d.sequence_parallel and d.tp_size > 1 and d.ac_mode is None else ""))
+    d = cfg.distributed
+    if _compiled(cfg):
+        out.append("training.compile: activations are counted as measured with torch.compile on CPU (eager's "
+                   "tensors, and under sequence parallelism without checkpointing each sub-layer's gathered input "
+                   "whole, where eager keeps the shard); inductor's partitioner on CUDA may keep less")
     if cfg.peft is not None and d.tp_size * d.cp_size > 1:
         out.append("LoRA: activations are exact on one process; under tensor/context parallelism they were "
                    "measured within 6% (TP2 + sequence parallelism +5.9%, CP2 +0.4%), not exact")

@@ -72,6 +72,9 @@ def configs_job(spec: dict, info: DistInfo) -> dict[str, dict]:
     {name: {losses, grad_norms, weights (rank 0)}} or {name: {error}}."""
     results = {}
     for name, overrides in spec["configs"].items():
+        # a fresh compile cache per config: configs compiled earlier in this process would otherwise use up
+        # dynamo's recompile limit, and a compiled config would silently run eagerly
+        torch._dynamo.reset()
         try:
             results[name] = run_in_group(overrides, spec.get("steps", 10), info, spec.get("weights", True))
         except (Exception, CheckpointException) as err:  # reported to the test, which fails with it
