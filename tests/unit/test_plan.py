@@ -60,9 +60,10 @@ def _saved_bytes(overrides: list[str]) -> int:
             return t
 
         b, s = cfg.training.micro_batch_size, cfg.training.seq_len
-        tokens = torch.randint(0, 256, (b, s), generator=torch.Generator().manual_seed(0))
+        g = torch.Generator().manual_seed(0)
+        tokens, labels = torch.randint(0, 256, (b, s), generator=g), torch.randint(0, 256, (b, s), generator=g)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            lm_loss(model(tokens), tokens)
+            lm_loss(model(tokens), labels)
         for storage in caches:  # {op key: {call index: outputs}}, each tensor in a _VersionWrapper
             for leaf in torch.utils._pytree.tree_leaves({str(k): dict(v) for k, v in storage.items()}):
                 t = getattr(leaf, "val", leaf)

@@ -520,10 +520,13 @@ def _activation_bytes(args, bf16: bool, micro_batch: int, seq_len: int, cp: int,
     # the fused loss keeps one log-sum-exp per token, not the log-softmax
     rope = 2 * (seq_len // cp) * (hd // 2) * F32 if blocks else 0  # cos/sin of this rank's positions
     out = {"blocks": blocks * per_tok * tokens + rope - (first_block * tokens if first and blocks else 0),
-           # int64 token ids (and the vocabulary-parallel embedding's masked copy of them)
-           "embedding": tokens * 8 * (2 if tp > 1 else 1) if first else 0,
-           # the final norm's input and rsqrt, the head's input (gathered along the sequence under SP)
-           "head": (tokens * ((dim_sp + dim_full) * e + F32 + (F32 if fused else (args.vocab_size // tp) * F32))
+           # int64 token ids, for the embedding's gradient (none when it is frozen)
+           "embedding": tokens * 8 if first and (lora is None or lora[2]) else 0,
+           # the final norm's input and rsqrt; the head's input (gathered along the sequence under SP), which a
+           # frozen head (LoRA) keeps only for the fused loss's recomputation; the loss's fp32 log-softmax and
+           # int64 labels, or the fused loss's log-sum-exp
+           "head": (tokens * ((dim_sp + (dim_full if fused or lora is None or lora[2] else 0)) * e + F32
+                              + (F32 if fused else (args.vocab_size // tp) * F32) + 8)
                     + (0 if fused else F32))
            if last else 0,
            "recompute": full_block * tokens if mode and blocks else 0}
@@ -924,7 +927,7 @@ def _notes(cfg) -> list[str]:
                    "whole, where eager keeps the shard); inductor's partitioner on CUDA may keep less")
     if cfg.peft is not None and d.tp_size * d.cp_size > 1:
         out.append("LoRA: activations are exact on one process; under tensor/context parallelism they were "
-                   "measured within 6% (TP2 + sequence parallelism +5.9%, CP2 +0.4%), not exact")
+                   "measured within 0.4% (TP2 + sequence parallelism +0.2%, CP2 +0.4%), not exact")
     if _bf16_params(cfg) and d.tp_size * d.cp_size > 1:
         out.append("bf16_params: activations (bf16) are exact on one process; under tensor/context parallelism "
                    "they are counted alike but not measured")
