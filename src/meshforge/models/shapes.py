@@ -331,6 +331,10 @@ def flops_per_token(a: ModelArgs, seq_len: int) -> float:
     dense_ffn = 3 * a.dim * a.ffn_dim
     ffn = active_ffn_params_per_layer(a) if a.is_moe else dense_ffn
     matmul = n * (attn_proj + ffn) + a.dim * a.vocab_size  # output projection (embedding lookup is free)
-    # attention scores + weighted sum: 2 matmuls of S x S x head_dim per head, causal halves it
-    attn = n * 2 * a.n_heads * a.hd * seq_len  # forward FLOPs/token: 2*2*S*hd*H / 2 (causal)
-    return 6 * matmul + 3 * attn
+    return 6 * matmul + 3 * attention_forward_flops_per_token(a, seq_len)
+
+
+def attention_forward_flops_per_token(a: ModelArgs, seq_len: int) -> float:
+    """Scores and weighted sum, forward: 2 matmuls of S x S x head_dim per head and layer, 2*2*S*hd*H per token,
+    halved by the causal mask."""
+    return a.n_layers * 2 * a.n_heads * a.hd * seq_len

@@ -894,7 +894,12 @@ def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: floa
     model_fpt = _flops_per_token(args, t.seq_len)
     tokens = t.global_batch_size * t.seq_len
     recompute = {None: 1.0, "full": 4 / 3, "selective": 1.05}[d.ac_mode]
-    compute_s = tokens * model_fpt * recompute / world_size / (device.peak_tflops * 1e12 * mfu)
+    flops = tokens * model_fpt * recompute
+    if layout.cp > 1:  # context parallelism recomputes the local attention forward in backward
+        from meshforge.models.shapes import attention_forward_flops_per_token
+
+        flops += tokens * attention_forward_flops_per_token(args, t.seq_len)
+    compute_s = flops / world_size / (device.peak_tflops * 1e12 * mfu)
     bubble = 0.0
     if pplan is not None:
         bubble = bubble_fraction(pplan.schedule, layout.pp, pplan.n_microbatches, pplan.stages_per_rank)
