@@ -235,6 +235,31 @@ def test_in_flight_activations_replay_torch_schedule(p, m):
     assert _alive_peak("1f1b", 4, 1, 8, (7,)) == (21, 3)  # Schedule1F1B: rank r keeps p - r micro batches
 
 
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 4), (4, 16)])
+def test_zero_bubble_keeps_each_micro_batch_until_its_weight_pass(p, m):
+    """ScheduleInterleavedZeroBubble runs each backward as an input pass (I) and a later weight pass (W); the
+    stage's graph, and with it the micro batch's activations, lives until W. The plan replays torch's own op
+    list (no processes): alive from F to W."""
+    from torch.distributed.pipelining import schedules
+
+    from meshforge.planning.estimate import _alive_peak
+
+    v = 2
+    sched = schedules.ScheduleInterleavedZeroBubble.__new__(schedules.ScheduleInterleavedZeroBubble)
+    sched.n_local_stages, sched.pp_group_size, sched._n_microbatches = v, p, m
+    sched.number_of_rounds = max(1, m // p)
+    sched.microbatches_per_round = m // sched.number_of_rounds
+    for weights in ((1, 100), (3, 5)):
+        for rank in range(p):
+            now = peak = 0
+            for a in filter(None, sched._calculate_single_rank_operations(rank)):
+                kind = a.computation_type
+                sign = {schedules._ComputationType.FORWARD: 1, schedules._ComputationType.BACKWARD_WEIGHT: -1}.get(kind, 0)
+                now += sign * weights[a.stage_index // p]
+                peak = max(peak, now)
+            assert _alive_peak("zero_bubble", p, rank, m, weights)[0] == peak, (p, m, rank, weights)
+
+
 LLAMA3_405B = ["model.dim=16384", "model.n_layers=128", "model.n_heads=128", "model.n_kv_heads=8",
                "model.ffn_dim=53248", "distributed.pp_size=16", "distributed.pipeline.virtual_stages_per_rank=8",
                "distributed.activation_checkpointing=false", "training.compile=false"]

@@ -759,7 +759,8 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int) -> float:
 def _alive_peak(schedule: str, p: int, r: int, m: int, weights: tuple[int, ...]) -> tuple[int, int]:
     """(peak bytes, stage-microbatches alive then) of the activations pp rank `r` keeps, replaying the order in
     which torch's schedule runs its forwards (F) and backwards (B); `weights` are the bytes one micro batch keeps
-    on each local stage, in order. A stage's micro batch is alive from its F to its B."""
+    on each local stage, in order. A stage's micro batch is alive from its F to its B (zero_bubble: to its
+    weight pass)."""
     v = len(weights)
     if schedule in ("gpipe", "looped_bfs"):  # every forward before any backward
         return m * sum(weights), m * v
@@ -780,7 +781,11 @@ def _alive_peak(schedule: str, p: int, r: int, m: int, weights: tuple[int, ...])
 
         def b_stage(k):
             return v - 1 - ((k - warmup) // per_round) % v
+    # zero_bubble: torch keeps a micro batch's graph from its forward to its weight pass (W), which on pp rank r
+    # runs r backward passes after its input-gradient pass (`_get_1f1b_rank_ops`), the rest at the end
+    lag = r if schedule == "zero_bubble" else 0
     peak = count = n = now = f = b = 0
+    pending: list[int] = []
     order = ["F"] * warmup + ["F", "B"] * (total - warmup) + ["B"] * warmup
     for op in order:
         if op == "F":
@@ -789,10 +794,12 @@ def _alive_peak(schedule: str, p: int, r: int, m: int, weights: tuple[int, ...])
             n += 1
             if now > peak:
                 peak, count = now, n
-        else:
-            now -= weights[b_stage(warmup + b)]
-            b += 1
+            continue
+        pending.append(b_stage(warmup + b))
+        if b >= lag:
+            now -= weights[pending.pop(0)]
             n -= 1
+        b += 1
     return peak, count
 
 
