@@ -133,7 +133,8 @@ ACTS = {"tp2": ["distributed.tp_size=2"],
         "cp2": ["distributed.cp_size=2"],
         "cp2_full": ["distributed.cp_size=2", "distributed.activation_checkpointing=full"],
         "lora_tp2_sp": ["distributed.tp_size=2", "distributed.sequence_parallel=true", *LORA],
-        "lora_cp2": ["distributed.cp_size=2", *LORA]}
+        "lora_cp2": ["distributed.cp_size=2", *LORA],
+        "bf16_params_cp2": ["distributed.cp_size=2", "training.precision=bf16_params"]}
 HERE = f"{Path(__file__).resolve()}"
 GROUP_JOBS = [Job("plan accuracy n4", f"{HERE}:plan_job", {"configs": N4}, 4),
               Job("plan accuracy n2", f"{HERE}:plan_job", {"configs": N2}, 2),

@@ -940,9 +940,9 @@ def _notes(cfg) -> list[str]:
     if cfg.peft is not None and d.tp_size * d.cp_size > 1:
         out.append("LoRA: activations are exact on one process; under tensor/context parallelism they were "
                    "measured within 0.4% (TP2 + sequence parallelism +0.2%, CP2 +0.4%), not exact")
-    if _bf16_params(cfg) and d.tp_size * d.cp_size > 1:
-        out.append("bf16_params: activations (bf16) are exact on one process; under tensor/context parallelism "
-                   "they are counted alike but not measured")
+    if _bf16_params(cfg) and d.tp_size > 1:
+        out.append("bf16_params: activations (bf16) are exact on one process and within 0.8% under context "
+                   "parallelism (CP2); under tensor parallelism they are counted alike but not measured")
     if cfg.peft is not None and _lora_profile(cfg, _args_of(cfg)) is None:
         out.append("LoRA: activations are counted as for full training (this model's adapter roles are not the "
                    "Llama block's); parameters, gradients, optimizer state and communication are exact")
