@@ -210,16 +210,23 @@ def test_bf16_params_state_at_one_rank_matches_the_bench(lora):
     assert got.grads == 4 * n_train  # fp32 main gradients: micro-batches accumulate in fp32
 
 
-@pytest.mark.parametrize("p,m", [(4, 8), (4, 4), (2, 6)])
-def test_in_flight_activations_replay_torch_schedule(p, m):
+@pytest.mark.parametrize("schedule, p, m", [("interleaved_1f1b", 4, 8), ("interleaved_1f1b", 4, 4),
+                                            ("interleaved_1f1b", 2, 6), ("zero_bubble", 2, 4),
+                                            ("zero_bubble", 4, 8), ("zero_bubble", 4, 4), ("zero_bubble", 4, 16)])
+def test_in_flight_activations_replay_torch_schedule(schedule, p, m):
     """The activations a pp rank keeps alive at once (per local stage, e.g. the head's only on the last one) follow
-    the forward/backward order of torch's own ScheduleInterleaved1F1B (its per-rank op list, no processes)."""
+    the order of torch's own schedule (its per-rank op list, no processes): ScheduleInterleaved1F1B frees a micro
+    batch at its backward; ScheduleInterleavedZeroBubble splits the backward into an input pass and a later
+    weight pass, and the stage's graph (the activations) lives until the weight pass."""
     from torch.distributed.pipelining import schedules
 
     from meshforge.planning.estimate import _alive_peak
 
+    kinds = schedules._ComputationType
+    cls, frees = ((schedules.ScheduleInterleaved1F1B, kinds.FULL_BACKWARD) if schedule == "interleaved_1f1b"
+                  else (schedules.ScheduleInterleavedZeroBubble, kinds.BACKWARD_WEIGHT))
     v = 2
-    sched = schedules.ScheduleInterleaved1F1B.__new__(schedules.ScheduleInterleaved1F1B)
+    sched = cls.__new__(cls)
     sched.n_local_stages, sched.pp_group_size, sched._n_microbatches = v, p, m
     sched.number_of_rounds = max(1, m // p)
     sched.microbatches_per_round = m // sched.number_of_rounds
@@ -227,37 +234,10 @@ def test_in_flight_activations_replay_torch_schedule(p, m):
         for rank in range(p):
             now = peak = 0
             for a in filter(None, sched._calculate_single_rank_operations(rank)):
-                kind = str(a.computation_type)
-                sign = 1 if kind.endswith("F") or "FORWARD" in kind else -1 if "B" in kind else 0
-                now += sign * weights[a.stage_index // p]
+                now += {kinds.FORWARD: 1, frees: -1}.get(a.computation_type, 0) * weights[a.stage_index // p]
                 peak = max(peak, now)
-            assert _alive_peak("interleaved_1f1b", p, rank, m, weights)[0] == peak, (p, m, rank, weights)
+            assert _alive_peak(schedule, p, rank, m, weights)[0] == peak, (p, m, rank, weights)
     assert _alive_peak("1f1b", 4, 1, 8, (7,)) == (21, 3)  # Schedule1F1B: rank r keeps p - r micro batches
-
-
-@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 4), (4, 16)])
-def test_zero_bubble_keeps_each_micro_batch_until_its_weight_pass(p, m):
-    """ScheduleInterleavedZeroBubble runs each backward as an input pass (I) and a later weight pass (W); the
-    stage's graph, and with it the micro batch's activations, lives until W. The plan replays torch's own op
-    list (no processes): alive from F to W."""
-    from torch.distributed.pipelining import schedules
-
-    from meshforge.planning.estimate import _alive_peak
-
-    v = 2
-    sched = schedules.ScheduleInterleavedZeroBubble.__new__(schedules.ScheduleInterleavedZeroBubble)
-    sched.n_local_stages, sched.pp_group_size, sched._n_microbatches = v, p, m
-    sched.number_of_rounds = max(1, m // p)
-    sched.microbatches_per_round = m // sched.number_of_rounds
-    for weights in ((1, 100), (3, 5)):
-        for rank in range(p):
-            now = peak = 0
-            for a in filter(None, sched._calculate_single_rank_operations(rank)):
-                kind = a.computation_type
-                sign = {schedules._ComputationType.FORWARD: 1, schedules._ComputationType.BACKWARD_WEIGHT: -1}.get(kind, 0)
-                now += sign * weights[a.stage_index // p]
-                peak = max(peak, now)
-            assert _alive_peak("zero_bubble", p, rank, m, weights)[0] == peak, (p, m, rank, weights)
 
 
 LLAMA3_405B = ["model.dim=16384", "model.n_layers=128", "model.n_heads=128", "model.n_kv_heads=8",
