@@ -107,7 +107,7 @@ class _ShardSaved:
         if self.packed_shard is None:
             self.packed_shard = self.outer[0](self.shard) if self.outer else self.shard
             self.shard = None
-        return _GatheredView(self, local.size(), local.stride(), local.storage_offset(),
+        return _GatheredView(local.size(), local.stride(), local.storage_offset(),
                              t._spec if isinstance(t, DTensor) else None)
 
     def unpack(self, packed):
@@ -123,7 +123,7 @@ class _ShardSaved:
 
 @dataclass(frozen=True)
 class _GatheredView:
-    owner: _ShardSaved
+    """Where a saved tensor sits in the gathered input (its hooks' owner gathers that input again)."""
     size: torch.Size
     stride: tuple
     offset: int
