@@ -290,9 +290,6 @@ class MoETransformer(Llama):
         """Routed experts a token visits (top_k) + shared experts (hidden moe_ffn_dim * n_shared) + router."""
         return shapes.active_ffn_params_per_layer(self.args)
 
-    def total_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
     def adapter_layout(self) -> AdapterLayout:
         """Attention projections as Llama's; the routed experts as grouped roles (per-expert adapters); shared
         experts (if any) as linears; the router is not adapted (declared in models/shapes.py)."""
