@@ -88,9 +88,20 @@ N2 = {**matrix(2), **EXTRAS_N2}
 N4 = {**matrix(4), **EXTRAS_N4}
 
 
+def _reference_of(name: str) -> list[str]:
+    """Without accumulation at N=2 each rank runs one micro batch of 4, so the single process runs micro batches
+    of 4 too: then the sums are formed alike and the runs agree bit for bit (measured: losses, weights and grad
+    norms equal, every sharding strategy and average_in_collective value). Against micro batches of 2 the single
+    process itself differs by 6.4e-5 in the final weights on some hosts (AdamW at lr 1e-2 magnifies the summation
+    order), which no tolerance set for a parallel run should have to absorb. The accumulating configs keep the
+    micro-2 reference: they check a different split of the same global batch."""
+    return ["training.micro_batch_size=4"] if "_n2_noaccum_" in name else []
+
+
 @pytest.mark.parametrize("name", list(N2))
 def test_parity_n2(reference, group, name):
-    compare(reference(), results_of(group("megatron_fsdp parity n2"))[name], name, LOSS_RTOL, WEIGHT_ATOL)
+    compare(reference(_reference_of(name)), results_of(group("megatron_fsdp parity n2"))[name], name, LOSS_RTOL,
+            WEIGHT_ATOL)
 
 
 @pytest.mark.parametrize("name", list(N4))
