@@ -18,17 +18,13 @@ from dataclasses import dataclass, field
 
 from meshforge.config import ConfigError, load_config
 from meshforge.config import rules as config_rules
+from meshforge.config.strategies import HARNESS_FLAGS
 from meshforge.errors import BenchError
 from meshforge.launch import launch
 
-# `--use-megatron-fsdp true`: the spec's performance-harness settings in one flag
-MEGATRON_FSDP_PERF_OVERRIDES = [
-    "distributed.strategy=megatron_fsdp",
-    "distributed.data_parallel_sharding_strategy=optim_grads_params",
-    "distributed.average_in_collective=false",
-    "distributed.keep_fp8_transpose_cache=false",
-    "checkpoint.resume=none",
-]
+# `--use-megatron-fsdp true`: the spec's performance-harness settings in one flag, as the strategy's spec declares
+# them (`StrategySpec.harness_overrides`)
+MEGATRON_FSDP_PERF_OVERRIDES = list(HARNESS_FLAGS["use_megatron_fsdp"])
 
 
 @dataclass
