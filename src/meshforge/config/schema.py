@@ -543,6 +543,9 @@ class ProfilingConfig(Section):
 
 
 # -------------------------------------------------- Megatron-Bridge style spellings
+BRIDGE_SECTIONS = {"dist", "ddp"}  # folded into `distributed` on validation; never dumped
+
+
 class BridgeDistConfig(Section):
     """`dist:` as in Megatron-Bridge; folded into `distributed` by `Config.validate()`."""
 
