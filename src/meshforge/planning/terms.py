@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from meshforge.planning.layout import Layout, MeshAxis
-from meshforge.planning.params import F32, STEP_BYTES, ParamRec, chunk_rows, local_numel, local_shape
+from meshforge.planning.params import F32, STEP_BYTES, ParamRec, chunk_rows, local_numel, local_shape, memo
 from meshforge.planning.precision import bf16_params, gather_bytes
 
 AddComm = Callable[[str, str, int], None]  # (mesh axis, collective kind, full-buffer bytes)
@@ -103,8 +103,8 @@ class DeclaredSharding(StrategyPlanTerms):
       replicated  whole on every rank;
       dim0        each tensor split on dim 0, the shard padded to a multiple of the ranks as torch's
                   fully_shard pads it (the optimizer's moments take the unpadded torch.chunk piece);
-      owner       (optimizer state only) whole tensors, the i-th parameter's (model order) on rank i % ranks,
-                  ZeRO-1 style: that rank updates it and broadcasts it.
+      owner       (optimizer state only) whole tensors: the parameters in the order of their names, the i-th's on
+                  rank i % ranks, ZeRO-1 style (that rank updates it and broadcasts it).
 
     Sharded parameters need sharded gradients and optimizer state, sharded gradients a sharded optimizer.
     `grad_buckets`: a second copy of the gradients (DDP's reducer buckets) when the group has several ranks.
@@ -116,7 +116,7 @@ class DeclaredSharding(StrategyPlanTerms):
     params: Placement = "replicated"
     grads: Placement = "replicated"
     optimizer: Placement = "replicated"
-    axis: str = MeshAxis.DP
+    axis: str = "dp"
     grad_buckets: bool = False
 
     def __post_init__(self) -> None:
@@ -144,14 +144,16 @@ class DeclaredSharding(StrategyPlanTerms):
                      bf16=bf16_params(cfg))
             return
         r = coords[MeshAxis.parse(self.axis)]
-        for i, p in enumerate(stage):
+        order = memo("by_name", stage, (), lambda: {name: i for i, name in enumerate(sorted(q.name for q in stage))})
+        for p in stage:
             whole = local_numel(p, layout)
             shard, piece = dim0_shard(local_shape(p, layout), 0, n, r)
             out.params += (shard if self.params == "dim0" else whole) * F32
             if not p.trainable:
                 continue
             out.grads += (shard if self.grads == "dim0" else whole) * F32 * (2 if self.grad_buckets else 1)
-            kept = {"replicated": whole, "dim0": piece, "owner": whole if i % n == r else 0}[self.optimizer]
+            owned = order[p.name] % n == r
+            kept = {"replicated": whole, "dim0": piece, "owner": whole if owned else 0}[self.optimizer]
             out.optimizer += 2 * kept * F32 + STEP_BYTES if kept or self.optimizer == "dim0" else 0
 
     def comm(self, stage, cfg, layout, accum, add) -> None:
