@@ -382,7 +382,8 @@ def hf_model_keys(cfg: Config, world_size: int) -> list[str]:
 def fp8_layout(cfg: Config, world_size: int) -> list[str]:
     d = cfg.distributed
     if cfg.training.fp8.enabled and (d.tp_size > 1 or d.pp_size > 1):
-        return [f"training.fp8.enabled=true runs with data parallelism ({', '.join(strategy_specs())}) and cp only, not "
+        names = ", ".join(strategy_specs())
+        return [f"training.fp8.enabled=true runs with data parallelism ({names}) and cp only, not "
                 f"tp_size={d.tp_size} / pp_size={d.pp_size}: set training.fp8.enabled=false or tp_size=pp_size=1"]
     return []
 

@@ -248,11 +248,11 @@ class DistributedConfig(Section):
     """Sizes and parallelisms every strategy shares, plus the chosen strategy's own options.
 
     The strategy's keys are written flat here (`distributed.bucket_cap_mb`, as in the spec) and validated by the
-    strategy's options model (`config/strategies.py`) into `options`; a key of another strategy is an error
+    strategy's options model (`config/strategies/`) into `options`; a key of another strategy is an error
     naming its owner. Reading or assigning such a key on this object reaches `options`.
     """
 
-    strategy: str = "fsdp2"  # a registered strategy or alias: see config/strategies.py
+    strategy: str = "fsdp2"  # a registered strategy or alias: see config/strategies/
     dp_size: int | None = Field(None, gt=0)  # None = world_size / (tp * pp * cp)
     dp_replicate_size: int | None = Field(None, gt=0)  # HSDP: replicas of the sharded group
     tp_size: int = Field(1, gt=0)

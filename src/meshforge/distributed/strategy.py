@@ -4,8 +4,8 @@ A strategy's spec (`config/strategies/`: name, options, rules, checkpoint format
 class, a subclass of `Strategy`; `build_strategy` imports it when a run starts. The trainer, the pipeline,
 `parallelize`, expert parallelism, the checkpointer and the bench only talk to this protocol, never to a strategy by
 name or class: what a strategy does with experts (`add_experts`), whether it gathers float8 weights itself
-(`float8_all_gather`), what gradient memory it keeps beside `.grad` (`grad_buffer_bytes`) are its answers. The state-dict
-methods default to torch's DCP helpers (`get_model_state_dict` and friends), which see through DDP and FSDP2;
+(`float8_all_gather`), what gradient memory it keeps beside `.grad` (`grad_buffer_bytes`) are its answers. The
+state-dict methods default to torch's DCP helpers (`get_model_state_dict` and friends), which see through DDP and FSDP2;
 a strategy with its own storage (megatron_fsdp's flat buffers) overrides them.
 """
 
