@@ -16,9 +16,9 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from meshforge.config.strategies import either, strategy_specs
+from meshforge.config.strategies import dp_size, either, strategy_specs
 from meshforge.models import resolve_model_args
-from meshforge.planning.layout import Layout, inferred_dp
+from meshforge.planning.layout import Layout
 from meshforge.planning.pipeline_plan import pipeline_problems
 
 if TYPE_CHECKING:
@@ -43,11 +43,6 @@ def layout_of(cfg: Config, world_size: int) -> Layout:
     d = cfg.distributed
     return Layout.from_sizes(world_size, tp=d.tp_size, pp=d.pp_size, cp=d.cp_size, ep=d.ep_size,
                              dp=d.dp_size, dp_replicate=d.dp_replicate_size)
-
-
-def _dp(cfg: Config, world_size: int) -> int | None:
-    d = cfg.distributed
-    return inferred_dp(world_size, d.tp_size, d.pp_size, d.cp_size)
 
 
 def _model_args(cfg: Config):
@@ -119,7 +114,7 @@ def expert_parallel(cfg: Config, world_size: int) -> list[str]:
     if d.ep_size == 1:
         return []
     out = []
-    dp = _dp(cfg, world_size)
+    dp = dp_size(cfg, world_size)
     if dp is not None and (dp * d.cp_size) % d.ep_size:
         out.append(f"distributed.ep_size={d.ep_size} must divide dp_size*cp_size = {dp}*{d.cp_size} = "
                    f"{dp * d.cp_size}: choose an ep_size that divides it")
@@ -200,7 +195,7 @@ def _cuda_available() -> bool:
 def batch_and_sequence(cfg: Config, world_size: int) -> list[str]:
     d, t = cfg.distributed, cfg.training
     out = []
-    dp = _dp(cfg, world_size)
+    dp = dp_size(cfg, world_size)
     if dp is not None and t.global_batch_size % (t.micro_batch_size * dp):
         out.append(f"training.global_batch_size={t.global_batch_size} must be divisible by micro_batch_size*"
                    f"dp_size = {t.micro_batch_size}*{dp} = {t.micro_batch_size * dp}: pick a multiple of "
@@ -258,7 +253,7 @@ def pipeline_split(cfg: Config, world_size: int) -> list[str]:
     if args.is_moe:
         out.append(f"distributed.pp_size={d.pp_size} with a mixture-of-experts model (model.preset="
                    f"{cfg.model.preset!r}) is not supported yet: set pp_size 1")
-    dp = _dp(cfg, world_size)
+    dp = dp_size(cfg, world_size)
     if dp is not None and t.global_batch_size % dp == 0:
         out += pipeline_problems(args.n_layers, d.pp_size, d.pipeline_or_default, t.global_batch_size // dp)
     return out
@@ -336,7 +331,6 @@ def fused_loss_conflict(cfg: Config) -> str | None:
                 "on sharded logits and pipeline stages keep the plain loss")
     freed = d.spec.head_freed_after_forward
     return freed(d.options) if freed is not None else None
-    return None
 
 
 def fused_loss_on(cfg: Config) -> bool:
@@ -410,7 +404,7 @@ def bf16_params_layout(cfg: Config, world_size: int) -> list[str]:
         return [f"training.precision=bf16_params does not run with pp_size={d.pp_size}: {fix}"]
     if spec.bf16_params not in ("unsharded", "fp32_shards"):
         return [f"training.precision=bf16_params: {spec.bf16_params}; {fix}"]
-    sharded = spec.bf16_params == "fp32_shards" and (_dp(cfg, world_size) or 1) * d.cp_size > 1
+    sharded = spec.bf16_params == "fp32_shards" and (dp_size(cfg, world_size) or 1) * d.cp_size > 1
     if world_size > 1 and not sharded:
         able = either([s.name for s in strategy_specs().values() if s.bf16_params == "fp32_shards"])
         return [f"training.precision=bf16_params keeps fp32 master weights at world size 1 or in {able}'s fp32 shards "

@@ -108,6 +108,10 @@ class StrategySpec:
         unknown = set(self.composes_with) - set(AXES)
         if unknown:
             raise ValueError(f"strategy {self.name}: composes_with has unknown axes {sorted(unknown)}; known: {AXES}")
+        bridge = [f for f in (*self.bridge_flags, *(k for k, _ in self.bridge_refused))
+                  if f.split(".", 1)[0] not in ("dist", "ddp") or "." not in f]
+        if bridge:
+            raise ValueError(f"strategy {self.name}: Bridge keys are `dist.<key>` or `ddp.<key>`, not {bridge[0]!r}")
         object.__setattr__(self, "option_keys", frozenset(self.options.model_fields) | set(self.options.aliases))
 
 
@@ -184,6 +188,7 @@ def either(names: list[str]) -> str:
 
 
 def dp_size(cfg: Config, world_size: int) -> int | None:
+    """world / (tp * pp * cp), or None when it does not divide (the rules and the strategies' own rules)."""
     d = cfg.distributed
     return inferred_dp(world_size, d.tp_size, d.pp_size, d.cp_size)
 
