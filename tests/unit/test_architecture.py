@@ -1,5 +1,5 @@
-"""The architecture as tests: the import layers, no import cycles, the model contract's reach, and
-process-free validation.
+"""The architecture as tests: the import layers, no import cycles, the model contract's reach, a strategy's
+reach (its name spelled only in its spec and runtime modules), and process-free validation.
 
 Layers (a package may import only packages of its own layer or below; every import counts, function-local
 ones too, except under `if TYPE_CHECKING:`):
@@ -59,6 +59,7 @@ STRATEGY_NAMES_ALLOWED = {
     ("meshforge.config.schema", "ddp"): "Megatron-Bridge's `ddp:` section (not the strategy)",
     ("meshforge.config.validation", "ddp"): "Megatron-Bridge's `ddp:` section (not the strategy)",
     ("meshforge.config.strategies.megatron_fsdp", "ddp"): "its Megatron-Bridge flag `ddp.use_megatron_fsdp`",
+    ("meshforge.config.strategies", "ddp"): "the Bridge sections (`dist.`, `ddp.`) a spec's Bridge keys may name",
     ("meshforge.bench.cli", "megatron-fsdp"): "`--use-megatron-fsdp`, the spec documents' harness flag (its "
                                               "settings are the spec's `harness_overrides`)",
 }
