@@ -35,8 +35,6 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from meshforge.planning.theory import textbook_state
-
 STRATEGIES = {
     "ddp": ["distributed.strategy=ddp"],
     "fsdp2": ["distributed.strategy=fsdp2"],
@@ -45,7 +43,20 @@ STRATEGIES = {
 }
 
 
-theory = textbook_state  # the closed forms live in meshforge.planning (the exact plan: `meshforge plan`)
+def theory(name: str, P: int, N: int) -> dict:
+    """Bytes per rank (fp32, AdamW) of params, grads, optimizer, and collective volume per step, for the
+    configurations above at N ranks: the textbook table of the module docstring (the exact per-rank plan, with
+    padding and scalars, is `meshforge plan`)."""
+    b = 4 * P
+    t = {
+        "ddp": (b, b, 2 * b, {"all_reduce": b}),
+        "fsdp2": (b / N, b / N, 2 * b / N, {"all_gather": 2 * b, "reduce_scatter": b}),
+        "mfsdp_no_shard": (b, b, 2 * b, {"all_reduce": b}),
+        "mfsdp_optim": (b + b / N, b, 2 * b / N, {"all_reduce": b, "all_gather": b}),
+        "mfsdp_optim_grads": (b + b / N, b / N, 2 * b / N, {"reduce_scatter": b, "all_gather": b}),
+        "mfsdp_optim_grads_params": (b / N, b / N, 2 * b / N, {"all_gather": 2 * b, "reduce_scatter": b}),
+    }[name]
+    return {"params": t[0], "grads": t[1], "optimizer": t[2], "comm": t[3]}
 
 
 # ------------------------------------------------------------------------------------- worker

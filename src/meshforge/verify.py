@@ -1,7 +1,7 @@
 """`meshforge verify`: a short training run of every registered strategy on N local processes, one line each.
 
 The spec's verification in our terms: every run ends with a finite loss at its last step. The strategies
-(built-in, or registered by a plugin, `config/strategies.py`) run one after another in ONE launch of N
+(built-in, or registered by a plugin, `config/strategies/`) run one after another in ONE launch of N
 processes (`meshforge.testing.group`), each a full `train()` of the tiny model on synthetic data with its
 own trainer, so a failing strategy is reported on its line and the others still run.
 """

@@ -5,8 +5,9 @@ Three commands, run once per module (8 launches in all): a strategy sweep at N=2
 meshforge by `tests/plugin`), a precision sweep at N=1 with the bare-PyTorch
 baseline, and fsdp2 at N=4. Checks: files written and sane, positive throughput,
 memory per rank falling with sharding as theory says, FSDP2's bytes per step equal
-to ZeRO-3 theory for the tiny fp32 model, and the plugin strategy training exactly
-like ddp.
+to ZeRO-3 theory for the tiny fp32 model, the plugin strategy training exactly
+like ddp, and `meshforge plan`'s state bytes for the plugin (from the sharding it
+declares in its spec) equal to what the bench measured on each rank.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import subprocess
 import sys
 
 import pytest
-from test_verify import plugin_env
+from test_verify import PLUGIN, plugin_env
 
 from meshforge.cli import main
 
@@ -142,6 +143,35 @@ def test_n2_strategy_sweep_memory_and_bytes(n2):
     assert a["per_rank"][0]["state_bytes"]["params"] == p_bytes
     assert a["losses"] == pytest.approx(ddp["losses"], rel=1e-6)
     assert a["comm"]["by_op"]["c10d::allreduce_"] - p_bytes < 1024
+
+
+def test_n2_plugin_plan_equals_the_bench(n2, monkeypatch):
+    """The plugin declares its state (`DeclaredSharding(optimizer="owner")`: replicas, optimizer state ZeRO-1 style
+    round the dp ranks); the plan's params, grads and optimizer bytes per rank, and its bytes per step, equal the
+    bench's measurement."""
+    from meshforge.config import load_config, strategies
+    from meshforge.planning.comm import comm_per_step
+    from meshforge.planning.layout import Layout
+    from meshforge.planning.params import model_params
+    from meshforge.planning.state import rank_state
+
+    monkeypatch.syspath_prepend(str(PLUGIN))
+    from meshforge_allreduce_dp import SPEC
+
+    monkeypatch.setitem(strategies._SPECS, SPEC.name, SPEC)  # what its entry point does in the bench's processes
+    row = _rows(n2)["allreduce_dp"]
+    cfg = load_config(str(n2["_dir"].parent / "tiny.yaml"), row["overrides"], world_size=2)
+    params, args = model_params(cfg)
+    for r, measured in enumerate(row["per_rank"]):
+        got = rank_state(params, cfg, Layout.from_sizes(2), r)
+        want = measured["state_bytes"]
+        assert (got.params, got.grads, got.optimizer) == (want["params"], want["grads"], want["optimizer"]), r
+        print(f"\nallreduce_dp N=2 rank {r}: plan = bench: params {got.params}, grads {got.grads}, "
+              f"optimizer {got.optimizer}")
+    optimizer = [m["state_bytes"]["optimizer"] for m in row["per_rank"]]
+    assert max(optimizer) < 0.6 * sum(optimizer)  # sharded: each rank holds about half the optimizer state
+    # gradients all-reduced, owners broadcast the updated parameters, the loss and its token count
+    assert sum(comm_per_step(params, args, cfg, Layout.from_sizes(2)).values()) == row["comm_bytes_per_step"]
 
 
 def test_n1_precision_sweep_with_baseline(n1):

@@ -1,5 +1,5 @@
-"""The architecture as tests: the import layers, no import cycles, the model contract's reach, and
-process-free validation.
+"""The architecture as tests: the import layers, no import cycles, the model contract's reach, a strategy's
+reach (its name spelled only in its spec and runtime modules), and process-free validation.
 
 Layers (a package may import only packages of its own layer or below; every import counts, function-local
 ones too, except under `if TYPE_CHECKING:`):
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,26 @@ MODEL_INTERNALS = {"tok_embeddings", "feed_forward", "attention_norm", "ffn_norm
 # packed-sequence attention kernels (context parallelism masks with the same ones), and the built-in models'
 # torch-free description the planner reads (shapes)
 MODELS_PUBLIC = {"protocol", "presets", "loss", "lora", "attention", "shapes"}
+# a built-in strategy is spelled only in its own modules: its spec (options, rules, planner terms) and its runtime.
+# Everything else asks the spec (`StrategySpec`) or the runtime protocol (`distributed/strategy.py`).
+STRATEGY_OWNERS = {
+    "ddp": {"meshforge.config.strategies.ddp", "meshforge.distributed.ddp"},
+    "fsdp2": {"meshforge.config.strategies.fsdp2", "meshforge.distributed.fsdp2"},
+    "megatron_fsdp": {"meshforge.config.strategies.megatron_fsdp", "meshforge.distributed.megatron_fsdp",
+                      "meshforge.distributed.megatron_fsdp.buffers", "meshforge.distributed.megatron_fsdp.comm",
+                      "meshforge.distributed.megatron_fsdp.strategy"},
+}
+# where a built-in's name may still be written outside its modules, and why
+STRATEGY_NAMES_ALLOWED = {
+    ("meshforge.config.schema", "fsdp2"): "the default of distributed.strategy",
+    ("meshforge.recipes", "fsdp2"): "a recipe's choice of strategy",
+    ("meshforge.config.schema", "ddp"): "Megatron-Bridge's `ddp:` section (not the strategy)",
+    ("meshforge.config.validation", "ddp"): "Megatron-Bridge's `ddp:` section (not the strategy)",
+    ("meshforge.config.strategies.megatron_fsdp", "ddp"): "its Megatron-Bridge flag `ddp.use_megatron_fsdp`",
+    ("meshforge.config.strategies", "ddp"): "the Bridge sections (`dist.`, `ddp.`) a spec's Bridge keys may name",
+    ("meshforge.bench.cli", "megatron-fsdp"): "`--use-megatron-fsdp`, the spec documents' harness flag (its "
+                                              "settings are the spec's `harness_overrides`)",
+}
 # modules that must import without torch.distributed (beyond what `import torch` itself loads)
 PROCESS_FREE = {"errors", "models", "data", "config", "planning", "recipes"}
 
@@ -151,6 +172,73 @@ def test_nothing_outside_models_names_a_model_internal():
             if isinstance(word, str) and word in MODEL_INTERNALS:
                 bad.append(f"{m}:{node.lineno}: {word}")
     assert not bad, "\n".join(bad)
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    return {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+
+
+def _strategy_words() -> dict[str, str]:
+    """{word: the built-in strategy it names}: its name and aliases, the classes its modules define (those no other
+    module defines too), and its option keys and properties (those no other config section has too)."""
+    from meshforge.config import schema
+    from meshforge.config.strategies import strategy_specs
+
+    def classes(modules) -> set[str]:
+        return {n.name for m in modules for n in ast.parse(MODULES[m].read_text()).body if isinstance(n, ast.ClassDef)}
+
+    owned = set().union(*STRATEGY_OWNERS.values())
+    elsewhere = classes(set(MODULES) - owned)
+    shared = {f for cls in vars(schema).values() if isinstance(cls, type) and issubclass(cls, schema.BaseModel)
+              and not issubclass(cls, schema.StrategyOptions) for f in cls.model_fields}
+    out = {}
+    for name, owners in STRATEGY_OWNERS.items():
+        spec = strategy_specs()[name]
+        props = {k for k, v in vars(spec.options).items() if isinstance(v, property)}
+        for word in {spec.name, *spec.aliases, *(classes(owners) - elsewhere), *((spec.option_keys | props) - shared)}:
+            out[word] = name
+    return out
+
+
+def test_nothing_outside_a_strategy_names_it():
+    """Rules, the planner, parallelize, the bench and the checkpointer ask the spec or the runtime protocol: a
+    built-in's name, classes, option keys and modules appear only in its own spec and runtime modules (docstrings
+    and comments may describe it)."""
+    from meshforge.config.strategies import strategy_specs
+
+    assert set(STRATEGY_OWNERS) == {n for n, s in strategy_specs().items() if not isinstance(s.runtime, type)}
+    for name, owners in STRATEGY_OWNERS.items():  # the owners named are the modules the spec points at
+        spec = strategy_specs()[name]
+        assert {spec.runtime.partition(":")[0], spec.options.__module__} <= owners
+    words = _strategy_words()
+    # longest first: `megatron-fsdp` is megatron_fsdp's alias, not fsdp2's `fsdp`
+    pattern = re.compile(r"(?<!\w)(" + "|".join(map(re.escape, sorted(words, key=len, reverse=True))) + r")(?!\w)")
+    bad, allowed_seen = [], set()
+    for m, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        docs = _docstrings(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+                if m != "meshforge.config.strategies":  # the registry imports the built-in specs
+                    bad += [f"{m}:{node.lineno}: imports {x}" for x in mods
+                            for owners in STRATEGY_OWNERS.values() if x in owners and m not in owners]
+                continue
+            text = node.attr if isinstance(node, ast.Attribute) else node.id if isinstance(node, ast.Name) \
+                else node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and id(node) not in docs else None
+            for word in set(pattern.findall(text)) if text else ():
+                if m in STRATEGY_OWNERS[words[word]]:
+                    continue
+                if (m, word) in STRATEGY_NAMES_ALLOWED:
+                    allowed_seen.add((m, word))
+                else:
+                    bad.append(f"{m}:{node.lineno}: {word!r} names strategy {words[word]}")
+    assert not bad, "\n".join(bad)
+    assert allowed_seen == set(STRATEGY_NAMES_ALLOWED), set(STRATEGY_NAMES_ALLOWED) - allowed_seen  # none stale
 
 
 def _fresh_python(code: str) -> dict:

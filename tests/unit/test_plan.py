@@ -188,6 +188,41 @@ def test_lora_state_matches_bench_accounting(freeze, capsys):
         rank_state(params, cfg, Layout.from_sizes(4), 0)
 
 
+def test_a_strategy_plans_what_its_spec_declares(monkeypatch):
+    """A strategy's spec supplies the planner's terms. One that declares none is planned as full replicas and the
+    plan says so in a note; a declared dim-0 sharding (`DeclaredSharding`) is counted like fsdp2's shards, whose
+    accounting the plan-accuracy tests measure; an owner-sharded optimizer (ZeRO-1) splits only the optimizer
+    state (tests/parallel/test_bench_sweep.py measures it for the test plugin)."""
+    from meshforge.config import strategies
+    from meshforge.config.strategies import StrategySpec
+    from meshforge.planning.estimate import plan, rank_state
+    from meshforge.planning.hardware import device_from_arg
+    from meshforge.planning.terms import DeclaredSharding
+
+    declared = {"undeclared": None, "dim0": DeclaredSharding(params="dim0", grads="dim0", optimizer="dim0",
+                                                           axis="dp_shard_cp"),
+                "zero1": DeclaredSharding(optimizer="owner")}
+    for name, terms in declared.items():
+        monkeypatch.setitem(strategies._SPECS, name, StrategySpec(name=name, runtime="plugin:Runtime", plan=terms))
+    ref = config(["distributed.strategy=fsdp2"], world_size=4)
+    params, _ = model_params(ref)
+    p_bytes = 4 * sum(math.prod(p.shape) for p in params)
+    states = {}
+    for name in ("fsdp2", "ddp", *declared):
+        cfg = config([f"distributed.strategy={name}"], world_size=4)
+        states[name] = [rank_state(params, cfg, Layout.from_sizes(4), r) for r in range(4)]
+        notes = plan(cfg, 4, device_from_arg("h100"), params=params, args=model_params(cfg)[1]).notes
+        assert any("declares no planner terms" in n for n in notes) == (name == "undeclared"), (name, notes)
+    assert all((s.params, s.grads) == (p_bytes, p_bytes) for s in states["undeclared"])  # replicas, no buckets
+    assert all((s.params, s.grads) == (p_bytes, 2 * p_bytes) for s in states["ddp"])  # + the reducer's buckets
+    for a, b in zip(states["dim0"], states["fsdp2"]):
+        assert (a.params, a.grads, a.optimizer) == (b.params, b.grads, b.optimizer)
+    zero1 = states["zero1"]
+    assert all((s.params, s.grads) == (p_bytes, p_bytes) for s in zero1)
+    assert sum(s.optimizer for s in zero1) == states["undeclared"][0].optimizer  # each tensor's state once
+    assert max(s.optimizer for s in zero1) < states["undeclared"][0].optimizer / 2
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_bf16_params_state_at_one_rank_matches_the_bench(lora):
     """training.precision=bf16_params at world size 1: bf16 parameters and gradients, fp32 masters and moments in

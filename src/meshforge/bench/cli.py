@@ -33,8 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=10, help="timed steps per configuration (default 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps first (default 3)")
     p.add_argument("--use-megatron-fsdp", type=_bool, default=False, metavar="true|false",
-                   help="strategy megatron_fsdp with the spec's perf settings: optim_grads_params, "
-                        "average_in_collective=false, keep_fp8_transpose_cache=false, no checkpoint loading")
+                   help="Megatron-FSDP with the performance-harness settings its strategy spec declares (ZeRO-3, "
+                        "no averaging inside the collective, no fp8 transpose cache, no checkpoint loading)")
     p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
                    help="one configuration per value (repeat the flag to sweep several keys: all combinations)")
     p.add_argument("--baseline", action="store_true",

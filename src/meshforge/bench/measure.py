@@ -17,10 +17,11 @@ reductions, tensor-parallel redistribution) are counted too.
 Memory. `state_bytes` counts the storages (deduplicated, so views into one flat
 buffer or tied weights count once, and padding counts) behind this rank's
 parameters, gradients and optimizer state: DTensors by their local shard,
-optimizer-held parameters (e.g. fp32 main shards) included, DDP's reducer buckets
-added as gradient memory. A strategy with its own flat buffers returns
-`memory_report(optimizer)` with `params_at_rest`, `grads` and `optimizer_state`
-(megatron_fsdp does; the base strategy returns None), which is then used, the
+optimizer-held parameters (e.g. fp32 main shards) included, and the gradient
+buffers a strategy keeps beside `.grad` (`strategy.grad_buffer_bytes`, e.g. DDP's
+reducer buckets) counted as gradient memory. A strategy with its own flat buffers
+returns `memory_report(optimizer)` with `params_at_rest`, `grads` and
+`optimizer_state` (the base strategy returns None), which is then used, the
 storage count kept beside it.
 """
 
@@ -126,21 +127,9 @@ class _StorageSet:
         return n
 
 
-def _ddp_bucket_bytes(model) -> int:
-    from torch.nn.parallel import DistributedDataParallel
-
-    if not isinstance(model, DistributedDataParallel):
-        return 0
-    data = model._get_ddp_logging_data()
-    if data.get("gradient_as_bucket_view"):
-        return 0  # grads are views into the buckets: already counted once
-    sizes = str(data.get("bucket_sizes", "") or "")
-    return sum(int(s) for s in sizes.replace(",", " ").split())
-
-
 def state_bytes(models: list, optimizer: torch.optim.Optimizer, strategy=None) -> dict:
     """Bytes this rank holds in params, grads and optimizer state (call after step, before zero_grad)."""
-    counted = _storage_count(models, optimizer)
+    counted = _storage_count(models, optimizer, strategy)
     rep = strategy.memory_report(optimizer) if strategy is not None else None
     if rep is None:
         return counted
@@ -150,12 +139,14 @@ def state_bytes(models: list, optimizer: torch.optim.Optimizer, strategy=None) -
             "report": {k: v for k, v in rep.items() if isinstance(v, (int, float))}}
 
 
-def _storage_count(models: list, optimizer: torch.optim.Optimizer) -> dict:
+def _storage_count(models: list, optimizer: torch.optim.Optimizer, strategy=None) -> dict:
     seen = _StorageSet()
     params = [p for m in models for p in m.parameters()]
     params += [p for g in optimizer.param_groups for p in g["params"]]
     out = {"params": sum(seen.add(p) for p in params)}
-    out["grads"] = sum(seen.add(p.grad) for p in params) + sum(_ddp_bucket_bytes(m) for m in models)
+    out["grads"] = sum(seen.add(p.grad) for p in params)
+    if strategy is not None:  # gradient buffers the strategy keeps beside `.grad` (DDP's reducer buckets)
+        out["grads"] += sum(strategy.grad_buffer_bytes(m) for m in models)
     out["grads"] += sum(seen.add(getattr(p, "main_grad", None)) for p in params)  # bf16_params: fp32 grads
     out["optimizer"] = sum(seen.add(t) for st in optimizer.state.values() for t in st.values()
                            if isinstance(t, torch.Tensor))

@@ -18,17 +18,14 @@ from dataclasses import dataclass, field
 
 from meshforge.config import ConfigError, load_config
 from meshforge.config import rules as config_rules
+from meshforge.config.schema import BRIDGE_SECTIONS
+from meshforge.config.strategies import HARNESS_FLAGS
 from meshforge.errors import BenchError
 from meshforge.launch import launch
 
-# `--use-megatron-fsdp true`: the spec's performance-harness settings in one flag
-MEGATRON_FSDP_PERF_OVERRIDES = [
-    "distributed.strategy=megatron_fsdp",
-    "distributed.data_parallel_sharding_strategy=optim_grads_params",
-    "distributed.average_in_collective=false",
-    "distributed.keep_fp8_transpose_cache=false",
-    "checkpoint.resume=none",
-]
+# `--use-megatron-fsdp true`: the spec's performance-harness settings in one flag, as the strategy's spec declares
+# them (`StrategySpec.harness_overrides`)
+MEGATRON_FSDP_PERF_OVERRIDES = list(HARNESS_FLAGS["use_megatron_fsdp"])
 
 
 @dataclass
@@ -43,7 +40,7 @@ def parse_sweep(text: str) -> tuple[str, list[str]]:
     key, sep, values = text.partition("=")
     vals = [v.strip() for v in values.split(",")] if sep else []
     if not sep or not key.strip() or not vals or any(not v for v in vals):
-        raise BenchError(f"--sweep {text!r}: expected KEY=V1,V2,... (e.g. distributed.strategy=ddp,fsdp2)")
+        raise BenchError(f"--sweep {text!r}: expected KEY=V1,V2,... (e.g. training.micro_batch_size=1,2)")
     if len(set(vals)) != len(vals):
         raise BenchError(f"--sweep {text!r}: a value is repeated")
     return key.strip(), vals
@@ -114,7 +111,7 @@ def run_config(config_path: str | None, c: BenchConfig, steps: int, warmup: int,
 
 def baseline_overrides(c: BenchConfig) -> list[str]:
     """The first configuration's settings at world size 1: model, batch and precision; no parallelism."""
-    return [o for o in c.overrides if not o.startswith(("distributed.", "dist.", "ddp."))]
+    return [o for o in c.overrides if not o.startswith(tuple(f"{s}." for s in ("distributed", *BRIDGE_SECTIONS)))]
 
 
 def run_baseline(config_path: str | None, c: BenchConfig, steps: int, warmup: int, rounds: int,

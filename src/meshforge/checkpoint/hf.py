@@ -418,16 +418,16 @@ def load_hf_into(model, hf_dir: str | Path, progress: bool = False) -> list[str]
             continue
         if not isinstance(p, DTensor) and p.untyped_storage().nbytes() < p.numel() * p.element_size():
             raise CheckpointError(f"model.init_from: parameter {ours} has no storage of its own here (the strategy "
-                                  "keeps it in a flat buffer, e.g. megatron_fsdp): import with `meshforge checkpoint "
+                                  "keeps it in a flat buffer): import with `meshforge checkpoint "
                                   "import` and start from it with checkpoint.resume instead")
         copy_param(p, adapter.from_hf(ours, {n: whole(n) for n in theirs}))
     return read_whole
 
 
 class PlainInitFrom:
-    """`model.init_from` for a strategy that re-stores parameters in flat buffers (megatron_fsdp): loaded into the
-    plain model before parallelisation (`build_parallel_model(load_plain=...)`), where every rank reads the
-    tensors whole; `done` says whether that path ran (not on meta-device or pipeline builds)."""
+    """`model.init_from` for a strategy that re-stores parameters in flat buffers (its spec says `flat_buffers`):
+    loaded into the plain model before parallelisation (`build_parallel_model(load_plain=...)`), where every rank
+    reads the tensors whole; `done` says whether that path ran (not on meta-device or pipeline builds)."""
 
     def __init__(self, hf_dir: str):
         self.hf_dir, self.done = hf_dir, False
@@ -438,7 +438,7 @@ class PlainInitFrom:
 
     @classmethod
     def of(cls, cfg) -> PlainInitFrom | None:
-        flat = cfg.model.init_from and cfg.distributed.strategy == "megatron_fsdp"
+        flat = cfg.model.init_from and cfg.distributed.spec.flat_buffers
         return cls(cfg.model.init_from) if flat else None
 
 

@@ -82,13 +82,14 @@ from meshforge.checkpoint.files import (
 from meshforge.checkpoint.hf import export_checkpoint, hf_config_of, tokenizer_of
 from meshforge.checkpoint.peft import adapter_manifest, check_adapter_checkpoint, trainable_names
 from meshforge.config.rules import resolved_ckpt_format
+from meshforge.config.schema import BRIDGE_SECTIONS
 from meshforge.distributed.master_weights import MasterWeightAdamW
 from meshforge.errors import CheckpointError
 from meshforge.models import resolve_model_args
 
 
 def config_digest(cfg) -> str:
-    d = cfg.model_dump(mode="json", exclude={"dist", "ddp"})
+    d = cfg.model_dump(mode="json", exclude=BRIDGE_SECTIONS)
     d.get("checkpoint", {}).pop("resume", None)
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
 

@@ -12,7 +12,7 @@ import yaml
 
 from meshforge.config import validation
 from meshforge.config.validation import quote
-from meshforge.config.schema import Config
+from meshforge.config.schema import BRIDGE_SECTIONS, Config
 from meshforge.errors import ConfigError
 
 
@@ -120,7 +120,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def dump_yaml(cfg: Config) -> str:
     """The resolved config as YAML, as it would be written (Bridge sections are folded in already)."""
-    return yaml.safe_dump(cfg.model_dump(mode="json", exclude={"dist", "ddp"}), sort_keys=False)
+    return yaml.safe_dump(cfg.model_dump(mode="json", exclude=BRIDGE_SECTIONS), sort_keys=False)
 
 
 def write_yaml(cfg: Config, path: str | Path) -> None:

@@ -16,9 +16,9 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from meshforge.config.strategies import strategy_specs
+from meshforge.config.strategies import dp_size, either, strategy_specs
 from meshforge.models import resolve_model_args
-from meshforge.planning.layout import Layout, inferred_dp
+from meshforge.planning.layout import Layout
 from meshforge.planning.pipeline_plan import pipeline_problems
 
 if TYPE_CHECKING:
@@ -43,11 +43,6 @@ def layout_of(cfg: Config, world_size: int) -> Layout:
     d = cfg.distributed
     return Layout.from_sizes(world_size, tp=d.tp_size, pp=d.pp_size, cp=d.cp_size, ep=d.ep_size,
                              dp=d.dp_size, dp_replicate=d.dp_replicate_size)
-
-
-def _dp(cfg: Config, world_size: int) -> int | None:
-    d = cfg.distributed
-    return inferred_dp(world_size, d.tp_size, d.pp_size, d.cp_size)
 
 
 def _model_args(cfg: Config):
@@ -119,7 +114,7 @@ def expert_parallel(cfg: Config, world_size: int) -> list[str]:
     if d.ep_size == 1:
         return []
     out = []
-    dp = _dp(cfg, world_size)
+    dp = dp_size(cfg, world_size)
     if dp is not None and (dp * d.cp_size) % d.ep_size:
         out.append(f"distributed.ep_size={d.ep_size} must divide dp_size*cp_size = {dp}*{d.cp_size} = "
                    f"{dp * d.cp_size}: choose an ep_size that divides it")
@@ -200,7 +195,7 @@ def _cuda_available() -> bool:
 def batch_and_sequence(cfg: Config, world_size: int) -> list[str]:
     d, t = cfg.distributed, cfg.training
     out = []
-    dp = _dp(cfg, world_size)
+    dp = dp_size(cfg, world_size)
     if dp is not None and t.global_batch_size % (t.micro_batch_size * dp):
         out.append(f"training.global_batch_size={t.global_batch_size} must be divisible by micro_batch_size*"
                    f"dp_size = {t.micro_batch_size}*{dp} = {t.micro_batch_size * dp}: pick a multiple of "
@@ -258,7 +253,7 @@ def pipeline_split(cfg: Config, world_size: int) -> list[str]:
     if args.is_moe:
         out.append(f"distributed.pp_size={d.pp_size} with a mixture-of-experts model (model.preset="
                    f"{cfg.model.preset!r}) is not supported yet: set pp_size 1")
-    dp = _dp(cfg, world_size)
+    dp = dp_size(cfg, world_size)
     if dp is not None and t.global_batch_size % dp == 0:
         out += pipeline_problems(args.n_layers, d.pp_size, d.pipeline_or_default, t.global_batch_size // dp)
     return out
@@ -300,20 +295,19 @@ def schedule_and_profiling_steps(cfg: Config, world_size: int) -> list[str]:
     return out
 
 
-PEFT_STRATEGIES = ("ddp", "fsdp2", "megatron_fsdp")
-
-
 @rule
 def peft_composes(cfg: Config, world_size: int) -> list[str]:
-    """LoRA runs on ddp, fsdp2 and megatron_fsdp (with HSDP, TP/SP, CP, PP, EP, activation checkpointing) on a
-    model that declares an adapter layout; what is not built yet is refused here, never run half-right."""
+    """LoRA runs on the strategies whose spec keeps frozen parameters without gradient or optimizer state (with
+    the parallelisms each composes with, and activation checkpointing) on a model that declares an adapter
+    layout; what is not built yet is refused here, never run half-right."""
     p, d = cfg.peft, cfg.distributed
     if p is None:
         return []
     out = []
-    if d.strategy not in PEFT_STRATEGIES:
+    if not d.spec.frozen_params:
+        able = [s.name for s in strategy_specs().values() if s.frozen_params]
         out.append(f"peft (LoRA) with distributed.strategy={d.strategy} is not supported yet (frozen base weights "
-                   f"would still take gradient and optimizer memory): use strategy {', '.join(PEFT_STRATEGIES)}")
+                   f"would still take gradient and optimizer memory): use strategy {', '.join(able)}")
     if cfg.checkpoint.save_consolidated:
         out.append("checkpoint.save_consolidated with peft: a LoRA checkpoint holds the adapters only; leave it off "
                    "and run `meshforge checkpoint export --adapter` (PEFT format) or `--merge` (merged HF weights)")
@@ -335,13 +329,8 @@ def fused_loss_conflict(cfg: Config) -> str | None:
     if d.tp_size > 1 or d.pp_size > 1:
         return (f"tp_size={d.tp_size}, pp_size={d.pp_size}: tensor parallelism computes a vocabulary-parallel loss "
                 "on sharded logits and pipeline stages keep the plain loss")
-    if getattr(d.options, "reshard_after_forward", None) is True:
-        return ("distributed.reshard_after_forward=true frees the root's parameters (the output head's too) right "
-                "after forward, before the loss reads the head's weight")
-    if getattr(d.options, "sharding_strategy", None) == "optim_grads_params":
-        return ("megatron_fsdp's optim_grads_params frees the root unit (the output head's weight) right after "
-                "forward, before the loss reads it")
-    return None
+    freed = d.spec.head_freed_after_forward
+    return freed(d.options) if freed is not None else None
 
 
 def fused_loss_on(cfg: Config) -> bool:
@@ -387,7 +376,8 @@ def hf_model_keys(cfg: Config, world_size: int) -> list[str]:
 def fp8_layout(cfg: Config, world_size: int) -> list[str]:
     d = cfg.distributed
     if cfg.training.fp8.enabled and (d.tp_size > 1 or d.pp_size > 1):
-        return [f"training.fp8.enabled=true runs with data parallelism (ddp, fsdp2, megatron_fsdp) and cp only, not "
+        names = ", ".join(strategy_specs())
+        return [f"training.fp8.enabled=true runs with data parallelism ({names}) and cp only, not "
                 f"tp_size={d.tp_size} / pp_size={d.pp_size}: set training.fp8.enabled=false or tp_size=pp_size=1"]
     return []
 
@@ -404,24 +394,23 @@ def compile_backend_read(cfg: Config, world_size: int) -> list[str]:
 @rule
 def bf16_params_layout(cfg: Config, world_size: int) -> list[str]:
     """bf16_params keeps fp32 master weights in one of two places: the optimizer (the model unwrapped: world size
-    1, or ddp at world size 1) or fsdp2's fp32 shards (its mixed-precision policy gathers bf16)."""
+    1) or the fp32 shards of a strategy whose spec keeps them there (`bf16_params="fp32_shards"`: its
+    mixed-precision policy gathers bf16), over dp*cp > 1."""
     if cfg.training.precision != "bf16_params":
         return []
     d, fix = cfg.distributed, "set training.precision=bf16 (autocast over fp32 parameters)"
+    spec = d.spec
     if d.pp_size > 1:
         return [f"training.precision=bf16_params does not run with pp_size={d.pp_size}: {fix}"]
-    if d.strategy == "megatron_fsdp":
-        return [f"training.precision=bf16_params: megatron_fsdp keeps its own main weights and mixed precision; {fix}"]
-    sharded = d.strategy == "fsdp2" and (_dp(cfg, world_size) or 1) * d.cp_size > 1
+    if spec.bf16_params not in ("unsharded", "fp32_shards"):
+        return [f"training.precision=bf16_params: {spec.bf16_params}; {fix}"]
+    sharded = spec.bf16_params == "fp32_shards" and (dp_size(cfg, world_size) or 1) * d.cp_size > 1
     if world_size > 1 and not sharded:
-        return [f"training.precision=bf16_params keeps fp32 master weights at world size 1 or in fsdp2's fp32 shards "
+        able = either([s.name for s in strategy_specs().values() if s.bf16_params == "fp32_shards"])
+        return [f"training.precision=bf16_params keeps fp32 master weights at world size 1 or in {able}'s fp32 shards "
                 f"(data or context parallel size > 1), not with strategy {d.strategy} over {world_size} ranks with "
-                f"no fsdp2 sharding: set distributed.strategy=fsdp2 with dp or cp > 1, or {fix}"]
-    mp = getattr(d.options, "mp_policy", None)
-    if mp is not None and mp.param_dtype not in (None, "bfloat16"):
-        return [f"training.precision=bf16_params contradicts distributed.mp_policy.param_dtype={mp.param_dtype}: "
-                "remove one of them"]
-    return []
+                f"no {able} sharding: set distributed.strategy={able} with dp or cp > 1, or {fix}"]
+    return spec.bf16_params_rule(cfg, world_size) if spec.bf16_params_rule is not None else []
 
 
 def check(cfg: Config, world_size: int | None = None) -> list[str]:

@@ -248,11 +248,11 @@ class DistributedConfig(Section):
     """Sizes and parallelisms every strategy shares, plus the chosen strategy's own options.
 
     The strategy's keys are written flat here (`distributed.bucket_cap_mb`, as in the spec) and validated by the
-    strategy's options model (`config/strategies.py`) into `options`; a key of another strategy is an error
+    strategy's options model (`config/strategies/`) into `options`; a key of another strategy is an error
     naming its owner. Reading or assigning such a key on this object reaches `options`.
     """
 
-    strategy: str = "fsdp2"  # a registered strategy or alias: see config/strategies.py
+    strategy: str = "fsdp2"  # a registered strategy or alias: see config/strategies/
     dp_size: int | None = Field(None, gt=0)  # None = world_size / (tp * pp * cp)
     dp_replicate_size: int | None = Field(None, gt=0)  # HSDP: replicas of the sharded group
     tp_size: int = Field(1, gt=0)
@@ -543,6 +543,9 @@ class ProfilingConfig(Section):
 
 
 # -------------------------------------------------- Megatron-Bridge style spellings
+BRIDGE_SECTIONS = {"dist", "ddp"}  # folded into `distributed` on validation; never dumped
+
+
 class BridgeDistConfig(Section):
     """`dist:` as in Megatron-Bridge; folded into `distributed` by `Config.validate()`."""
 

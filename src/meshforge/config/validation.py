@@ -54,22 +54,31 @@ def _fold_bridge(raw: dict, strict: bool = True) -> tuple[dict, list[str]]:
         return raw, problems + [f"distributed: must be a section of keys, got {quote(d)}"]
     d = dict(d)
     explicit = canonical_name(d["strategy"]) if isinstance(d.get("strategy"), str) else None
-    for section, key, implied in (("dist", "use_megatron_fsdp", "megatron_fsdp"),
-                                  ("ddp", "use_megatron_fsdp", "megatron_fsdp"),
-                                  ("dist", "use_torch_fsdp2", "fsdp2")):
-        if strict and (dist if section == "dist" else ddp).get(key) is True and explicit not in (None, implied):
+    sections = {"dist": dist, "ddp": ddp}
+    # (section, key, strategy) of every registered strategy's Bridge flags; the last registered wins a tie
+    flags = [(*flag.split(".", 1), spec.name) for spec in reversed(strategy_specs().values())
+             for flag in spec.bridge_flags]
+    for section, key, implied in flags:
+        if strict and sections[section].get(key) is True and explicit not in (None, implied):
             problems.append(f"{section}.{key}=true asks for strategy {implied} but distributed.strategy="
                             f"{d['strategy']}: remove one of the two keys")
-    if dist.get("use_megatron_fsdp") and dist.get("use_torch_fsdp2"):
-        problems.append("dist.use_megatron_fsdp and dist.use_torch_fsdp2 are mutually exclusive: set one of them false")
-    use_mfsdp = bool(dist.pop("use_megatron_fsdp", False)) | bool(ddp.pop("use_megatron_fsdp", False))
-    if dist.pop("use_tp_pp_dp_mapping", False) and use_mfsdp:
-        problems.append("dist.use_tp_pp_dp_mapping is not supported with Megatron FSDP: set it false "
-                        "(meshforge lays out ranks tp-innermost itself)")
-    if dist.pop("use_torch_fsdp2", False) and not use_mfsdp:
-        d["strategy"] = "fsdp2"
-    if use_mfsdp:
-        d["strategy"] = "megatron_fsdp"
+    for section, keys in sections.items():
+        on = {}  # strategy -> the first of its flags set in this section
+        for sec, key, implied in flags:
+            if sec == section and keys.get(key):
+                on.setdefault(implied, f"{section}.{key}")
+        if len(on) > 1:
+            problems.append(f"{' and '.join(on.values())} are mutually exclusive: set one of them false")
+    chosen = next((implied for section, key, implied in flags if sections[section].get(key)), None)
+    for section, key, _ in flags:
+        sections[section].pop(key, None)
+    for spec in strategy_specs().values():
+        for flag, why in spec.bridge_refused:
+            section, key = flag.split(".", 1)
+            if sections[section].pop(key, False) and chosen == spec.name:
+                problems.append(f"{flag} {why}")
+    if chosen is not None:
+        d["strategy"] = chosen
     for key, value in ddp.items():
         if value is not None:
             d[key] = value

@@ -30,3 +30,13 @@ class DDPStrategy(Strategy):
 
     def unwrap(self, model):
         return model.module if isinstance(model, DistributedDataParallel) else model
+
+    def grad_buffer_bytes(self, model) -> int:
+        """The reducer's buckets: a second copy of the gradients (none when the grads are views into them)."""
+        if not isinstance(model, DistributedDataParallel):
+            return 0
+        data = model._get_ddp_logging_data()
+        if data.get("gradient_as_bucket_view"):
+            return 0  # grads are views into the buckets: already counted once
+        sizes = str(data.get("bucket_sizes", "") or "")
+        return sum(int(s) for s in sizes.replace(",", " ").split())

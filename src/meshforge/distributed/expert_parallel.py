@@ -12,12 +12,10 @@ strategy's `parallelize`. For every MoE layer the model declares (the model cont
    go to their owners with `all_to_all_single_autograd` (uneven and zero splits), are regrouped by local
    expert, computed, put back in arrival order and returned by the reverse all-to-all. Autograd runs
    through both directions.
-3. The experts module is handed to the data-parallel strategy (`strategy.shard_experts`) to be sharded over
-   the `ep_shard` mesh, with `moe.reshard_after_forward`, before the strategy wraps each block over the
-   dense dp mesh: fsdp2 `fully_shard`s it (dim 1, since there may be more shards than local experts) and
-   leaves parameters another FSDP unit manages alone, so routers, attention, norms and shared experts are
-   sharded over the dense dp mesh and experts only over ep_shard. This is done also when ep_shard has size
-   1, which is what keeps the dense wrapping's hands off the expert parameters.
+3. The experts module is handed over to the data-parallel strategy (`strategy.add_experts`), which decides how
+   it is sharded over the `ep_shard` mesh when it wraps the model (fsdp2: `distributed/fsdp2.py`'s `apply_fsdp`,
+   with `moe.reshard_after_forward` and `moe.wrap_outer_model`); routers, attention, norms and shared experts
+   are the strategy's dense units. A strategy that cannot shard experts says so in one line.
 4. Gradient scale: the owner of an expert receives the token copies of all ep ranks, so its local weight
    gradient is the SUM over the ep group of the per-rank losses' gradients, and FSDP over ep_shard then
    AVERAGES over ep_shard. The single-process gradient is the mean over all dp*cp ranks, so the expert
@@ -25,10 +23,6 @@ strategy's `parallelize`. For every MoE layer the model declares (the model cont
    (1/ep) * (1/ep_shard) * sum over dp*cp ranks = the mean. Parity tests prove it (EP2, EP4, EP2 x ep_shard 2).
 5. `moe.ignore_router_for_ac` with activation checkpointing on: each router keeps its top-k decision of the
    forward and the recompute reuses it (`Router.replay_routing`), so routing is identical in the recompute.
-6. `moe.wrap_outer_model: false`: the outer model's own parameters are not put in one root unit: the
-   modules the model's pipeline layout gives the first stage (embedding) and the last stage (final norm,
-   output head) become one sharding unit each (`strategy.shard_group`), so they are gathered only around
-   their own use. A tied embedding/head pair stays in the root unit.
 
 Experts that receive no token still get a (zero) gradient on every rank: every local expert runs, also on
 zero rows, so optimizers and clipping stay consistent across ranks.
@@ -50,7 +44,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from meshforge.errors import ConfigError
-from meshforge.models import contract_of, submodule_or_none
+from meshforge.models import contract_of
 
 
 class AllToAllDispatcher:
@@ -136,14 +130,13 @@ def _outside_selective_ac(fn, *args):
 
 
 def apply_ep(model: nn.Module, mesh_ctx, dcfg, strategy) -> nn.Module:
-    """Split every MoE layer's experts over `ep`, have the strategy shard them over `ep_shard`; see the module
-    docstring."""
+    """Split every MoE layer's experts over `ep` and hand them over to the strategy; see the module docstring."""
     contract = contract_of(model)
     layers = contract.moe_layers()
     if not layers:
         raise ConfigError(f"distributed.ep_size={mesh_ctx.ep_size} but the model ({type(model).__name__}) has no "
                           "MoE layers: use an MoE preset (e.g. tiny_moe) or set ep_size 1")
-    ep_mesh, shard_mesh = mesh_ctx.mesh("ep"), mesh_ctx.mesh("ep_shard")
+    ep_mesh = mesh_ctx.mesh("ep")
     ep = ep_mesh.size()
     moe_cfg = dcfg.moe_or_default
     replay = bool(moe_cfg.ignore_router_for_ac) and dcfg.ac_mode is not None
@@ -160,18 +153,8 @@ def apply_ep(model: nn.Module, mesh_ctx, dcfg, strategy) -> nn.Module:
         experts.grad_scale = 1.0 / ep
         layer.dispatcher = AllToAllDispatcher(ep_mesh.get_group(), ep, layer.n_experts)
         layer.router.replay_routing = replay
-        strategy.shard_experts(experts, shard_mesh, bool(moe_cfg.reshard_after_forward))
-    layout = contract.pipeline_layout()
-    if not moe_cfg.wrap_outer_model and layout is not None:
-        groups = [[m for m in (submodule_or_none(model, n) for n in names) if m is not None]
-                  for names in (layout.first_stage, layout.last_stage)]
-        groups = [g for g in groups if g]
-        first = {id(p) for m in groups[0] for p in m.parameters()} if groups else set()
-        tied = len(groups) == 2 and any(id(p) in first for m in groups[1] for p in m.parameters())
-        for group in () if tied else groups:  # a tied pair stays together in the root unit
-            strategy.shard_group(group, bool(moe_cfg.reshard_after_forward))
+        strategy.add_experts(experts)
     return model
-
 
 class _SumOverGroup:
     """Sums a small statistics tensor over a process group (no autograd; callers detach)."""

@@ -2,10 +2,11 @@
 activation checkpointing -> compile -> data-parallel strategy.
 
 Why this order: tensor parallelism turns parameters into DTensors that everything after it must see;
-context parallelism swaps attention ops inside those blocks; expert parallelism shards the experts and
-hands them to the strategy before the strategy wraps the rest (FSDP leaves modules another unit manages
-alone); activation checkpointing and compilation wrap whole blocks; the strategy comes last because it
-wraps (or re-stores) the parameters all of the above produced.
+context parallelism swaps attention ops inside those blocks; expert parallelism splits the experts over ep
+and hands them to the strategy (`add_experts`), which decides how they are sharded when it wraps the model;
+activation checkpointing and compilation wrap whole blocks; the strategy comes last because it wraps (or
+re-stores) the parameters all of the above produced. Nothing here knows which strategy runs: what differs is
+the strategy's answer (`strategy.float8_all_gather`, `strategy.parallelize`).
 
 Each parallelism is a small `apply_*` function in its own module that reads the MeshContext; this file
 only decides the order and collects what the step needs into a `Parallelized`. (Pipeline parallelism
@@ -30,7 +31,6 @@ from meshforge.distributed.context_parallel import apply_cp
 from meshforge.distributed.env import init_distributed
 from meshforge.distributed.expert_parallel import apply_ep, share_moe_batch_stats
 from meshforge.distributed.float8 import apply_float8
-from meshforge.distributed.fsdp2 import FSDP2Strategy
 from meshforge.distributed.mesh import MeshContext
 from meshforge.distributed.strategy import Strategy, build_strategy
 from meshforge.distributed.tensor_parallel import apply_tp
@@ -58,7 +58,7 @@ def parallelize_model(model: nn.Module, mesh_ctx: MeshContext, dcfg, device: tor
     strategy.param_dtype = torch.bfloat16 if precision == "bf16_params" else None
     out = Parallelized(model, strategy)
     if fp8 is not None and fp8.enabled:  # module swap first: everything after wraps the float8 linears
-        apply_float8(model, fp8, device, isinstance(strategy, FSDP2Strategy) and strategy.active)
+        apply_float8(model, fp8, device, strategy.float8_all_gather)
     if mesh_ctx.tp_size > 1:
         out.loss_context = apply_tp(model, mesh_ctx, dcfg) or contextlib.nullcontext
     if mesh_ctx.cp_size > 1:

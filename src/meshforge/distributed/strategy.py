@@ -1,9 +1,11 @@
 """The runtime protocol every data-parallel strategy implements; the base class is what world size 1 runs.
 
-A strategy's spec (`config/strategies.py`: name, options, rules, checkpoint formats) names its runtime class,
-a subclass of `Strategy`; `build_strategy` imports it when a run starts. The trainer, the pipeline, expert
-parallelism and the checkpointer only talk to this protocol, never to a strategy by name. The state-dict
-methods default to torch's DCP helpers (`get_model_state_dict` and friends), which see through DDP and FSDP2;
+A strategy's spec (`config/strategies/`: name, options, rules, checkpoint formats, planner terms) names its runtime
+class, a subclass of `Strategy`; `build_strategy` imports it when a run starts. The trainer, the pipeline,
+`parallelize`, expert parallelism, the checkpointer and the bench only talk to this protocol, never to a strategy by
+name or class: what a strategy does with experts (`add_experts`), whether it gathers float8 weights itself
+(`float8_all_gather`), what gradient memory it keeps beside `.grad` (`grad_buffer_bytes`) are its answers. The
+state-dict methods default to torch's DCP helpers (`get_model_state_dict` and friends), which see through DDP and FSDP2;
 a strategy with its own storage (megatron_fsdp's flat buffers) overrides them.
 """
 
@@ -57,15 +59,17 @@ class Strategy:
     def parallelize(self, model: nn.Module) -> nn.Module:
         return model
 
-    def shard_experts(self, experts: nn.Module, mesh, reshard_after_forward: bool) -> None:
-        """Expert parallelism hands over each MoE layer's (ep-sharded) experts to be sharded over `mesh`
-        (ep_shard) before `parallelize` wraps the rest; strategies that cannot say so."""
+    @property
+    def float8_all_gather(self) -> bool:
+        """training.fp8: the strategy all-gathers float8 weights itself (torchao's `enable_fsdp_float8_all_gather`
+        for torch's fully_shard), so the cast happens before the gather."""
+        return False
+
+    def add_experts(self, experts: nn.Module) -> None:
+        """Expert parallelism hands over each MoE layer's experts (already split over ep, dim 0 = expert); the
+        strategy shards them over ep_shard when it wraps the model. Strategies that cannot say so."""
         raise ConfigError(f"distributed.strategy={self.name} cannot shard experts: use a strategy that composes "
                           "with ep")
-
-    def shard_group(self, modules: list[nn.Module], reshard_after_forward: bool) -> None:
-        """Make `modules` one sharding unit of their own (e.g. the embedding, the output head)."""
-        raise ConfigError(f"distributed.strategy={self.name} cannot shard a module group on its own")
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The module whose parameter names are the model's own (for checkpoints and init)."""
@@ -150,6 +154,11 @@ class Strategy:
         `optimizer_state`, ...), or None: the bench then counts the storages behind parameters, gradients and
         optimizer state itself."""
         return None
+
+    def grad_buffer_bytes(self, model: nn.Module) -> int:
+        """Bytes of gradient buffers the strategy keeps beside the parameters' `.grad` (e.g. a reducer's buckets),
+        counted by the bench as gradient memory."""
+        return 0
 
     def comm_bytes_total(self) -> int | None:
         """Bytes this strategy handed to collectives since its counter was reset, or None when it does not

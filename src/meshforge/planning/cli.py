@@ -87,7 +87,7 @@ def run(args) -> int:
 
 
 def _plan(cfg, args, dev):
-    from meshforge.planning.estimate import plan
+    from meshforge.planning.plan import plan
 
     return plan(cfg, args.world_size, dev, args.gpus_per_node, args.mfu)
 
@@ -166,7 +166,7 @@ def _fit(cfg, args, dev) -> int:
 def memory_warning(cfg, world_size: int, gpu: str = "h100") -> str | None:
     """For `meshforge validate`: a warning when the plan's peak exceeds the device memory (None when it fits or
     the run is on CPU, where the host's memory is not planned)."""
-    from meshforge.planning.estimate import plan
+    from meshforge.planning.plan import plan
     from meshforge.planning.hardware import device_from_arg
 
     if cfg.training.device == "cpu":

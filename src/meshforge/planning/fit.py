@@ -1,5 +1,6 @@
 """`meshforge plan --fit`: search layouts (tp, pp, cp, strategy, activation checkpointing, micro batch) for a
-world size and device; the fastest that fit memory and pass the config rules come first.
+world size and device; the fastest that fit memory and pass the config rules come first. The strategies searched
+are those whose spec offers itself (`plan_search`), with the parallelisms each composes with.
 
 The model description is built once and shared by every candidate, and the config rules (the slow part: they
 check the TP plan on a meta model) run only on the fastest candidates that fit, until `top` pass, so a 70B
@@ -10,20 +11,21 @@ from __future__ import annotations
 
 import itertools
 
-from meshforge.planning.estimate import model_params, plan
+from meshforge.planning.params import model_params
+from meshforge.planning.plan import plan
 
 
 def _candidates(cfg, world_size: int, args, gpus_per_node: int):
-    from meshforge.config.strategies import get_strategy
+    from meshforge.config.strategies import strategy_specs
 
+    specs = [s for s in strategy_specs().values() if s.plan_search]  # the strategies whose specs offer themselves
     tps = [t for t in (1, 2, 4, 8) if t <= gpus_per_node and args.n_heads % t == 0 and args.n_kv_heads % t == 0]
     pps = [p for p in (1, 2, 4, 8, 16) if args.n_layers % p == 0]
-    for tp, pp, cp, strategy, ac, mbs in itertools.product(tps, pps, (1, 2, 4, 8), ("fsdp2", "megatron_fsdp"),
-                                                          (False, "selective", "full"), (1, 2, 4)):
+    for tp, pp, cp, spec, ac, mbs in itertools.product(tps, pps, (1, 2, 4, 8), specs, (False, "selective", "full"),
+                                                      (1, 2, 4)):
         axes = {"tp": tp > 1, "sp": tp > 1, "pp": pp > 1, "cp": cp > 1}
-        if world_size % (tp * pp * cp) == 0 and all(a in get_strategy(strategy).composes_with
-                                                    for a, used in axes.items() if used):
-            yield tp, pp, cp, strategy, ac, mbs
+        if world_size % (tp * pp * cp) == 0 and all(a in spec.composes_with for a, used in axes.items() if used):
+            yield tp, pp, cp, spec.name, ac, mbs
 
 
 def _configure(cfg, args, tp, pp, cp, strategy, ac, mbs):

@@ -1,23 +1,9 @@
 """Textbook estimates the benchmarks print beside their measurements (the planner's exact accounting lives in
-`planning/estimate.py`; these are the closed forms, without padding, scalars or per-unit detail).
+`planning/plan.py` and the modules it names; these are the closed forms, without padding or per-unit detail). The
+strategies' state per rank in closed form is `benchmarks/memory_per_rank.py`'s table.
 """
 
 from __future__ import annotations
-
-
-def textbook_state(name: str, P: int, N: int) -> dict:
-    """Bytes per rank (fp32, AdamW) of params, grads, optimizer, and collective volume per step, for the
-    strategies of benchmarks/memory_per_rank.py (ddp, fsdp2, mfsdp_<sharding strategy>) at N ranks."""
-    b = 4 * P
-    t = {
-        "ddp": (b, b, 2 * b, {"all_reduce": b}),
-        "fsdp2": (b / N, b / N, 2 * b / N, {"all_gather": 2 * b, "reduce_scatter": b}),
-        "mfsdp_no_shard": (b, b, 2 * b, {"all_reduce": b}),
-        "mfsdp_optim": (b + b / N, b, 2 * b / N, {"all_reduce": b, "all_gather": b}),
-        "mfsdp_optim_grads": (b + b / N, b / N, 2 * b / N, {"reduce_scatter": b, "all_gather": b}),
-        "mfsdp_optim_grads_params": (b / N, b / N, 2 * b / N, {"all_gather": 2 * b, "reduce_scatter": b}),
-    }[name]
-    return {"params": t[0], "grads": t[1], "optimizer": t[2], "comm": t[3]}
 
 
 def textbook_bubble(schedule: str, p: int, m: int, v: int) -> float:

@@ -6,6 +6,7 @@ import math
 import sys
 
 from meshforge.checkpoint.files import all_gather_object
+from meshforge.config.schema import BRIDGE_SECTIONS
 from meshforge.errors import ConfigError
 from meshforge.training.loggers import build_loggers, check_extras, run_metadata
 
@@ -64,7 +65,7 @@ class MetricsLogger:
         if self.enabled:
             try:
                 self.sinks = build_loggers(*self.sink_args)
-                config = cfg.model_dump(mode="json", exclude={"dist", "ddp"})
+                config = cfg.model_dump(mode="json", exclude=BRIDGE_SECTIONS)
                 meta = run_metadata({"strategy": cfg.distributed.strategy, **world}) if self.sinks else {}
                 for sink in self.sinks:
                     sink.start(config, meta)

@@ -1,0 +1,177 @@
+"""Activations: the bytes autograd saves for one micro batch on one rank (`activation_bytes`), and how many micro
+batches a pipeline rank keeps alive at once (`alive_peak`, a replay of its schedule's forward/backward order).
+
+Calibrated against saved-tensor hooks on CPU (tests/unit/test_plan.py, tests/parallel/test_plan_accuracy.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from meshforge.config.rules import fused_loss_on
+from meshforge.planning.layout import Layout
+from meshforge.planning.params import F32
+from meshforge.planning.precision import bf16_compute, compiled
+
+
+def activation_bytes(args, cfg, layout: Layout, blocks: int, first: bool, last: bool,
+                     micro_batch: int | None = None) -> dict[str, int]:
+    """Bytes autograd saves for one micro batch on one rank: {"blocks", "embedding", "head", "total",
+    "recompute"} ("recompute": the transient of one block recomputed in backward under checkpointing).
+
+    Per token per block, with the Llama block's saved tensors (element size e, fp32 norms statistics):
+      no checkpointing: 4*dim (block input and residual, kept by the norms; the two norms' outputs, kept by the
+        projections) + 2 rsqrt + q, k, v and the attention output (2*(heads + kv_heads)*head_dim) + heads
+        (softmax log-sum-exp) + 3*ffn (w1 and w3 outputs, kept by the fused SwiGLU; the product, kept by w2)
+        [MoE: routed copies top_k*moe_ffn, router]
+      full: the block input (dim) only; the block is recomputed in backward.
+      selective: the block input + the matmul and attention outputs it caches (q, k, v, attention output and
+        log-sum-exp, o-proj, ffn gate and up, down).
+    TP divides heads and ffn by tp; sequence parallelism divides the norms' tensors too (without checkpointing
+    the projections keep the sequence shard and gather it again in backward, distributed/tensor_parallel.py;
+    recomputed blocks gather it in their recompute); CP divides the tokens.
+    Head: the final norm (2*dim + 1), the fp32 log-softmax of the logits (vocab/tp per token; with the fused
+    loss only its log-sum-exp, one fp32 per token: the logits are recomputed chunk by chunk), int64 labels.
+    Measured against saved-tensor hooks on CPU: exact on one process, within 1% under TP/SP/CP.
+    """
+    d, t = cfg.distributed, cfg.training
+    return dict(_activation_bytes(args, bf16_compute(cfg), micro_batch or t.micro_batch_size,
+                                  t.seq_len, layout.cp, layout.tp, d.sequence_parallel, d.ac_mode,
+                                  fused_loss_on(cfg), blocks, first, last, lora_profile(cfg, args),
+                                  compiled(cfg)))
+
+
+LORA_ROLES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_profile(cfg, args) -> tuple | None:
+    """(adapted roles, norms trainable, embedding trainable, rank) of a LoRA run on a dense model whose adapter
+    roles are the Llama block's; None otherwise (then activations are counted as for full training, and the
+    plan says so)."""
+    if cfg.peft is None or args.is_moe:
+        return None
+    key = (cfg.model.model_dump_json(), tuple(cfg.peft.target_modules))
+    if key not in _ROLES:
+        from meshforge.models import plan_modules
+        from meshforge.models.shapes import layout_of, resolve_roles
+
+        _ROLES[key] = frozenset(resolve_roles(layout_of(plan_modules(cfg.model)[0]), list(cfg.peft.target_modules)))
+    roles = _ROLES[key]
+    if not roles <= set(LORA_ROLES):
+        return None
+    return roles, "norms" not in cfg.peft.freeze, "embeddings" not in cfg.peft.freeze, cfg.peft.rank
+
+
+_ROLES: dict = {}
+
+
+@functools.lru_cache(maxsize=8192)
+def _activation_bytes(args, bf16: bool, micro_batch: int, seq_len: int, cp: int, tp: int, sequence_parallel: bool,
+                      mode: str | None, fused: bool, blocks: int, first: bool, last: bool,
+                      lora: tuple | None = None, compiled: bool = False) -> dict[str, int]:
+    e = 2 if bf16 else F32
+    tokens = micro_batch * seq_len // cp
+    sp = tp if sequence_parallel else 1
+    hd, h, kv = args.hd, args.n_heads // tp, args.n_kv_heads // tp
+    ffn = args.ffn_dim // tp
+    if args.is_moe:
+        ffn = (args.top_k * args.moe_ffn_dim + args.n_shared_experts * args.moe_ffn_dim) // tp
+    dim_full = args.dim
+    dim_sp = args.dim // sp
+    attn = 2 * (h + kv) * hd  # q, k, v, attention output
+    mm = 3 * ffn
+    if mode is None:
+        per_tok = (4 * dim_sp + attn + mm) * e + (2 + h) * F32
+        if compiled and sp > 1:  # compiled blocks keep each sub-layer's gathered input whole (measured, CPU)
+            per_tok += 2 * (dim_full - dim_sp) * e
+    elif mode == "full":
+        per_tok = dim_sp * e
+    else:
+        per_tok = (dim_sp + attn + 2 * dim_full + 2 * ffn) * e + h * F32
+    full_block = (4 * dim_sp + attn + mm) * e + (2 + h) * F32
+    first_block = 0  # LoRA: what block 0 does not keep
+    emb_train = lora is None or lora[2]  # the embedding and the output head (LoRA freezes both by default)
+    if lora is not None:
+        # autograd keeps only what the gradients of inputs that require one need (measured, one process):
+        # a frozen projection keeps no input (its group keeps it if any member is adapted: LoRA's A reads it);
+        # each adapter adds its rank-r A output (selective checkpointing caches every matmul output, the
+        # adapters' B outputs too); with the embedding and the norms frozen, block 0's first norm is not in the
+        # graph at all (a norm keeps its input and rsqrt whenever either needs a gradient)
+        roles, norms_train, _, r = lora
+        out_features = {"q_proj": args.n_heads * hd // tp, "k_proj": args.n_kv_heads * hd // tp,
+                        "v_proj": args.n_kv_heads * hd // tp, "o_proj": dim_full, "gate_proj": ffn,
+                        "up_proj": ffn, "down_proj": dim_full}
+        kept = len(roles) * r * e
+        kept -= 0 if roles & {"q_proj", "k_proj", "v_proj"} else dim_sp * e
+        kept -= 0 if roles & {"gate_proj", "up_proj"} else dim_sp * e
+        kept -= 0 if "down_proj" in roles else ffn * e
+        full_block += kept
+        if mode is None:
+            per_tok += kept
+            first_block = 0 if emb_train or norms_train else dim_sp * e + F32
+        elif mode == "selective":
+            per_tok += sum(r + out_features[role] for role in roles) * e
+    rope = 2 * (seq_len // cp) * (hd // 2) * F32 if blocks else 0  # cos/sin of this rank's positions
+    out = {"blocks": blocks * per_tok * tokens + rope - (first_block * tokens if first and blocks else 0),
+           # int64 token ids, for the embedding's gradient (none when it is frozen)
+           "embedding": tokens * 8 if first and emb_train else 0,
+           # the final norm's input and rsqrt; the head's input (gathered along the sequence under SP), which a
+           # frozen head (LoRA) keeps only for the fused loss's recomputation; the loss's fp32 log-softmax and
+           # int64 labels, or the fused loss's log-sum-exp
+           "head": (tokens * ((dim_sp + (dim_full if fused or emb_train else 0)) * e + F32
+                              + (F32 if fused else (args.vocab_size // tp) * F32) + 8)
+                    + (0 if fused else F32))
+           if last else 0,
+           "recompute": full_block * tokens if mode and blocks else 0}
+    out["total"] = out["blocks"] + out["embedding"] + out["head"]
+    return out
+
+
+
+@functools.lru_cache(maxsize=4096)
+def alive_peak(schedule: str, p: int, r: int, m: int, weights: tuple[int, ...]) -> tuple[int, int]:
+    """(peak bytes, stage-microbatches alive then) of the activations pp rank `r` keeps, replaying the order in
+    which torch's schedule runs its forwards (F) and backwards (B); `weights` are the bytes one micro batch keeps
+    on each local stage, in order. A stage's micro batch is alive from its F to its B (zero_bubble: to its
+    weight pass)."""
+    v = len(weights)
+    if schedule in ("gpipe", "looped_bfs"):  # every forward before any backward
+        return m * sum(weights), m * v
+    if schedule == "v_schedule":  # ScheduleZBVZeroBubble: 2(p-r)-1 forwards on chunk 0, r on each chunk, one more
+        n0, n1 = min(m, 2 * p - r - 1), min(m, r + 1)
+        return n0 * weights[0] + n1 * weights[1], n0 + n1
+    total = m * v
+    if v == 1:  # Schedule1F1B: p - 1 - r warm-up forwards
+        warmup = min(m, p - 1 - r)
+        f_stage = b_stage = lambda k: 0  # noqa: E731
+    else:  # ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble (`_get_warmup_ops` and their stage order)
+        per_round = m // max(1, m // p)
+        hop = 1 if schedule == "zero_bubble" else 2
+        warmup = min(total, (v - 1) * per_round + hop * (p - 1 - r))
+
+        def f_stage(k):
+            return (k // per_round) % v
+
+        def b_stage(k):
+            return v - 1 - ((k - warmup) // per_round) % v
+    # zero_bubble: torch keeps a micro batch's graph from its forward to its weight pass (W), which on pp rank r
+    # runs r backward passes after its input-gradient pass (`_get_1f1b_rank_ops`), the rest at the end
+    lag = r if schedule == "zero_bubble" else 0
+    peak = count = n = now = f = b = 0
+    pending: list[int] = []
+    order = ["F"] * warmup + ["F", "B"] * (total - warmup) + ["B"] * warmup
+    for op in order:
+        if op == "F":
+            now += weights[f_stage(f)]
+            f += 1
+            n += 1
+            if now > peak:
+                peak, count = now, n
+            continue
+        pending.append(b_stage(warmup + b))
+        if b >= lag:
+            now -= weights[pending.pop(0)]
+            n -= 1
+        b += 1
+    return peak, count
+

@@ -1,0 +1,156 @@
+"""Bytes one rank hands to collectives per optimizer step, per (mesh axis, collective kind): `comm_per_step`.
+
+Counted as the bench counts them (the full-buffer side: all-gather output, reduce-scatter input, all-reduce
+tensor, all-to-all input, p2p tensor), in the order a step issues them:
+  data parallel   the strategy's own collectives (its spec's planner terms, `planning/terms.py`)
+  tensor          per micro batch, what torch's DTensor styles move (`_tensor_parallel`)
+  scalars         the loss and its token count over dp*cp; the gradient norm (`_grad_norm`)
+  pipeline        activations and their gradients between stages, the loss broadcast, the norms' sum
+  expert          each token's routed copies there and back (`_expert_parallel`)
+  context         K/V gathered and their gradients reduce-scattered per attention layer (`_context_parallel`)
+"""
+
+from __future__ import annotations
+
+import math
+
+from meshforge.planning.layout import Layout, MeshAxis
+from meshforge.planning.params import F32, ParamRec
+from meshforge.planning.precision import bf16_compute
+from meshforge.planning.state import pipeline_plan_of, stage_params, terms_of
+from meshforge.planning.terms import AddComm
+
+
+def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int = 0) -> dict[tuple[str, str], int]:
+    """{(axis, kind): bytes} one rank hands to collectives per optimizer step (see the module docstring)."""
+    t = cfg.training
+    c = layout.coords(rank)
+    out: dict[tuple[str, str], int] = {}
+
+    def add(axis, kind, n):
+        if n:
+            out[(axis, kind)] = out.get((axis, kind), 0) + int(n)
+
+    n_micro = t.global_batch_size // layout.dp // t.micro_batch_size
+    accum = 1 if layout.pp > 1 else n_micro
+    stages = stage_params(params, cfg, layout, c[MeshAxis.PP], args.n_layers)
+    terms = terms_of(cfg)
+    for stage in stages:
+        terms.comm(stage, cfg, layout, accum, add)
+    mine = [p for st in stages for p in st]
+    if layout.tp > 1:
+        _tensor_parallel(mine, args, cfg, layout, n_micro, add)
+    # scalars: the loss averaged over the data-parallel ranks and its label-token count
+    if layout.world_size > 1 and layout.size("dp_cp") > 1:
+        add("dp_cp", "all_reduce", F32)
+        add("dp_cp", "all_reduce", 8)  # the global count of label tokens (int64) that normalises the loss
+    _grad_norm(mine, terms, cfg, layout, add)
+    if layout.pp > 1:
+        pplan = pipeline_plan_of(cfg, layout, args.n_layers)
+        e = 2 if bf16_compute(cfg) else F32
+        act = (pplan.microbatch_size * t.seq_len // layout.cp * args.dim
+               // (layout.tp if cfg.distributed.sequence_parallel else 1))
+        add("pp", "send_recv", 2 * pplan.n_microbatches * act * e * len(pplan.rank_stages(c[MeshAxis.PP])))
+        add("pp", "broadcast", F32)  # the last stage's loss to the other stages
+        add("pp", "all_reduce", F32)  # the stages' squared gradient norms
+    if layout.ep > 1 and args.is_moe:
+        _expert_parallel(mine, args, cfg, layout, n_micro, add)
+    if layout.cp > 1:
+        _context_parallel(mine, args, cfg, layout, n_micro, add)
+    return out
+
+
+def _grad_norm(mine: list[ParamRec], terms, cfg, layout: Layout, add: AddComm) -> None:
+    """One 4-byte all-reduce per DTensor gradient and mesh dimension it is sharded over (the strategy says whether
+    its gradients are DTensors over the dp mesh), and the strategy's own reductions."""
+    dtensor = terms.dtensor_grads(cfg, layout)
+    n_ep = n_dp = n_tp = 0
+    for p in (p for p in mine if p.trainable):
+        if p.expert and layout.ep > 1:
+            n_ep += 1
+            continue
+        n_dp += dtensor
+        # (without FSDP the vocab-parallel embedding's grad is Replicate)
+        n_tp += layout.tp > 1 and p.tp_dim is not None and (dtensor or p.place != "first")
+    add("ep", "all_reduce", n_ep * F32 * (1 + (dtensor and layout.size(MeshAxis.EP_SHARD) > 1)))
+    add("dp_cp", "all_reduce", n_dp * F32)
+    add("tp", "all_reduce", n_tp * F32)
+    terms.norm_comm(cfg, layout, add)
+
+
+def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micro: int, add: AddComm) -> None:
+    """Per micro batch (measured on torch's DTensor styles). Without sequence parallelism: an all-reduce of the
+    activations (tokens x dim) after each row-wise projection and the vocabulary-parallel embedding (forward), of
+    the input gradient of each column-wise projection and of the output head (backward). With it, each sub-layer
+    all-gathers its sequence-sharded input and reduce-scatters its output (forward), the output's gradient is
+    all-gathered (backward) and each column-wise projection all-reduces its input gradient as without it; the
+    embedding reduce-scatters (forward) and the head all-gathers (forward), each with its mirror in backward;
+    without checkpointing each sub-layer gathers its kept sequence shard again in backward
+    (distributed/tensor_parallel.py). Checkpointing (full or selective) runs the block's forward collectives
+    again, except the last reduction of each block: the recomputation stops at the last tensor backward needs
+    (non-reentrant checkpoint), and the block's output is not one. The vocabulary-parallel loss reduces the max,
+    sum of exponentials and target logit of every token (3 x tokens x 4 bytes)."""
+    d, t = cfg.distributed, cfg.training
+    e = 2 if bf16_compute(cfg) else F32
+    tokens = t.micro_batch_size * t.seq_len // layout.cp
+    act = tokens * args.dim * e
+    mine = [p for p in mine_all if p.tp_dim is not None and not p.adapter]
+    in_blocks = [p for p in mine if p.block is not None]
+    rows = sum(1 for p in in_blocks if p.tp_dim == 1)  # row-wise projections: one per sub-layer
+    cols = sum(1 for p in in_blocks if p.tp_dim == 0)
+    n_blocks = len({p.block for p in in_blocks})
+    first = any(p.place == "first" for p in mine)
+    head = any(p.place == "last" for p in mine)
+    # a frozen embedding (and frozen norms in the first block) needs no gradient of its output: backward skips the
+    # embedding's mirror collective and the input gradients of the first sub-layer's column-wise projections
+    # (those before the first block's first row-wise one)
+    frozen_in = first and not any(p.trainable for p in mine_all if p.place == "first" or
+                                  (p.block == 0 and len(p.shape) == 1))
+    skip = 0
+    if frozen_in:
+        for p in (p for p in mine if p.block == 0):
+            if p.tp_dim == 1:
+                break
+            skip += 1
+    recompute = d.ac_mode is not None
+    loss = 3 * tokens * F32 if head else 0
+    # replicated parameters with Partial gradients are all-reduced twice per step, by the gradient norm and by the
+    # optimizer step (measured, torch 2.13, dp 1)
+    partial = 2 * F32 * sum(math.prod(p.shape) for p in mine_all if p.partial_grad and p.trainable)
+    if d.sequence_parallel:
+        # without checkpointing a sub-layer (the parent of its row-wise projection) keeps the sequence shard of its
+        # gathered input and gathers it again in backward, if a trainable parameter reads that input (anything in
+        # the sub-layer but the row-wise projection and its adapters); compiled blocks, which keep the gathered
+        # input, send as many gathers (measured with aot_eager, torch 2.13)
+        subs = {p.name.rsplit(".", 2)[0]: p.name.rsplit(".", 1)[0] for p in in_blocks if p.tp_dim == 1}
+        regather = 0 if recompute else sum(
+            any(q.trainable and q.name.startswith(sub + ".") and not q.name.startswith(row + ".")
+                for q in mine_all) for sub, row in subs.items())
+        add("tp", "all_gather",
+            n_micro * (2 * rows + first + head - frozen_in + (rows if recompute else 0) + regather) * act)
+        add("tp", "reduce_scatter", n_micro * (rows + first + head + (rows - n_blocks if recompute else 0)) * act)
+        add("tp", "all_reduce", n_micro * ((cols - skip) * act + loss) + partial)
+    else:
+        redo = rows - n_blocks if recompute else 0
+        add("tp", "all_reduce", n_micro * ((rows + cols - skip + first + head + redo) * act + loss) + partial)
+
+
+def _expert_parallel(mine: list[ParamRec], args, cfg, layout: Layout, n_micro: int, add: AddComm) -> None:
+    """Each token's top_k copies go to their experts and back, forward and backward (what one rank receives
+    depends on the routing: this is the balanced count); first the per-expert counts (int64)."""
+    t = cfg.training
+    e = 2 if bf16_compute(cfg) else F32
+    tokens = t.micro_batch_size * t.seq_len // layout.cp
+    moe_layers = len({p.block for p in mine if p.expert})
+    add("ep", "all_to_all", n_micro * moe_layers * (4 * tokens * args.top_k * args.dim * e + args.n_experts * 8))
+
+
+def _context_parallel(mine: list[ParamRec], args, cfg, layout: Layout, n_micro: int, add: AddComm) -> None:
+    """Per attention layer and micro batch: all-gather of the local K/V in forward, again in backward, and a
+    reduce-scatter of the K/V gradients (distributed/context_parallel.py); checkpointing adds the forward's."""
+    t = cfg.training
+    e = 2 if bf16_compute(cfg) else F32
+    layers = len({p.block for p in mine if p.block is not None})
+    kv = 2 * t.micro_batch_size * (args.n_kv_heads // layout.tp) * t.seq_len * args.hd * e
+    add("cp", "all_gather", n_micro * layers * kv * (3 if cfg.distributed.ac_mode else 2))
+    add("cp", "reduce_scatter", n_micro * layers * kv)

@@ -1,0 +1,167 @@
+"""The model as the planner sees it: one record per parameter (shape, block, TP split, expert, place, trainable),
+read from the model's torch-free description (`models.plan_modules`; the meta-device model for hf_model; one block
+stands in for every block), LoRA applied as the run applies it. Also the per-shard arithmetic every strategy's
+terms share and the memo the layout search leans on (it plans hundreds of candidates over one parameter list).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshforge.planning.layout import Layout
+
+F32 = 4
+STEP_BYTES = 4  # AdamW's per-tensor `step` (a float32 scalar)
+
+
+@dataclass(frozen=True)
+class ParamRec:
+    name: str
+    shape: tuple[int, ...]
+    block: int | None  # block index, None for the rest of the model
+    tp_dim: int | None  # dimension split over tp, None when whole
+    expert: bool  # stacked routed-expert weights (dim 0 = expert)
+    place: str  # "block", "first" (first pipeline stage), "last" or "other"
+    trainable: bool = True  # False: frozen (LoRA's base weights): no gradient, no optimizer state
+    # replicated over tp while its gradient arrives Partial: the norms under sequence parallelism (their input is
+    # sequence-sharded) and the LoRA factor kept whole beside a split base layer
+    partial_grad: bool = False
+    adapter: bool = False  # a LoRA factor (`models.lora.is_adapter_param`), decided once: the search asks often
+
+
+def model_params(cfg) -> tuple[list[ParamRec], object]:
+    """Every parameter of the configured built-in model (tied weights once), from its meta description."""
+    from meshforge.models import plan_modules, resolve_model_args
+    from meshforge.models.shapes import ADAPTER_PARTS, is_adapter_param
+    from meshforge.models.shapes import model_contract
+    from meshforge.planning.tp_plan import resolve_plan, sharded_dim
+
+    args = resolve_model_args(cfg.model)
+    one, modules = plan_modules(cfg.model)  # torch-free for the built-in models (models/shapes.py)
+    if cfg.peft is not None:
+        one, modules = _with_lora(one, modules, cfg.peft)
+    contract = model_contract(one)
+    layout = contract.pipeline_layout()
+    container = layout.split_points[0].rpartition(".")[0] if layout else None
+    d = cfg.distributed
+    styles = {}
+    if d.tp_size > 1:
+        styles, _, _ = resolve_plan(one, d.sequence_parallel, d.tp_plan, modules)
+    # the stacked expert weights and their per-expert LoRA factors (dim 0 = expert: they shard with EP)
+    expert_ids = {id(p) for layer in contract.moe_layers() for p in layer.experts.parameters()}
+    out, seen = [], set()
+    for mname, mod in modules.items():
+        block = None
+        if container is not None and mname.startswith(container + "."):
+            block = int(mname[len(container) + 1:].split(".")[0])
+        for pname, p in mod.named_parameters(recurse=False):
+            key = (id(p), block)
+            if key in seen:
+                continue
+            seen.add(key)
+            place = "block" if block is not None else "other"
+            if layout is not None and block is None:
+                top = mname.split(".")[0]
+                place = "first" if top in layout.first_stage else "last" if top in layout.last_stage else "other"
+            style = styles.get(mname)
+            tp_dim = sharded_dim(mod, style) if style else None
+            partial = style == "sequence_parallel"
+            parent, _, part = mname.rpartition(".")
+            if part in ADAPTER_PARTS and styles.get(parent):
+                # LoRA factors follow their base layer's style (distributed/tensor_parallel.py): under colwise B is
+                # split by rows and A whole; under rowwise A is split by columns and B whole
+                tp_dim = {("colwise", "lora_B"): 0, ("rowwise", "lora_A"): 1}.get((styles[parent], part))
+                partial = tp_dim is None
+            full = f"{mname}.{pname}" if mname else pname
+            out.append(ParamRec(full, tuple(p.shape), block, tp_dim, id(p) in expert_ids, place, p.requires_grad,
+                                partial, is_adapter_param(full)))
+    return out, args
+
+
+def _with_lora(one, modules: dict, peft):
+    """The one-block meta model with LoRA applied (adapters on the targeted linears, the freeze policy) and
+    the whole model's {name: module} rebuilt from it, each block's modules standing in for every block's."""
+    from meshforge.models.shapes import ModelShape
+    from meshforge.models.shapes import apply_lora as apply_to_description
+
+    if isinstance(one, ModelShape):
+        apply_lora = apply_to_description  # the same adapters and freeze policy, without torch
+    else:
+        from meshforge.models.lora import apply_lora
+
+    names: dict[int, list[str]] = {}  # each module object -> every name it stands under
+    for n, m in modules.items():
+        names.setdefault(id(m), []).append(n)
+    before = dict(one.named_modules())
+    apply_lora(one, peft)
+    out = {}
+    for name, mod in one.named_modules():
+        old = before.get(name)
+        if old is not None:
+            for whole in names[id(old)]:
+                out[whole] = mod
+        else:  # a new adapter module (at any depth) under its nearest original ancestor: under each of that
+            # ancestor's whole-model names (expert adapters sit two levels down: `experts.adapters.<role>`)
+            parent, child = name, ""
+            while parent and parent not in before:
+                parent, _, last = parent.rpartition(".")
+                child = f"{last}.{child}" if child else last
+            for whole in names[id(before[parent])] if parent in before else []:
+                out[f"{whole}.{child}" if whole else child] = mod
+    return one, out
+
+
+def chunk_rows(dim0: int, world: int, rank: int) -> int:
+    """Rows of `torch.chunk(dim0 rows, world)`'s piece `rank` (the last pieces may be short or empty)."""
+    size = -(-dim0 // world) if dim0 else 0
+    start = min(rank * size, dim0)
+    return min(start + size, dim0) - start
+
+
+def local_shape(p: ParamRec, layout: Layout) -> list[int]:
+    """The shape of `p` on one rank before data-parallel sharding: split over tp, experts over ep."""
+    s = list(p.shape)
+    if p.tp_dim is not None:
+        s[p.tp_dim] //= layout.tp
+    if p.expert and layout.ep > 1:
+        s[0] //= layout.ep
+    return s
+
+
+def local_numel(p: ParamRec, layout: Layout) -> int:
+    return math.prod(local_shape(p, layout))
+
+
+_STAGE_CACHE: dict = {}
+
+
+def memo(kind: str, obj, key: tuple, compute):
+    """`compute()` memoised per (kind, the list `obj`, key): the search plans hundreds of candidates over the
+    same parameter lists. The entry holds `obj`, so its id is not reused while cached."""
+    hit = _STAGE_CACHE.get((kind, id(obj), key))
+    if hit is not None and hit[0] is obj:
+        return hit[1]
+    if len(_STAGE_CACHE) > 8192:
+        _STAGE_CACHE.clear()
+    value = compute()
+    _STAGE_CACHE[(kind, id(obj), key)] = (obj, value)
+    return value
+
+
+def alike(stage: list[ParamRec]) -> list[tuple[ParamRec, int]]:
+    """[(a parameter, how many of the stage's parameters are stored like it)]: those equal in shape, split,
+    expert-ness, trainability and being the first stage's (memoised per stage list)."""
+    def compute():
+        kinds: dict = {}
+        for p in stage:
+            k = (p.shape, p.tp_dim, p.expert, p.trainable, p.place == "first")
+            rep, n = kinds.get(k, (p, 0))
+            kinds[k] = (rep, n + 1)
+        return list(kinds.values())
+
+    return memo("alike", stage, (), compute)
+
+
+def n_params(params: list[ParamRec]) -> int:
+    return memo("n", params, (), lambda: sum(math.prod(p.shape) for p in params))

@@ -1,0 +1,33 @@
+"""The dtypes a run computes, keeps and moves in, read from the config the way the runtime decides them (without
+torch): every term of the plan (state, activations, communication) asks here."""
+
+from __future__ import annotations
+
+F32 = 4
+
+
+def on_cuda(cfg) -> bool:
+    return cfg.training.device != "cpu"
+
+
+def bf16_params(cfg) -> bool:
+    """training.precision=bf16_params: bf16 parameters with fp32 masters in the optimizer (unsharded), or fp32
+    shards gathered in bf16 (a strategy whose spec keeps fp32 shards, over dp*cp > 1); bf16 compute on every
+    device."""
+    return cfg.training.precision == "bf16_params"
+
+
+def compiled(cfg) -> bool:
+    """training.compile on the run's device (distributed/compile.py's rule, without torch)."""
+    return cfg.training.compile is True or (cfg.training.compile == "auto" and on_cuda(cfg))
+
+
+def bf16_compute(cfg) -> bool:
+    """Activations (and the tensors TP/CP/PP move) in bf16: autocast on CUDA, or bf16 parameters anywhere."""
+    return bf16_params(cfg) or (cfg.training.precision == "bf16" and on_cuda(cfg))
+
+
+def gather_bytes(cfg) -> int:
+    """Element size of sharded parameters gathered for compute: the sharding strategies gather bf16 on CUDA, and
+    under bf16_params on CPU too."""
+    return 2 if (on_cuda(cfg) or bf16_params(cfg)) else F32

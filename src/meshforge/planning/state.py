@@ -1,0 +1,96 @@
+"""Bytes of parameters, gradients and optimizer state one rank holds after a step (`rank_state`).
+
+The planner's part is which parameters a rank holds: its pipeline stages' (each pipeline rank's stage lists come
+from the pipeline plan; one list without PP). What a strategy keeps of them is the strategy's own knowledge, asked
+of its spec's planner terms (`StrategySpec.plan`, see `planning/terms.py`): fsdp2's padded dim-0 shards, ddp's
+replicas and reducer buckets, megatron_fsdp's flat buffers per unit. A strategy that declares no terms is counted
+as full replicas (the plan notes it); frozen (LoRA) parameters are planned only under a strategy that says how it
+keeps them, never silently counted as trainable.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from meshforge.planning.layout import Layout, MeshAxis
+from meshforge.planning.params import ParamRec, memo
+from meshforge.planning.terms import DeclaredSharding, Parts, StrategyPlanTerms
+
+UNDECLARED = DeclaredSharding()  # what a strategy without planner terms is counted as (full replicas)
+
+
+def spec_of(cfg):
+    """The configured strategy's spec; None when the name is not registered (the planner still plans replicas)."""
+    try:
+        return cfg.distributed.spec
+    except ValueError:
+        return None
+
+
+def terms_of(cfg) -> StrategyPlanTerms:
+    spec = spec_of(cfg)
+    return spec.plan if spec is not None and spec.plan is not None else UNDECLARED
+
+
+def stage_params(params: list[ParamRec], cfg, layout: Layout, pp_rank: int,
+                 n_layers: int | None = None) -> list[list[ParamRec]]:
+    """The parameters of each pipeline stage this pp rank holds (one list per stage; one list without PP)."""
+    if layout.pp == 1:
+        return [params]
+    pplan = pipeline_plan_of(cfg, layout, n_layers)
+
+    def compute():
+        stages = []
+        for s in pplan.rank_stages(pp_rank):
+            blocks = set(pplan.stage_layers[s])
+            stages.append([p for p in params if (p.block in blocks) or (p.place == "first" and s == 0)
+                           or (p.place == "last" and s == pplan.num_stages - 1) or p.place == "other"])
+        return stages
+
+    return memo("stages", params, (pplan, pp_rank), compute)
+
+
+def pipeline_plan_of(cfg, layout: Layout, n_layers: int | None = None):
+    pcfg = cfg.distributed.pipeline_or_default
+    return _pipeline_plan(n_layers or _n_layers(cfg), layout.pp, pcfg.model_dump_json(exclude_unset=True),
+                          cfg.training.global_batch_size // layout.dp)
+
+
+@functools.lru_cache(maxsize=256)
+def _pipeline_plan(n_layers: int, pp: int, pcfg_json: str, local_batch: int):
+    from meshforge.config.schema import PipelineConfig
+    from meshforge.planning.pipeline_plan import plan_pipeline
+
+    return plan_pipeline(n_layers, pp, PipelineConfig.model_validate_json(pcfg_json), local_batch)
+
+
+def _n_layers(cfg) -> int:
+    from meshforge.models import resolve_model_args
+
+    return resolve_model_args(cfg.model).n_layers
+
+
+def _refuse_uncounted(params: list[ParamRec], cfg) -> None:
+    """Frozen parameters are counted under the strategies that say how they keep them (their spec's
+    `frozen_params` and planner terms); another strategy is one line, never a silently wrong plan."""
+    from meshforge.config.strategies import either, strategy_specs
+    from meshforge.errors import ConfigError
+
+    if all(p.trainable for p in params):
+        return
+    spec = spec_of(cfg)
+    if spec is None or spec.plan is None or not spec.frozen_params:
+        able = [s.name for s in strategy_specs().values() if s.plan is not None and s.frozen_params]
+        raise ConfigError(f"meshforge plan does not count frozen (LoRA) parameters under distributed.strategy="
+                          f"{cfg.distributed.strategy}: plan with strategy {either(able)}")
+
+
+def rank_state(params: list[ParamRec], cfg, layout: Layout, rank: int) -> Parts:
+    """Bytes of parameters, gradients and optimizer state global rank `rank` holds after a step."""
+    _refuse_uncounted(params, cfg)
+    c = layout.coords(rank)
+    terms = terms_of(cfg)
+    out = Parts()
+    for stage in stage_params(params, cfg, layout, c[MeshAxis.PP]):
+        terms.state(stage, cfg, layout, c, out)
+    return out
