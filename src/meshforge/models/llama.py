@@ -22,7 +22,7 @@ from meshforge.models.attention import document_mask, masked_attention
 from meshforge.models.hf_families import dense_adapter
 from meshforge.models.loss import HeadInput, head_input
 from meshforge.models import shapes
-from meshforge.models.presets import ModelArgs
+from meshforge.models.args import ModelArgs
 from meshforge.models.protocol import AdapterLayout, InitSpec, PipelineLayout, StateDictAdapter
 
 

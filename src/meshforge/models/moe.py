@@ -45,7 +45,7 @@ from meshforge.models import shapes
 from meshforge.models.hf_families import dense_adapter
 from meshforge.models.llama import FeedForward, Llama, TransformerBlock, rope_cos_sin, swiglu
 from meshforge.models.lora import ExpertLoRA
-from meshforge.models.presets import ModelArgs
+from meshforge.models.args import ModelArgs
 from meshforge.models.protocol import AdapterLayout, InitSpec, StateDictAdapter
 
 
@@ -298,3 +298,8 @@ class MoETransformer(Llama):
     def state_dict_adapter(self) -> StateDictAdapter:
         """Per `model.family` (mixtral, qwen3_moe): stacked experts <-> HF per-expert tensors (models/hf_moe.py)."""
         return dense_adapter(self.args)
+
+
+def decoder_class(args: ModelArgs) -> type[Llama]:
+    """What the built-in families build (models/family.py `Family.model`): Llama, or with experts MoETransformer."""
+    return MoETransformer if args.is_moe else Llama

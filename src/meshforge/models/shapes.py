@@ -16,7 +16,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from meshforge.models.presets import ModelArgs
+from meshforge.models.args import ModelArgs
 from meshforge.models.protocol import AdapterLayout, PipelineLayout, contract_of
 
 ADAPTER_PARTS = ("lora_A", "lora_B")  # LoRA's factor modules (models/lora.py)
