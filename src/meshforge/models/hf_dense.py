@@ -76,7 +76,6 @@ def permute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------ families
 # config.json keys with no effect on the weights or the logits (storage dtype: tensors are cast to the run's)
 _METADATA_KEYS = {"transformers_version", "torch_dtype", "dtype", "use_cache", "_name_or_path"}
-_FLAGS = ("attention_bias", "qkv_bias", "qk_norm")
 ROPE_TYPES = ("default", "llama3")  # `model.rope_type`s: their config.json keys below, computed by llama.rope_cos_sin
 
 
