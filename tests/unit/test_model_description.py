@@ -83,7 +83,7 @@ plan_modules(cfg.model)
 out["described"] = hf_toy.described
 out["torch"] = "torch" in sys.modules
 out["built"] = type(build_model(cfg.model, device="meta")).__name__
-for bad in (["model.toy_window=0"], ["model.family=toys"]):
+for bad in (["model.toy_window=0"], ["model.family=toys"], ["model.toy_window=3"]):
     try:
         load_config("examples/tiny_cpu.yaml", bad)
     except ConfigError as err:
@@ -111,3 +111,5 @@ def test_a_family_in_its_own_module_and_one_registration_reaches_everything(tmp_
     assert out["built"] == "Toy"
     assert "model.toy_window: Input should be greater than 0" in out["model.toy_window=0"]
     assert "'qwen3_moe' or 'toy'" in out["model.family=toys"]
+    # its field under another family would be silently ignored: refused, naming the family that reads it
+    assert "model.toy_window is read only by model.family=toy, not by llama" in out["model.toy_window=3"]

@@ -4,7 +4,8 @@ the bound and choices declared here). Torch-free.
 
 One `Arg` line per field (models/family.py): name, type, default, the schema's bound or choices, one line of
 doc. The shared fields are `SHARED` below; a family adds the fields only it reads in its own declaration
-(`Family.fields`), and they join `ModelArgs` and the schema through the registry (models/hf_families.py).
+(`Family.fields`), and they join `ModelArgs` and the schema through the registry (models/hf_families.py);
+set under another family such a field would be ignored, so `validate` refuses it.
 `ModelArgs` is a frozen dataclass built from that list (so `dataclasses.fields`, `replace` and `asdict` work as
 on any dataclass, and each field's `metadata["arg"]` is its `Arg`); its methods are `_ModelArgsMethods`'.
 """
@@ -76,6 +77,11 @@ def _collect(shared: tuple[Arg, ...], families) -> tuple[Arg, ...]:
     return tuple(out.values())
 
 
+# a family's own field -> the families that read it: set under another family it would be silently ignored
+_READERS = {a.name: [f.name for f in FAMILIES.values() if a in f.fields]
+            for family in FAMILIES.values() for a in family.fields}
+
+
 class _ModelArgsMethods:
     """What ModelArgs computes from its fields."""
 
@@ -106,6 +112,11 @@ class _ModelArgsMethods:
                              f"{self.vocab_size})")
         if self.is_moe and not (1 <= self.top_k <= self.n_experts):
             raise ValueError(f"model.top_k={self.top_k} must be between 1 and model.n_experts={self.n_experts}")
+        for name, readers in _READERS.items():
+            field = type(self).__dataclass_fields__[name]
+            if self.family not in readers and getattr(self, name) != field.default:
+                raise ValueError(f"model.{name} is read only by model.family={' or '.join(readers)}, not by "
+                                 f"{self.family}: remove it or set model.family")
         return self
 
 
