@@ -197,6 +197,14 @@ def test_cli_import_prints_values_init_from_matches_them_and_refuses_others(tmp_
               info)
 
 
+def test_registered_families_are_transformers_causal_lms():
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from meshforge.models.hf_families import FAMILIES
+
+    assert {n: f.architecture for n, f in FAMILIES.items()} == {n: MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[n] for n in FAMILIES}
+
+
 # published parameter counts (the models' safetensors totals)
 PUBLISHED = {"llama3_2_1b": 1_235_814_400, "llama3_2_3b": 3_212_749_824, "llama3_1_8b": 8_030_261_248,
              "qwen2_5_0_5b": 494_032_768, "qwen2_5_7b": 7_615_616_512, "qwen3_8b": 8_190_735_360,

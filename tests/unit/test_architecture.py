@@ -39,10 +39,11 @@ LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 MODEL_INTERNALS = {"tok_embeddings", "feed_forward", "attention_norm", "ffn_norm", "wq", "wk", "wv", "wo", "w1",
                    "w2", "w3", "shared_experts", "CoreAttention", "Llama", "MoETransformer", "TransformerBlock",
                    "GroupedExperts", "hf_name_map", "pp_split_points"}
-# what other packages may import from models/: the package, its contract, the presets, the loss, LoRA and the
-# packed-sequence attention kernels (context parallelism masks with the same ones), and the built-in models'
-# torch-free description the planner reads (shapes)
-MODELS_PUBLIC = {"protocol", "presets", "loss", "lora", "attention", "shapes"}
+# what other packages may import from models/: the package, its contract, the model's fields (args: the schema
+# derives its model section from them), the presets, the loss, LoRA and the packed-sequence attention kernels
+# (context parallelism masks with the same ones), and the built-in models' torch-free description the planner
+# reads (shapes)
+MODELS_PUBLIC = {"protocol", "args", "presets", "loss", "lora", "attention", "shapes"}
 # a built-in strategy is spelled only in its own modules: its spec (options, rules, planner terms) and its runtime.
 # Everything else asks the spec (`StrategySpec`) or the runtime protocol (`distributed/strategy.py`).
 STRATEGY_OWNERS = {

@@ -87,7 +87,10 @@ def test_checkpoint_format_is_chosen_per_strategy():
 
 
 def test_cuda_device_max_connections(monkeypatch):
-    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    # setenv first so that the undo removes the value choose_cuda_device_max_connections sets below (delenv of an
+    # unset variable records nothing: the "1" leaked into later tests' subprocesses)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "")
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
     tp_only = load_config(None, ["distributed.tp_size=2"], world_size=2).distributed
     assert choose_cuda_device_max_connections(tp_only, 2, cuda=False) is None
     assert "set for TP/CP without FSDP" in choose_cuda_device_max_connections(tp_only, 2, cuda=True)

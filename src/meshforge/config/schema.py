@@ -19,6 +19,7 @@ from pydantic import (
     Field,
     SerializeAsAny,
     ValidationInfo,
+    create_model,
     field_validator,
     model_serializer,
     model_validator,
@@ -34,6 +35,7 @@ from meshforge.config.strategies import (
     strategy_specs,
 )
 from meshforge.config.validation import resolve
+from meshforge.models.args import Arg, model_fields
 
 
 class Section(StrictSection):
@@ -68,54 +70,33 @@ class RunConfig(Section):
 
 
 # --------------------------------------------------------------------------- model
-class ModelConfig(Section):
-    """A preset by name, with any field overridden; `None` keeps the preset's value."""
+class _ModelSection(Section):
+    def overrides(self) -> dict[str, Any]:
+        """The preset's fields this section sets (everything but the keys below the overrides)."""
+        return {k: v for k, v in self.model_dump().items() if k in _OVERRIDES and v is not None}
 
-    preset: str = "tiny"
-    vocab_size: int | None = Field(None, gt=0)
-    dim: int | None = Field(None, gt=0)
-    n_layers: int | None = Field(None, gt=0)
-    n_heads: int | None = Field(None, gt=0)
-    n_kv_heads: int | None = Field(None, gt=0)
-    head_dim: int | None = Field(None, gt=0)  # None = dim / n_heads
-    ffn_dim: int | None = Field(None, gt=0)
-    max_seq_len: int | None = Field(None, gt=0)
-    rope_theta: float | None = Field(None, gt=0)
-    norm_eps: float | None = Field(None, gt=0)
-    tie_embeddings: bool | None = None
-    init_std: float | None = Field(None, gt=0)
-    # mixture of experts (presets with experts only; see models/moe.py)
-    n_experts: int | None = Field(None, gt=0)
-    n_shared_experts: int | None = Field(None, ge=0)
-    top_k: int | None = Field(None, gt=0)
-    moe_ffn_dim: int | None = Field(None, gt=0)
-    score_func: Literal["softmax", "sigmoid"] | None = None
-    route_norm: bool | None = None
-    aux_loss_coeff: float | None = Field(None, ge=0)
-    # Hugging Face families (models/hf_*.py; `meshforge checkpoint import` prints these for a config.json)
-    family: Literal["llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen3_moe"] | None = None  # HF architecture
-    attention_bias: bool | None = None  # biases on q, k, v and o
-    qkv_bias: bool | None = None  # biases on q, k, v only (Qwen2)
-    qk_norm: bool | None = None  # per-head RMSNorm of q and k before RoPE (Qwen3)
-    rope_type: Literal["default", "llama3"] | None = None  # llama3: Llama 3.1 frequency scaling
-    rope_factor: float | None = Field(None, gt=0)  # llama3 scaling: factor
-    rope_low_freq_factor: float | None = Field(None, gt=0)  # llama3 scaling: low_freq_factor
-    rope_high_freq_factor: float | None = Field(None, gt=0)  # llama3 scaling: high_freq_factor
-    rope_original_max_seq_len: int | None = Field(None, gt=0)  # llama3 scaling: original context length
-    sliding_window: int | None = Field(None, gt=0)  # Mistral; training.seq_len must not exceed it
-    bos_token_id: int | None = Field(None, ge=0)  # for generation_config.json on export
-    eos_token_id: int | list[int] | None = None  # likewise
-    pad_token_id: int | None = Field(None, ge=0)  # HF padding_idx: that embedding row gets no gradient (no tp)
+
+def _override(arg: Arg) -> tuple[Any, Any]:
+    """A model field as an optional key (None keeps the preset's value), with its bound or choices."""
+    kind = Literal[arg.choices] if arg.choices else arg.type
+    return kind | None, Field(None, gt=arg.gt, ge=arg.ge, description=arg.doc)
+
+
+# every model field is declared once, in models/args.py (type, default, bound, doc), and overrides the preset here
+_OVERRIDES = {a.name: _override(a) for a in model_fields() if a.name != "hf_model"}  # hf_model: its own key below
+ModelConfig = create_model(
+    "ModelConfig", __base__=_ModelSection, __module__=__name__,
+    __doc__="A preset by name, with any field overridden; `None` keeps the preset's value.",
+    preset=(str, "tiny"),
+    **_OVERRIDES,
     # meta-device construction: parameters are materialised after sharding
-    init_device: Literal["auto", "cpu", "meta"] = "auto"
-    init_from: str | None = None  # an HF safetensors directory; its config.json must match the model.* values
+    init_device=(Literal["auto", "cpu", "meta"], "auto"),
+    # an HF safetensors directory; its config.json must match the model.* values
+    init_from=(str | None, None),
     # any transformers causal LM: its folder (with safetensors: its weights) or a config.json (seeded random
     # init); replaces preset and the shape keys above (docs/hf.md; needs meshforge[hf])
-    hf_model: str | None = None
-
-    def overrides(self) -> dict[str, Any]:
-        skip = {"preset", "init_device", "init_from", "hf_model"}
-        return {k: v for k, v in self.model_dump().items() if k not in skip and v is not None}
+    hf_model=(str | None, None),
+)
 
 
 # ---------------------------------------------------------------------------- peft

@@ -10,7 +10,9 @@ import dataclasses
 import zlib
 from typing import Any
 
-from meshforge.models.presets import PRESETS, ModelArgs
+from meshforge.models.args import ModelArgs
+from meshforge.models.hf_families import FAMILIES
+from meshforge.models.presets import PRESETS
 from meshforge.models.presets import resolve_model_args as resolve_preset
 from meshforge.models.protocol import (
     AdapterLayout,
@@ -41,16 +43,6 @@ def resolve_model_args(model_cfg: Any) -> ModelArgs:
     return resolve_preset(model_cfg)
 
 
-def model_class(args: ModelArgs):
-    if args.is_moe:
-        from meshforge.models.moe import MoETransformer
-
-        return MoETransformer
-    from meshforge.models.llama import Llama
-
-    return Llama
-
-
 def build_model(model_cfg: Any, device: str | None = None):
     """Build the model a `ModelConfig` (or `ModelArgs`) describes (on `device`, e.g. "meta"; default CPU),
     uninitialised (`init_weights` gives the values)."""
@@ -65,7 +57,7 @@ def build_model(model_cfg: Any, device: str | None = None):
         with torch.device(device or "cpu"):
             return build_hf_model(args)
     with torch.device(device or "cpu"), _skip_init_on_meta() if device == "meta" else contextlib.nullcontext():
-        return model_class(args)(args)
+        return FAMILIES[args.family].model_class(args)(args)
 
 
 def _skip_init_on_meta():
@@ -116,9 +108,7 @@ def plan_modules(model_cfg: Any):
     args = resolve_model_args(model_cfg)
     if args.hf_model:
         return meta_modules(model_cfg)
-    from meshforge.models.shapes import describe
-
-    one = describe(dataclasses.replace(args, n_layers=1))
+    one = FAMILIES[args.family].describe(dataclasses.replace(args, n_layers=1))
     modules = {}
     for name, mod in one.named_modules():
         if name == "layers.0" or name.startswith("layers.0."):

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from meshforge.models import HF_PREFIX as PREFIX  # the wrapper keeps the transformers model at `.hf`
-from meshforge.models.presets import ModelArgs
+from meshforge.models.args import ModelArgs
 from meshforge.models.protocol import InitSpec, Undeclared
 from meshforge.models.shapes import pattern_matches
 

@@ -1,10 +1,13 @@
 """Hugging Face dense decoders <-> meshforge `Llama`: tensor names, the q/k row permutation, config.json.
 
-The dense families (`hf_llama.py`, `hf_qwen2.py`, `hf_qwen3.py`, `hf_mistral.py`; looked up by name in
+The dense families (`hf_llama.py`, `hf_qwen2.py`, `hf_qwen3.py`, `hf_mistral.py`; registered in
 `hf_families.py`) share HF's tensor names and differ in config.json keys and a few layers (q/k/v biases,
 q/k norms); each declares a `DenseFamily`, and this module reads and writes config.json for all of them.
 Every key of a config.json is honoured or refused with one line naming it: a silently ignored key is a
 silently wrong model.
+
+Torch-free at import (the registry, and with it the config schema, reads the families before torch is
+loaded): the adapter works on the tensors it is given.
 
 meshforge's RoPE rotates interleaved pairs (Meta's layout) while HF rotates halves (`rotate_half`), so
 the rows of wq/wk (and their biases and the q/k norm weights, which live in the same per-head row order)
@@ -16,13 +19,18 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from meshforge.errors import CheckpointError
-from meshforge.models.presets import ModelArgs
+from meshforge.models.family import Family, registered
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+if TYPE_CHECKING:
+    import torch
+
+    from meshforge.models.args import ModelArgs
+
+# config.json's `dtype` for a torch dtype (by its name, so this module need not import torch)
+_DTYPE_NAMES = {"torch.float32": "float32", "torch.bfloat16": "bfloat16", "torch.float16": "float16"}
 
 # meshforge name -> HF name; `{}` is the layer index
 _NAMES = {
@@ -68,15 +76,13 @@ def permute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------ families
 # config.json keys with no effect on the weights or the logits (storage dtype: tensors are cast to the run's)
 _METADATA_KEYS = {"transformers_version", "torch_dtype", "dtype", "use_cache", "_name_or_path"}
-_FLAGS = ("attention_bias", "qkv_bias", "qk_norm")
+ROPE_TYPES = ("default", "llama3")  # `model.rope_type`s: their config.json keys below, computed by llama.rope_cos_sin
 
 
 @dataclass(frozen=True)
-class DenseFamily:
+class DenseFamily(Family):
     """What distinguishes one HF dense decoder family: names, fixed layer flags, and its own config keys."""
 
-    model_type: str
-    architecture: str
     fixed: dict = field(default_factory=dict)  # ModelArgs flags the family hard-codes (e.g. Qwen2's qkv bias)
     reads_attention_bias: bool = False  # config.json has `attention_bias` (q, k, v, o biases)
     reads_mlp_bias: bool = False  # config.json has `mlp_bias` (must be false: the MLP has no biases)
@@ -84,25 +90,26 @@ class DenseFamily:
     sliding: str = "none"  # none | mistral (`sliding_window` on every layer) | qwen (`use_sliding_window`, ...)
     default_max_positions: int = 2048
 
-    def check_args(self, a: ModelArgs, moe: bool = False) -> None:
+    def check_args(self, a: ModelArgs) -> None:
         """Refuse a model this family cannot express (export would write a config that drops a layer)."""
-        if a.is_moe and not moe:
-            raise CheckpointError(f"model.family={self.model_type} is dense but the model has experts: use "
-                                  "model.family=mixtral or qwen3_moe")
+        if a.is_moe and not self.has_experts:
+            moe_families = [f.name for f in registered().values() if f.has_experts]
+            raise CheckpointError(f"model.family={self.name} is dense but the model has experts: use "
+                                  f"model.family={' or '.join(moe_families)}")
         for flag, value in self.fixed.items():
             if getattr(a, flag) != value:
                 raise CheckpointError(f"model.{flag}={getattr(a, flag)} cannot be exported as Hugging Face "
-                                      f"{self.model_type} (it has {flag}={value}); choose another model.family")
+                                      f"{self.name} (it has {flag}={value}); choose another model.family")
         if a.attention_bias and not self.reads_attention_bias:
-            raise CheckpointError(f"model.attention_bias=true cannot be exported as Hugging Face {self.model_type}")
+            raise CheckpointError(f"model.attention_bias=true cannot be exported as Hugging Face {self.name}")
         if a.sliding_window is not None and self.sliding != "mistral":
             raise CheckpointError(f"model.sliding_window={a.sliding_window} cannot be exported as Hugging Face "
-                                  f"{self.model_type} (family mistral has it)")
+                                  f"{self.name} (family mistral has it)")
 
     # -------------------------------------------------------------- config.json -> model.* values
     def read_config(self, config: dict) -> dict:
         c = dict(config)
-        where = f"config.json ({self.model_type})"
+        where = f"config.json ({self.name})"
 
         def refuse(msg: str):
             raise CheckpointError(f"{where}: {msg}")
@@ -117,7 +124,7 @@ class DenseFamily:
             if key not in c:
                 refuse(f"required key {key!r} is missing")
         heads = c.pop("num_attention_heads")
-        out = {"family": self.model_type, "vocab_size": c.pop("vocab_size"), "dim": c.pop("hidden_size"),
+        out = {"family": self.name, "vocab_size": c.pop("vocab_size"), "dim": c.pop("hidden_size"),
                "ffn_dim": c.pop("intermediate_size"), "n_layers": c.pop("num_hidden_layers"), "n_heads": heads,
                "n_kv_heads": c.pop("num_key_value_heads", None) or heads,
                "max_seq_len": c.pop("max_position_embeddings", self.default_max_positions),
@@ -131,7 +138,7 @@ class DenseFamily:
             out["head_dim"] = hd
         act = c.pop("hidden_act", "silu")
         if act != "silu":
-            refuse(f"hidden_act={act!r} is not supported ({self.model_type} here has silu, a SwiGLU MLP)")
+            refuse(f"hidden_act={act!r} is not supported ({self.name} here has silu, a SwiGLU MLP)")
         drop = c.pop("attention_dropout", 0.0)
         if drop:
             refuse(f"attention_dropout={drop} is not supported (meshforge has no dropout): set it to 0.0")
@@ -155,7 +162,7 @@ class DenseFamily:
             c.pop("max_window_layers", None)  # likewise
         out.update(_read_rope(c, refuse))
         if c:
-            refuse(f"key {sorted(c)[0]!r} is not read by meshforge's {self.model_type} family (unknown keys are "
+            refuse(f"key {sorted(c)[0]!r} is not read by meshforge's {self.name} family (unknown keys are "
                    "refused rather than ignored): remove it if it has no effect on the model")
         return out
 
@@ -167,13 +174,13 @@ class DenseFamily:
             rope.update({"factor": a.rope_factor, "low_freq_factor": a.rope_low_freq_factor,
                          "high_freq_factor": a.rope_high_freq_factor,
                          "original_max_position_embeddings": a.rope_original_max_seq_len})
-        c = {"architectures": [self.architecture], "model_type": self.model_type, "vocab_size": a.vocab_size,
+        c = {"architectures": [self.architecture], "model_type": self.name, "vocab_size": a.vocab_size,
              "hidden_size": a.dim, "intermediate_size": a.ffn_dim, "num_hidden_layers": a.n_layers,
              "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads, "head_dim": a.hd,
              "max_position_embeddings": a.max_seq_len, "rope_parameters": rope, "rms_norm_eps": a.norm_eps,
              "tie_word_embeddings": bool(a.tie_embeddings), "hidden_act": "silu", "attention_dropout": 0.0,
              "initializer_range": a.init_std, "bos_token_id": a.bos_token_id, "eos_token_id": a.eos_token_id,
-             "pad_token_id": a.pad_token_id, "dtype": _DTYPE_NAMES.get(dtype, "float32"), "use_cache": True}
+             "pad_token_id": a.pad_token_id, "dtype": _DTYPE_NAMES.get(str(dtype), "float32"), "use_cache": True}
         if self.reads_attention_bias:
             c["attention_bias"] = bool(a.attention_bias)
         if self.reads_mlp_bias:
@@ -184,6 +191,9 @@ class DenseFamily:
             c.update({"use_sliding_window": False, "sliding_window": None, "max_window_layers": a.n_layers,
                       "layer_types": ["full_attention"] * a.n_layers})
         return c
+
+    def adapter(self, args: ModelArgs) -> DenseStateDictAdapter:
+        return DenseStateDictAdapter(args, self)
 
 
 def _read_rope(c: dict, refuse) -> dict:
@@ -213,7 +223,7 @@ def _read_rope(c: dict, refuse) -> dict:
             out[ours] = params.pop(theirs)
         out["rope_original_max_seq_len"] = int(out["rope_original_max_seq_len"])
     elif rope_type != "default":
-        refuse(f"rope_type={rope_type!r} is not supported (default, llama3)")
+        refuse(f"rope_type={rope_type!r} is not supported ({', '.join(ROPE_TYPES)})")
     if params:
         refuse(f"rope parameter {sorted(params)[0]!r} is not supported for rope_type {rope_type}")
     return out
@@ -268,5 +278,5 @@ class DenseStateDictAdapter:
             return read(theirs, box)
         return permute_from_hf(read(theirs, [(a, b), *rest]), (b - a) // h)[r0 - a:r1 - a]
 
-    def hf_config(self, dtype: torch.dtype = torch.float32) -> dict:
+    def hf_config(self, dtype: torch.dtype | None = None) -> dict:  # None: float32
         return self.family.write_config(self.args, dtype)

@@ -5,24 +5,29 @@ nn.Linear's (out, in) layout; transformers 5 fuses them when loading and splits 
 meshforge stacks the experts of a layer into `experts.w1` / `w3` (E, dim, hidden) and `w2` (E, hidden, dim).
 So one meshforge tensor is E HF tensors: `hf_names` lists them in expert order, `to_hf` splits and transposes,
 `from_hf` transposes and stacks. Attention, norms and embeddings are the dense families' (`hf_dense`).
+Torch-free at import, like `hf_dense`.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING, ClassVar
 
 from meshforge.errors import CheckpointError
 from meshforge.models.hf_dense import DenseFamily, DenseStateDictAdapter
-from meshforge.models.presets import ModelArgs
+
+if TYPE_CHECKING:
+    import torch
+
+    from meshforge.models.args import ModelArgs
 
 _EXPERT = re.compile(r"^layers\.(\d+)\.feed_forward\.(router\.gate\.weight|experts\.(w1|w3|w2))$")
 
 
 @dataclass(frozen=True)
 class MoEFamily(DenseFamily):
+    has_experts: ClassVar[bool] = True
     block: str = "mlp"  # the HF module holding `gate` (router) and `experts` in each layer
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # HF names of w1, w3, w2
     moe_ffn_key: str | None = "moe_intermediate_size"  # None: experts use `intermediate_size` (Mixtral)
@@ -31,19 +36,19 @@ class MoEFamily(DenseFamily):
 
     def check_args(self, a: ModelArgs) -> None:
         if not a.is_moe:
-            raise CheckpointError(f"model.family={self.model_type} needs a mixture-of-experts model (model.n_experts)")
+            raise CheckpointError(f"model.family={self.name} needs a mixture-of-experts model (model.n_experts)")
         if a.n_shared_experts:
-            raise CheckpointError(f"model.n_shared_experts={a.n_shared_experts}: Hugging Face {self.model_type} "
+            raise CheckpointError(f"model.n_shared_experts={a.n_shared_experts}: Hugging Face {self.name} "
                                   "has no shared experts")
         if a.score_func != "softmax":
-            raise CheckpointError(f"model.score_func={a.score_func}: Hugging Face {self.model_type} routes by softmax")
+            raise CheckpointError(f"model.score_func={a.score_func}: Hugging Face {self.name} routes by softmax")
         if self.route_norm_key is None and not a.route_norm:
-            raise CheckpointError(f"model.route_norm=false: Hugging Face {self.model_type} always renormalises")
-        super().check_args(a, moe=True)
+            raise CheckpointError(f"model.route_norm=false: Hugging Face {self.name} always renormalises")
+        super().check_args(a)
 
     def read_config(self, config: dict) -> dict:
         c = dict(config)
-        where = f"config.json ({self.model_type})"
+        where = f"config.json ({self.name})"
         for key, value in self.must_be.items():
             got = c.pop(key, value)
             if got != value:
@@ -75,6 +80,9 @@ class MoEFamily(DenseFamily):
         if self.route_norm_key:
             c[self.route_norm_key] = bool(a.route_norm)
         return c
+
+    def adapter(self, args: ModelArgs) -> MoEStateDictAdapter:
+        return MoEStateDictAdapter(args, self)
 
 
 class MoEStateDictAdapter(DenseStateDictAdapter):
@@ -108,6 +116,8 @@ class MoEStateDictAdapter(DenseStateDictAdapter):
         m = _EXPERT.match(name)
         if not m or m[3] is None:
             return super().from_hf(name, tensors)
+        import torch
+
         return torch.stack([tensors[theirs].t() for theirs in self.hf_names(name)])
 
     def from_hf_box(self, name: str, read, box: list[tuple[int, int]]) -> torch.Tensor:
@@ -115,6 +125,8 @@ class MoEStateDictAdapter(DenseStateDictAdapter):
         m = _EXPERT.match(name)
         if not m or m[3] is None:
             return super().from_hf_box(name, read, box)
+        import torch
+
         names = self.hf_names(name)[box[0][0]:box[0][1]]
         (a, b), (c, d) = box[1], box[2]
         if not names:

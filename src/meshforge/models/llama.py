@@ -6,6 +6,9 @@ adapter, and the packages above apply them. Layers live in a `ModuleDict` keyed 
 pipeline stage that holds only some of them keeps the whole model's parameter names (checkpoints move
 between PP and non-PP runs without renaming).
 
+Each module's children and parameters are those of its torch-free description (models/shapes.py, which the
+planner reads): `__init__` builds them from it (models/materialize.py), and this file says how they compute.
+
 The attention kernel is a swappable `CoreAttention` module (an attention slot), so context parallelism
 can replace it without the model knowing.
 """
@@ -18,11 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshforge.models import shapes
+from meshforge.models.args import ModelArgs
 from meshforge.models.attention import document_mask, masked_attention
 from meshforge.models.hf_families import dense_adapter
 from meshforge.models.loss import HeadInput, head_input
-from meshforge.models import shapes
-from meshforge.models.presets import ModelArgs
+from meshforge.models.materialize import buildable, build_children
 from meshforge.models.protocol import AdapterLayout, InitSpec, PipelineLayout, StateDictAdapter
 
 
@@ -55,6 +59,7 @@ class _RMSNormFn(torch.autograd.Function):
         return gx, gw, None
 
 
+@buildable
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -123,6 +128,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
+@buildable
 class CoreAttention(nn.Module):
     """Causal scaled-dot-product attention on (B, H, S, D); context parallelism swaps this module. `mask` (packed
     sequences, `document_mask`) replaces the causal mask: a FlexAttention block mask on CUDA, a dense boolean mask
@@ -134,19 +140,12 @@ class CoreAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
 
 
+@buildable
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.hd
-        qkv_bias = args.attention_bias or args.qkv_bias
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=qkv_bias)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=qkv_bias)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=qkv_bias)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=args.attention_bias)
-        self.core = CoreAttention()
-        if args.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE
-            self.q_norm = RMSNorm(self.head_dim, args.norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
+        build_children(self, shapes.attention(args))  # wq, wk, wv, wo, core; q_norm, k_norm (Qwen3)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
         b, s, _ = x.shape
@@ -162,26 +161,24 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
+@buildable
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x)."""
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
+        build_children(self, shapes.feed_forward(dim, hidden))  # w1, w2, w3
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(swiglu(self.w1(x), self.w3(x)))
 
 
+@buildable
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, feed_forward: nn.Module | None = None):
+    def __init__(self, args: ModelArgs):
         super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = feed_forward if feed_forward is not None else FeedForward(args.dim, args.ffn_dim)
+        # attention_norm, attention, ffn_norm, feed_forward (a FeedForward, or an MoE with experts)
+        build_children(self, shapes.block(args))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, mask)
@@ -191,20 +188,16 @@ class TransformerBlock(nn.Module):
 class Llama(nn.Module):
     block_cls = TransformerBlock
     fused_loss = False  # forward returns a `HeadInput` (hidden states + head weight) instead of logits
+    # a pipeline stage sets the ends it does not hold to None
+    tok_embeddings: nn.Embedding | None
+    layers: nn.ModuleDict
+    norm: RMSNorm | None
+    output: nn.Linear | None  # its weight is the embedding's with model.tie_embeddings
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim,
-                                                                              padding_idx=args.pad_token_id)
-        self.layers = nn.ModuleDict({str(i): self.make_block(i) for i in range(args.n_layers)})
-        self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-
-    def make_block(self, index: int) -> nn.Module:
-        return TransformerBlock(self.args)
+        build_children(self, shapes.describe(args))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:

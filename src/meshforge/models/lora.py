@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshforge.models import shapes
+from meshforge.models.materialize import build, build_children, buildable
 from meshforge.models.protocol import InitSpec, set_submodule
 # torch-free (the planner reads them without torch): re-exported here
 from meshforge.models.shapes import (  # noqa: F401
@@ -50,10 +52,9 @@ class LoRALinear(nn.Linear):
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight
         self.register_parameter("bias", base.bias)
-        kw: dict[str, Any] = {"bias": False, "device": base.weight.device, "dtype": base.weight.dtype}
-        self.lora_A = nn.Linear(base.in_features, rank, **kw)
-        self.lora_B = nn.Linear(rank, base.out_features, **kw)
-        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        # lora_A, lora_B, lora_dropout (models/shapes.py), next to the base weight
+        for name, spec in shapes.lora_adapters(base.in_features, base.out_features, rank, dropout).items():
+            self.add_module(name, build(spec, device=base.weight.device, dtype=base.weight.dtype))
         self.scaling = alpha / rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -63,6 +64,7 @@ class LoRALinear(nn.Linear):
         return f"{super().extra_repr()}, rank={self.lora_A.out_features}, scaling={self.scaling:g}"
 
 
+@buildable
 class _Factor(nn.Module):
     def __init__(self, *shape: int, device=None, dtype=None):
         super().__init__()
@@ -75,9 +77,8 @@ class ExpertLoRA(nn.Module):
     def __init__(self, n_experts: int, in_features: int, out_features: int, rank: int, alpha: float,
                  like: torch.Tensor):
         super().__init__()
-        kw = {"device": like.device, "dtype": like.dtype}
-        self.lora_A = _Factor(n_experts, rank, in_features, **kw)
-        self.lora_B = _Factor(n_experts, out_features, rank, **kw)
+        build_children(self, shapes.expert_lora(n_experts, in_features, out_features, rank),  # lora_A, lora_B
+                       device=like.device, dtype=like.dtype)
         self.scaling = alpha / rank
 
     def delta(self, local=lambda w: w) -> torch.Tensor:

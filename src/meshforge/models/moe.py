@@ -42,10 +42,11 @@ import torch
 from torch import nn
 
 from meshforge.models import shapes
+from meshforge.models.args import ModelArgs
 from meshforge.models.hf_families import dense_adapter
-from meshforge.models.llama import FeedForward, Llama, TransformerBlock, rope_cos_sin, swiglu
+from meshforge.models.llama import Llama, rope_cos_sin, swiglu
 from meshforge.models.lora import ExpertLoRA
-from meshforge.models.presets import ModelArgs
+from meshforge.models.materialize import buildable, build_children
 from meshforge.models.protocol import AdapterLayout, InitSpec, StateDictAdapter
 
 
@@ -80,6 +81,7 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     return all((w.shape[-1] * es) % 16 == 0 and (w.shape[-2] * es) % 16 == 0 for w in weights)
 
 
+@buildable
 class Router(nn.Module):
     """Scores every expert for every token and picks the top k."""
 
@@ -87,7 +89,7 @@ class Router(nn.Module):
         super().__init__()
         if score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"model.score_func={score_func!r} must be softmax or sigmoid")
-        self.gate = nn.Linear(dim, n_experts, bias=False)
+        build_children(self, shapes.router(dim, n_experts, top_k, score_func, route_norm))  # gate
         self.n_experts, self.top_k, self.score_func, self.route_norm = n_experts, top_k, score_func, route_norm
         self.replay_routing = False
         self._routing_fifo: list[torch.Tensor] = []
@@ -114,6 +116,7 @@ class Router(nn.Module):
         return idx
 
 
+@buildable
 class GroupedExperts(nn.Module):
     """n_experts SwiGLU experts as stacked parameters; `forward(x, counts)` on rows sorted by expert."""
 
@@ -121,12 +124,11 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, n_experts: int, dim: int, hidden: int):
         super().__init__()
-        self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden))
-        self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden))
-        self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        # w1, w3 (E, dim, hidden), w2 (E, hidden, dim); `adapters`: per-expert LoRA by role (empty: none), every
+        # tensor stacked on dim 0
+        build_children(self, shapes.grouped_experts(n_experts, dim, hidden))
         # expert parallelism scales these parameters' gradients (see distributed/expert_parallel.py)
         self.grad_scale = 1.0
-        self.adapters = nn.ModuleDict()  # per-expert LoRA by role (empty: none); every tensor stacked on dim 0
 
     @property
     def lora_roles(self) -> list[str]:
@@ -186,16 +188,14 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
 
 
+@buildable
 class MoE(nn.Module):
     """Router + routed experts (+ shared experts); returns (T..., dim) and leaves `self.aux_loss`."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_experts, self.top_k, self.aux_coeff = args.n_experts, args.top_k, args.aux_loss_coeff
-        self.router = Router(args.dim, args.n_experts, args.top_k, args.score_func, args.route_norm)
-        self.experts = GroupedExperts(args.n_experts, args.dim, args.moe_ffn_dim)
-        self.shared_experts = FeedForward(args.dim, args.moe_ffn_dim * args.n_shared_experts) \
-            if args.n_shared_experts > 0 else None
+        build_children(self, shapes.moe(args))  # router, experts, shared_experts (None without them)
         self.dispatcher = None  # None: all experts on this rank; expert parallelism sets an all-to-all one
         self.aux_loss: torch.Tensor | None = None
         # context parallelism: sums (E + E + 1,) over the ranks sharing this micro batch (see load_balance_loss)
@@ -247,10 +247,8 @@ class MoE(nn.Module):
 
 
 class MoETransformer(Llama):
-    """Llama with an `MoE` feed-forward in every block; forward returns (logits, aux_loss) in training."""
-
-    def make_block(self, index: int) -> nn.Module:
-        return TransformerBlock(self.args, feed_forward=MoE(self.args))
+    """Llama with an `MoE` feed-forward in every block (models/shapes.py `block`); forward returns
+    (logits, aux_loss) in training."""
 
     def moe_layers(self) -> list[MoE]:
         """The MoE modules, in layer order (expert parallelism applies to these)."""
@@ -298,3 +296,8 @@ class MoETransformer(Llama):
     def state_dict_adapter(self) -> StateDictAdapter:
         """Per `model.family` (mixtral, qwen3_moe): stacked experts <-> HF per-expert tensors (models/hf_moe.py)."""
         return dense_adapter(self.args)
+
+
+def decoder_class(args: ModelArgs) -> type[Llama]:
+    """What the built-in families build (models/family.py `Family.model`): Llama, or with experts MoETransformer."""
+    return MoETransformer if args.is_moe else Llama

@@ -1,12 +1,14 @@
 """The built-in models (llama.py's `Llama`, moe.py's `MoETransformer`) described without torch: module names,
-parameter shapes, tied weights and the declared plans, for the process-free planner (`meshforge plan`,
-validation's TP check), which must not pay torch's import (seconds) to list a 70B model's parameters.
+parameter shapes, tied weights and the declared plans. The models are built from these descriptions
+(models/materialize.py), and the process-free planner (`meshforge plan`, validation's TP check) reads them
+without paying torch's import (seconds) to list a 70B model's parameters: a structural change is made here, once.
 
-`describe(args)` mirrors the modules' constructors one for one (same names, same order, same shapes, tied weights
-as one shared `ParamShape`) and `apply_lora` mirrors models/lora.py's; the declared TP plans, adapter layouts and
-FLOPs live here, the models' contract methods returning them. tests/unit/test_model_shapes.py checks every preset
-(and LoRA on them) against the meta-device model: a change to a model's constructor must be made here too (that
-test fails until it is).
+Each function below describes one module class: its children and parameters in order, and in `init` the class's
+constructor arguments (the module's `__init__` calls the same function and builds what it lists). `describe(args)`
+is the whole model (a tied weight is one shared `ParamShape`, as in torch), `apply_lora` adapts it as
+models/lora.py adapts the model (both build the adapters from `lora_adapters` / `expert_lora`). The declared TP
+plans, adapter layouts and FLOPs live here too, the models' contract methods returning them.
+tests/unit/test_model_shapes.py checks every preset (and LoRA on them) against the meta-device model.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from meshforge.models.presets import ModelArgs
+from meshforge.models.args import ModelArgs
 from meshforge.models.protocol import AdapterLayout, PipelineLayout, contract_of
 
 ADAPTER_PARTS = ("lora_A", "lora_B")  # LoRA's factor modules (models/lora.py)
@@ -36,13 +38,16 @@ class ParamShape:
 
 class ModuleShape:
     """A torch-free stand-in for one nn.Module: its kind (the module's class name: "Linear", "RMSNorm",
-    ...), its own parameters and its children, answering `named_modules` / `named_parameters` like torch does."""
+    ...), its own parameters, its children (None: a slot the module leaves empty, as torch's `_modules` holds
+    it), and `init`, the class's constructor arguments; it answers `named_modules` / `named_parameters` like
+    torch does."""
 
     def __init__(self, kind: str, params: dict[str, ParamShape] | None = None,
-                 children: dict[str, ModuleShape | None] | None = None):
+                 children: dict[str, ModuleShape | None] | None = None, init: tuple = ()):
         self.kind = kind
         self.params = params or {}
-        self.children = {k: v for k, v in (children or {}).items() if v is not None}
+        self.children = dict(children or {})
+        self.init = init
         for k, v in self.children.items():
             setattr(self, k, v)
         for k, v in self.params.items():
@@ -51,7 +56,8 @@ class ModuleShape:
     def named_modules(self, prefix: str = ""):
         yield prefix, self
         for name, child in self.children.items():
-            yield from child.named_modules(f"{prefix}.{name}" if prefix else name)
+            if child is not None:
+                yield from child.named_modules(f"{prefix}.{name}" if prefix else name)
 
     def named_parameters(self, recurse: bool = True, remove_duplicate: bool = True):
         seen = set()
@@ -73,57 +79,93 @@ class ModuleShape:
         return mod
 
 
-def _linear(n_in: int, n_out: int, bias: bool = False) -> ModuleShape:
+# ------------------------------------------------------------------ one function per module class
+def linear(n_in: int, n_out: int, bias: bool = False) -> ModuleShape:
     params = {"weight": ParamShape((n_out, n_in))}
     if bias:
         params["bias"] = ParamShape((n_out,))
-    return ModuleShape("Linear", params)
+    return ModuleShape("Linear", params, init=(n_in, n_out, bias))
 
 
-def _norm(dim: int) -> ModuleShape:
-    return ModuleShape("RMSNorm", {"weight": ParamShape((dim,))})
+def rms_norm(dim: int, eps: float) -> ModuleShape:
+    return ModuleShape("RMSNorm", {"weight": ParamShape((dim,))}, init=(dim, eps))
 
 
-def _feed_forward(dim: int, hidden: int) -> ModuleShape:
-    return ModuleShape("FeedForward", children={"w1": _linear(dim, hidden), "w2": _linear(hidden, dim),
-                                                 "w3": _linear(dim, hidden)})
+def feed_forward(dim: int, hidden: int) -> ModuleShape:
+    """SwiGLU: w1 (gate), w2 (down), w3 (up)."""
+    return ModuleShape("FeedForward", children={"w1": linear(dim, hidden), "w2": linear(hidden, dim),
+                                                 "w3": linear(dim, hidden)}, init=(dim, hidden))
 
 
-def _attention(a: ModelArgs) -> ModuleShape:
+def attention(a: ModelArgs) -> ModuleShape:
+    """q, k, v, o projections (biases: `attention_bias` on all four, `qkv_bias` on q, k, v), the swappable
+    attention kernel `core` (an attention slot), and Qwen3's per-head q/k norms."""
     qkv_bias = a.attention_bias or a.qkv_bias
-    children = {"wq": _linear(a.dim, a.n_heads * a.hd, qkv_bias), "wk": _linear(a.dim, a.n_kv_heads * a.hd, qkv_bias),
-                "wv": _linear(a.dim, a.n_kv_heads * a.hd, qkv_bias),
-                "wo": _linear(a.n_heads * a.hd, a.dim, a.attention_bias), "core": ModuleShape("CoreAttention")}
+    children = {"wq": linear(a.dim, a.n_heads * a.hd, qkv_bias), "wk": linear(a.dim, a.n_kv_heads * a.hd, qkv_bias),
+                "wv": linear(a.dim, a.n_kv_heads * a.hd, qkv_bias),
+                "wo": linear(a.n_heads * a.hd, a.dim, a.attention_bias), "core": ModuleShape("CoreAttention")}
     if a.qk_norm:
-        children.update(q_norm=_norm(a.hd), k_norm=_norm(a.hd))
-    return ModuleShape("Attention", children=children)
+        children.update(q_norm=rms_norm(a.hd, a.norm_eps), k_norm=rms_norm(a.hd, a.norm_eps))
+    return ModuleShape("Attention", children=children, init=(a,))
 
 
-def _moe(a: ModelArgs) -> ModuleShape:
-    e, d, h = a.n_experts, a.dim, a.moe_ffn_dim
-    experts = ModuleShape("GroupedExperts", {"w1": ParamShape((e, d, h)), "w3": ParamShape((e, d, h)),
-                                      "w2": ParamShape((e, h, d))}, {"adapters": ModuleShape("ModuleDict")})
-    shared = _feed_forward(d, h * a.n_shared_experts) if a.n_shared_experts > 0 else None
-    return ModuleShape("MoE", children={"router": ModuleShape("Router", children={"gate": _linear(d, e)}),
-                                        "experts": experts, "shared_experts": shared})
+def router(dim: int, n_experts: int, top_k: int, score_func: str, route_norm: bool) -> ModuleShape:
+    return ModuleShape("Router", children={"gate": linear(dim, n_experts)},
+                       init=(dim, n_experts, top_k, score_func, route_norm))
 
 
-def _block(a: ModelArgs) -> ModuleShape:
-    ff = _moe(a) if a.is_moe else _feed_forward(a.dim, a.ffn_dim)
-    return ModuleShape("TransformerBlock", children={"attention_norm": _norm(a.dim), "attention": _attention(a),
-                                          "ffn_norm": _norm(a.dim), "feed_forward": ff})
+def grouped_experts(n_experts: int, dim: int, hidden: int) -> ModuleShape:
+    """The routed experts stacked: w1, w3 (E, dim, hidden), w2 (E, hidden, dim); per-expert LoRA under `adapters`."""
+    e, d, h = n_experts, dim, hidden
+    return ModuleShape("GroupedExperts", {"w1": ParamShape((e, d, h)), "w3": ParamShape((e, d, h)),
+                                          "w2": ParamShape((e, h, d))},
+                       {"adapters": ModuleShape("ModuleDict")}, init=(e, d, h))
+
+
+def moe(a: ModelArgs) -> ModuleShape:
+    """Router, routed experts, and shared experts (a SwiGLU of moe_ffn_dim * n_shared_experts) if any."""
+    d, h = a.dim, a.moe_ffn_dim
+    shared = feed_forward(d, h * a.n_shared_experts) if a.n_shared_experts > 0 else None
+    return ModuleShape("MoE", children={"router": router(d, a.n_experts, a.top_k, a.score_func, a.route_norm),
+                                        "experts": grouped_experts(a.n_experts, d, h), "shared_experts": shared},
+                       init=(a,))
+
+
+def block(a: ModelArgs) -> ModuleShape:
+    """Pre-norm attention, then a pre-norm SwiGLU MLP (an `MoE` in a mixture-of-experts model)."""
+    ff = moe(a) if a.is_moe else feed_forward(a.dim, a.ffn_dim)
+    return ModuleShape("TransformerBlock", children={"attention_norm": rms_norm(a.dim, a.norm_eps),
+                                                     "attention": attention(a), "ffn_norm": rms_norm(a.dim, a.norm_eps),
+                                                     "feed_forward": ff}, init=(a,))
+
+
+def lora_adapters(in_features: int, out_features: int, rank: int, dropout: float) -> dict[str, ModuleShape]:
+    """A `LoRALinear`'s own children (its weight and bias are the base linear's): A (rank x in), B (out x rank)."""
+    return {"lora_A": linear(in_features, rank), "lora_B": linear(rank, out_features),
+            "lora_dropout": ModuleShape("Dropout", init=(dropout,)) if dropout > 0 else ModuleShape("Identity")}
+
+
+def expert_lora(n_experts: int, in_features: int, out_features: int, rank: int) -> ModuleShape:
+    """An `ExpertLoRA`: per-expert factors A (E, rank, in) and B (E, out, rank), stacked like the expert weights."""
+    shapes = {"lora_A": (n_experts, rank, in_features), "lora_B": (n_experts, out_features, rank)}
+    return ModuleShape("ExpertLoRA", children={k: ModuleShape("_Factor", {"weight": ParamShape(v)}, init=v)
+                                               for k, v in shapes.items()})
 
 
 class ModelShape(ModuleShape):
-    """The whole model's description, with the contract methods the planner asks (same answers as the model's)."""
+    """The whole model's description, with the contract methods the planner asks (same answers as the model's):
+    tok_embeddings, layers ("0", "1", ...), norm, output (the embedding's weight with tie_embeddings)."""
 
     def __init__(self, args: ModelArgs):
-        emb = ModuleShape("Embedding", {"weight": ParamShape((args.vocab_size, args.dim))})
+        emb = ModuleShape("Embedding", {"weight": ParamShape((args.vocab_size, args.dim))},
+                          init=(args.vocab_size, args.dim, args.pad_token_id))
         output = ModuleShape("Linear", {"weight": emb.weight if args.tie_embeddings
-                                        else ParamShape((args.vocab_size, args.dim))})
-        layers = ModuleShape("ModuleDict", children={str(i): _block(args) for i in range(args.n_layers)})
-        children = {"tok_embeddings": emb, "layers": layers, "norm": _norm(args.dim), "output": output}
-        super().__init__("MoETransformer" if args.is_moe else "Llama", children=children)
+                                        else ParamShape((args.vocab_size, args.dim))},
+                             init=(args.dim, args.vocab_size, False))
+        layers = ModuleShape("ModuleDict", children={str(i): block(args) for i in range(args.n_layers)})
+        children = {"tok_embeddings": emb, "layers": layers, "norm": rms_norm(args.dim, args.norm_eps),
+                    "output": output}
+        super().__init__("MoETransformer" if args.is_moe else "Llama", children=children, init=(args,))
         self.args = args
 
     def tp_plan(self, sequence_parallel: bool = False) -> dict[str, str]:
@@ -171,18 +213,15 @@ def apply_lora(model: ModelShape, pcfg: Any) -> list[str]:
         if base.kind != "Linear":
             raise ValueError(f"peft: {name} is a {base.kind}, not a plain nn.Linear LoRA can adapt")
         out_f, in_f = base.params["weight"].shape
-        _set_child(model, name, ModuleShape("LoRALinear", dict(base.params), {
-            "lora_A": _linear(in_f, r), "lora_B": _linear(r, out_f),
-            "lora_dropout": ModuleShape("Dropout" if pcfg.dropout > 0 else "Identity")}))
+        _set_child(model, name, ModuleShape("LoRALinear", dict(base.params),
+                                            lora_adapters(in_f, out_f, r, pcfg.dropout)))
     for role in resolve_roles(layout, list(pcfg.target_modules)):
         if role in layout.experts:
             for name, m in list(model.named_modules()):
                 if name and pattern_matches(layout.experts[role], name):
                     n, dim, hidden = m.params["w1"].shape
                     in_f, out_f = expert_lora_dims(role, dim, hidden)
-                    factors = {"lora_A": ModuleShape("_Factor", {"weight": ParamShape((n, r, in_f))}),
-                               "lora_B": ModuleShape("_Factor", {"weight": ParamShape((n, out_f, r))})}
-                    _set_child(m, f"adapters.{role.rpartition('.')[2]}", ModuleShape("ExpertLoRA", children=factors))
+                    _set_child(m, f"adapters.{role.rpartition('.')[2]}", expert_lora(n, in_f, out_f, r))
                     names.append(f"{name}.{role}")
     apply_freeze(model, layout, pcfg)
     return names
