@@ -7,8 +7,9 @@ Read top to bottom:
   fit()         resume -> steps; on log steps (and before a save) read the losses back, let the non-finite
                 policy judge them, log; save; stop when any rank was signalled
 The loop's parts live in their own modules: `nonfinite.py` (skip/stop), `signals.py` (preemption),
-`checkpoint/manager.py` (save, resume), `logger.py`. Tests arm faults through the same hooks
-(`after_backward`, `after_step`, `before_commit`; see `faults.py`). The trainer never branches on a
+`checkpoint/manager.py` (save, resume; what it saves is `checkpoint_parts()`, built by `checkpoint/parts.py`),
+`logger.py`. Tests arm faults through the same hooks (`after_backward`, `after_step`, `before_commit`; see
+`faults.py`). The trainer never branches on a
 strategy's name: strategies and parallelisms plug in through `ParallelModel` and the `Strategy` protocol.
 The bench and the tests build runs with `Trainer.build` too, so what they measure is this loop's step.
 """
