@@ -9,8 +9,8 @@ Read top to bottom:
 The loop's parts live in their own modules: `nonfinite.py` (skip/stop), `signals.py` (preemption),
 `checkpoint/manager.py` (save, resume; what it saves is `checkpoint_parts()`, built by `checkpoint/parts.py`),
 `logger.py`. Tests arm faults through the same hooks (`after_backward`, `after_step`, `before_commit`; see
-`faults.py`). The trainer never branches on a
-strategy's name: strategies and parallelisms plug in through `ParallelModel` and the `Strategy` protocol.
+`faults.py`). The trainer never branches on a strategy's name: strategies and parallelisms plug in through
+`ParallelModel` and the `Strategy` protocol.
 The bench and the tests build runs with `Trainer.build` too, so what they measure is this loop's step.
 """
 
@@ -154,6 +154,7 @@ class Trainer:
         return training_parts(self.cfg, self.pm, self.optimizer, self.scheduler, self.loader)
 
     def checkpoints(self) -> CheckpointManager:
+        """A checkpoint manager of this run's parts, with the fault hook (`before_commit`) armed."""
         ckpt = CheckpointManager(self.cfg, self.mesh_ctx, self.info, self.checkpoint_parts())
         ckpt.before_commit = self.before_commit
         return ckpt
