@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from meshforge.checkpoint.files import complete_checkpoints, file_entry, read_latest
+from meshforge.checkpoint.manifest import file_entry
+from meshforge.checkpoint.paths import complete_checkpoints, read_latest
 from meshforge.checkpoint.manager import CheckpointManager
 from meshforge.cli import main as cli_main
 from meshforge.errors import CheckpointError, TrainingStopped

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from meshforge.checkpoint.files import dcp_tensor_shapes
+from meshforge.checkpoint.safe_dcp import dcp_tensor_shapes
 from meshforge.cli import main as cli_main
 from meshforge.errors import CheckpointError
 from meshforge.models import ModelArgs, resolve_model_args

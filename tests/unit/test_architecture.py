@@ -8,7 +8,7 @@ ones too, except under `if TYPE_CHECKING:`):
     models, data                        plain models behind one contract; token sources and the loader
     config, planning, recipes           process-free: schema, strategy specs, rules, layout, plans
     distributed                         meshes, strategies, parallelisms, the parallel model runtime
-    checkpoint                          formats, commit protocol, resume, HF weight I/O
+    checkpoint                          stateful parts, commit protocol, resume, HF weight I/O
     training                            the Trainer and its parts
     testing, bench, verify, cli, ...    tools on top
 """
@@ -240,6 +240,14 @@ def test_nothing_outside_a_strategy_names_it():
                     bad.append(f"{m}:{node.lineno}: {word!r} names strategy {words[word]}")
     assert not bad, "\n".join(bad)
     assert allowed_seen == set(STRATEGY_NAMES_ALLOWED), set(STRATEGY_NAMES_ALLOWED) - allowed_seen  # none stale
+
+
+def test_the_checkpoint_manager_only_orchestrates():
+    """The manager gets {name: Stateful} (checkpoint/parts.py) and commits, resumes and verifies them: it imports no
+    strategy, model, LoRA or master-weight code, so it cannot know which of them produced a part."""
+    deps = GRAPH["meshforge.checkpoint.manager"]
+    bad = [d for d in deps if d.startswith(("meshforge.distributed", "meshforge.models", "meshforge.checkpoint.peft"))]
+    assert not bad and "meshforge.checkpoint.parts" in deps, bad
 
 
 def _fresh_python(code: str) -> dict:

@@ -10,7 +10,6 @@ import torch
 
 from meshforge.bench.measure import state_bytes
 from meshforge.checkpoint.hf import export_checkpoint, save_weights_only
-from meshforge.checkpoint.manager import CheckpointManager
 from meshforge.checkpoint.peft import export_adapter
 from meshforge.config import load_config
 from meshforge.distributed.grad_norm import clip_grad_norm_
@@ -184,7 +183,7 @@ def test_fp32_weights_loaded_at_start_reach_the_masters_unrounded(tmp_path, sour
     tr = Trainer.build(config(BF16 + [start, f"run.output_dir={tmp_path / 'run'}"], 2, 1), single_info())
     try:
         if source == "resume":
-            CheckpointManager(tr.cfg, tr.mesh_ctx, tr.info).resume(tr.pm, tr.optimizer, tr.scheduler, tr.loader)
+            tr.checkpoints().resume()
         got = tr.optimizer.master_state_dict(dict(tr.pm.model.state_dict()))
         for k, v in want.items():
             assert got[k].dtype == torch.float32 and torch.equal(got[k], v), k

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from meshforge import cli
-from meshforge.checkpoint.files import MANIFEST, file_entry
+from meshforge.checkpoint.manifest import MANIFEST, file_entry
 from meshforge.errors import CheckpointError, ConfigError
 from meshforge.launch import first_failure_code
 from meshforge.testing.parity import config, single_info
@@ -146,7 +146,7 @@ def test_allow_partial_load_loads_the_common_tensors_from_step_0(saved, tmp_path
     assert res.start_step == 0 and res.final_step == 2
     import torch
 
-    from meshforge.checkpoint.files import dcp_load
+    from meshforge.checkpoint.safe_dcp import dcp_load
 
     ours = res.parallel_model.full_state_dict()
     want = {"model.tok_embeddings.weight": torch.empty_like(ours["tok_embeddings.weight"])}
@@ -158,7 +158,7 @@ def test_a_crafted_non_tensor_item_runs_no_code(tmp_path):
     """DCP reads non-tensor items (optimizer param groups) with torch.load(weights_only=False): not ours."""
     import torch.distributed.checkpoint as dcp
 
-    from meshforge.checkpoint.files import dcp_load
+    from meshforge.checkpoint.safe_dcp import dcp_load
 
     pwned = tmp_path / "pwned"
 

@@ -38,7 +38,9 @@ def add_arguments(parser) -> None:
 
 
 def _inspect(args) -> int:
-    from meshforge.checkpoint.files import dcp_tensor_shapes, resolve_checkpoint_path, verify_files
+    from meshforge.checkpoint.manifest import verify_files
+    from meshforge.checkpoint.paths import resolve_checkpoint_path
+    from meshforge.checkpoint.safe_dcp import dcp_tensor_shapes
 
     path = resolve_checkpoint_path(args.dir)
     manifest = verify_files(path) if not args.no_verify else json.loads((path / "manifest.json").read_text())
@@ -81,7 +83,8 @@ def _numel(shape) -> int:
 
 def _export(args) -> int:
     from meshforge.checkpoint.hf import export_checkpoint
-    from meshforge.checkpoint.files import resolve_checkpoint_path, verify_files
+    from meshforge.checkpoint.manifest import verify_files
+    from meshforge.checkpoint.paths import resolve_checkpoint_path
 
     path = resolve_checkpoint_path(args.dir)
     manifest = verify_files(path)

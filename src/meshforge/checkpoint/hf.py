@@ -14,7 +14,6 @@ by one with `safetensors.safe_open` (no pickle); a tensor the model does not hav
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import shutil
 from pathlib import Path
@@ -25,17 +24,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from meshforge.checkpoint.files import (
-    DCP_ERRORS,
-    FORMAT_VERSION,
-    MANIFEST,
-    dcp_error_line,
-    dcp_load,
-    dcp_tensor_shapes,
-    follow_umask,
-    file_entry,
-    write_atomic,
-)
+from meshforge.checkpoint.manifest import MANIFEST, file_entry, new_manifest
+from meshforge.checkpoint.paths import follow_umask, publish_checkpoint, publish_dir, staging_dir, write_atomic
+from meshforge.checkpoint.safe_dcp import dcp_load, dcp_tensor_shapes
 from meshforge.distributed.master_weights import write_param
 from meshforge.errors import CheckpointError
 from meshforge.models import HF_PREFIX, ModelArgs, args_from_hf_config, build_model, contract_of, hf_config_dict
@@ -55,21 +46,6 @@ def _adapter(model, where: Path):
 
 
 # --------------------------------------------------------------------------------- export
-def staging_dir(out_dir: Path) -> Path:
-    """An empty `<out_dir>.partial` to write an export into (`publish_dir` then puts it in place whole)."""
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
-
-
-def publish_dir(tmp: Path, out_dir: Path) -> None:
-    """Replace `out_dir` by the finished staging folder (a reader never sees a half-written export)."""
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
-
-
 @torch.no_grad()
 def copy_param(p: torch.Tensor, t: torch.Tensor) -> None:
     """A full tensor into a parameter: a DTensor takes its own shard (no collective: every rank holds `t`), a
@@ -126,12 +102,9 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, shard_mb: int =
             else:  # only experts r[0]..r[1]-1 of the stacked weight
                 part[f"model.{k}"] = torch.empty((r[1] - r[0], *shape[1:]), dtype=dtype)
                 offsets[f"model.{k}"] = (r[0],) + (0,) * (len(shape) - 1)
-        try:
-            for state, box in ((whole, None), (part, offsets)):
-                if state:
-                    dcp_load(state, ckpt_dir, no_dist=True, offsets=box)
-        except DCP_ERRORS as err:
-            raise CheckpointError(f"{ckpt_dir}: DCP load failed: {dcp_error_line(err)}") from None
+        for state, box in ((whole, None), (part, offsets)):
+            if state:
+                dcp_load(state, ckpt_dir, no_dist=True, offsets=box)
         out = {}
         for k, r in group.items():
             if r is None:
@@ -183,10 +156,7 @@ def export_hf_model(ckpt_dir: Path, out_dir: Path, manifest: dict, shard_mb: int
         raise CheckpointError(f"{ckpt_dir}: not this {type(model).__name__}'s checkpoint ({what})")
     state = {f"model.{HF_PREFIX}{k}": torch.empty(shapes[f"model.{HF_PREFIX}{k}"][0],
                                                   dtype=shapes[f"model.{HF_PREFIX}{k}"][1]) for k in own}
-    try:
-        dcp_load(state, ckpt_dir, no_dist=True)
-    except DCP_ERRORS as err:
-        raise CheckpointError(f"{ckpt_dir}: DCP load failed: {dcp_error_line(err)}") from None
+    dcp_load(state, ckpt_dir, no_dist=True)
     model.load_state_dict({k: state[f"model.{HF_PREFIX}{k}"] for k in own}, strict=True)
     tmp = staging_dir(out_dir)
     tokenizer = copy_tokenizer(manifest.get("tokenizer"), tmp)
@@ -464,18 +434,13 @@ def save_weights_only(model, out_dir: str | Path, source: str = "") -> Path:
     partial.mkdir(parents=True)
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(partial), no_dist=True)
     files = {p.name: file_entry(p) for p in sorted(partial.iterdir()) if p.is_file()}
-    manifest = {"format_version": FORMAT_VERSION, "step": 0, "contents": ["model"], "ckpt_format": "torch_dist",
-                "strategy": "import", "world_size": 1, "layout": {}, "config_digest": "",
-                "model_args": dataclasses.asdict(model.args), "imported_from": source,
-                "tokenizer": str(Path(source).resolve()) if source and (Path(source) / "tokenizer.json").is_file()
-                else None,  # an imported folder's tokenizer goes on to its export
-                "torch_version": torch.__version__,
-                "created_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "files": files}
+    tokenizer = str(Path(source).resolve()) if source and (Path(source) / "tokenizer.json").is_file() else None
+    manifest = new_manifest(step=0, contents=["model"], ckpt_format="torch_dist", strategy="import", world_size=1,
+                            layout={}, config_digest="", model_args=dataclasses.asdict(model.args),
+                            imported_from=source, tokenizer=tokenizer,  # an imported folder's goes on to its export
+                            files=files)
     write_atomic(partial / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
-    if final.exists():
-        shutil.rmtree(final)
-    partial.rename(final)
-    write_atomic(out_dir / "LATEST", "step_0\n")
+    publish_checkpoint(partial, final)
     return final
 
 

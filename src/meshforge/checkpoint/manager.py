@@ -1,137 +1,100 @@
-"""Save and resume a run: model, optimizer, scheduler, step, data position and RNG states; a commit that never lies.
+"""Save and resume a run: a commit that never lies, a resume that checks before it loads.
 
-Layout of `checkpoint.dir` (default `<run.output_dir>/checkpoints`; paths and the manifest in `files.py`)::
+The manager gets the run's parts as {name: Stateful} (`parts.py`: model, optimizer, scheduler, data loader, RNG;
+LoRA adapters and fp32 masters are forms of the model part). It only orchestrates commit, resume and verification,
+and never learns what a part holds or which strategy produced it. A checkpoint `step_<N>/` (the directory layout
+is in `paths.py`) holds:
 
-    LATEST                      one line: the name of the newest complete checkpoint ("step_20")
-    step_<N>/                   a complete checkpoint:
-        .metadata, __R_I.distcp   DCP (torch.distributed.checkpoint): model + optimizer, each rank its shards
-        trainer_state_rank<R>.pt  per rank: step, scheduler, loader position, RNG (torch, cuda, numpy, python);
-                                  plain tensors/containers only, loaded with `weights_only=True`
-        manifest.json             written last: step, config digest, world layout, every file's bytes + sha256
-    hf/step_<N>/                `checkpoint.save_consolidated`: Hugging Face safetensors + config.json
+    .metadata, __R_I.distcp     DCP (torch.distributed.checkpoint): every `ShardedPart` under its name
+                                ("model.<param>", "optim.state.<param>.exp_avg", ...), each rank its own shards
+    trainer_state_rank<R>.pt    per rank: {"step": N, and each other part's state under its name}; plain
+                                tensors/containers only, loaded with `weights_only=True`
+    manifest.json               written last (`manifest.py`): the run, the parts' `contents`, every file's sha256
 
-Commit protocol: every rank writes into `step_<N>.partial/`; a barrier; the ranks hash the files
-(split among them) and rank 0 writes `manifest.json`, renames the directory to `step_<N>/` and atomically
-replaces `LATEST` (write `LATEST.tmp`, fsync, `os.replace`). A crash at any point leaves `LATEST` on the
-previous complete checkpoint; leftover `*.partial` directories are removed, with a log line, when the next
-manager starts. `keep_last` deletes the oldest complete checkpoints, never the one `LATEST` names.
+Commit protocol: every rank writes into `step_<N>.partial/`; a barrier; the ranks hash the files (split among
+them), then rank 0 writes `manifest.json`, renames the directory to `step_<N>/` and atomically replaces `LATEST`
+(`paths.publish_checkpoint`). A crash at any point leaves `LATEST` on the previous complete checkpoint. The next
+manager to start removes leftover `*.partial` directories, with a log line. `keep_last` deletes the oldest
+complete checkpoints, never the one `LATEST` names.
 
 Formats (`config.rules.resolved_ckpt_format`): `fsdp_dtensor` saves the strategy's sharded (DTensor) state,
-every rank writing its own shards; `torch_dist` saves the plain full (unsharded) state (what ddp holds; a
-sharded strategy gathers it first). Both are DCP, so either loads at another world size and under another
-strategy: a load always asks for the current model's own (sharded) state and DCP reshards.
+every rank writing its own shards. `torch_dist` saves the plain full (unsharded) state, which is what ddp holds;
+a sharded strategy gathers it first (`ShardedPart.state_dict_to_save`). Both are DCP, so either loads at another
+world size and under another strategy: a load always asks for the parts' current (sharded) state and DCP
+reshards.
 
-`checkpoint.async_save`: DCP `async_save` (THREAD mode, on a separate gloo process group); the state is
-staged to CPU before it returns, the write and the commit run in the background while training continues;
-a second save, `close()` and every resume wait for the first. A preemption save (`save()` called by the
-trainer after SIGTERM/SIGUSR1) is always synchronous and reports its time against `grace_period_s`.
+`checkpoint.async_save`: DCP `async_save` (THREAD mode, on a separate gloo process group). The state is staged to
+CPU before it returns; the write and the commit run in the background while training continues. A second save,
+`close()` and every resume wait for the first. A preemption save (`save()`, called by the trainer after
+SIGTERM/SIGUSR1) is always synchronous and reports its time against `grace_period_s`.
 
-Resume (`checkpoint.resume`): `auto` takes `LATEST` when there is one; if that checkpoint is corrupt
-(missing or truncated file, checksum mismatch) it falls back to the previous complete one and says so; a
-path (checkpoint dir, checkpoints dir with LATEST, or run dir) is used as given, with no fallback; `none`
-starts fresh. Before anything is loaded, every file is checked against the manifest and every parameter's
-shape against the model; a failure is a one-line `CheckpointError` (exit 2 from the CLI) naming the file or
-the parameter and both shapes.
+Resume (`checkpoint.resume`): `auto` takes `LATEST` when there is one. If that checkpoint is corrupt (a missing
+or truncated file, a checksum mismatch), it falls back to the previous complete one and says so. A path (a
+checkpoint dir, a checkpoints dir with LATEST, or a run dir) is used as given, with no fallback; `none` starts
+fresh. Before anything is loaded, every file is checked against the manifest, each part checks the manifest
+(`check_manifest`), and the model part's tensor names and shapes and the model arguments are checked against the
+model (`verify.py`). A failure is a one-line `CheckpointError` (exit 2 from the CLI) naming the file or the
+parameter. A checkpoint that holds only the model (`checkpoint import`), or a partial load
+(`checkpoint.allow_partial_load`), loads weights only and starts at step 0.
 
-What is saved is whatever the strategy's state-dict methods return (`distributed/strategy.py`: DCP by
-default, megatron_fsdp's own); the manager never learns which strategy produced it. `before_commit`
-(None by default) is called after this rank's files are written and before the commit: the fault-injection
-tests kill a rank there (`training/faults.py`).
+`before_commit` (None by default) is called after this rank's files are written and before the commit; the
+fault-injection tests kill a rank there (`training/faults.py`). `save_consolidated` exports a committed step as
+Hugging Face safetensors into `<dir>/hf/step_<N>` (`hf.export_checkpoint`, streamed by rank 0).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
-import datetime
-import hashlib
 import json
-import os
-import random
 import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor
+from torch.distributed.checkpoint.stateful import Stateful
 
-from meshforge.checkpoint.files import (
-    DCP_ERRORS,
-    FORMAT_VERSION,
+from meshforge.checkpoint.collectives import all_gather_object, barrier, dist_on, log
+from meshforge.checkpoint.hf import export_checkpoint
+from meshforge.checkpoint.manifest import (
     MANIFEST,
-    _fsync_dir,
-    all_gather_object,
-    barrier,
-    check_model_keys,
+    config_digest,
+    file_entry,
+    model_args_dict,
+    new_manifest,
+    verify_files,
+)
+from meshforge.checkpoint.parts import ShardedPart
+from meshforge.checkpoint.paths import (
     checkpoint_dir,
     complete_checkpoints,
-    dcp_error_line,
-    dcp_load,
-    dist_on,
-    file_entry,
-    log,
+    publish_checkpoint,
     read_latest,
+    remove_leftovers,
+    remove_old,
     resolve_checkpoint_path,
-    verify_files,
     write_atomic,
 )
-from meshforge.checkpoint.hf import export_checkpoint, hf_config_of, tokenizer_of
-from meshforge.checkpoint.peft import adapter_manifest, check_adapter_checkpoint, trainable_names
+from meshforge.checkpoint.safe_dcp import dcp_load
+from meshforge.checkpoint.verify import check_same_model
 from meshforge.config.rules import resolved_ckpt_format
-from meshforge.config.schema import BRIDGE_SECTIONS
-from meshforge.distributed.master_weights import MasterWeightAdamW
 from meshforge.errors import CheckpointError
-from meshforge.models import resolve_model_args
+
+MODEL = "model"  # the part the manager checks against the checkpoint, and the one a weights-only load loads
 
 
-def config_digest(cfg) -> str:
-    d = cfg.model_dump(mode="json", exclude=BRIDGE_SECTIONS)
-    d.get("checkpoint", {}).pop("resume", None)
-    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()
+def rank_file(path: Path, rank: int) -> Path:
+    """The per-rank parts' file of `rank` in checkpoint `path`."""
+    return path / f"trainer_state_rank{rank}.pt"
 
 
-def model_args_dict(cfg) -> dict:
-    return dataclasses.asdict(resolve_model_args(cfg.model))
-
-
-# --------------------------------------------------------------------------------- RNG
-def rng_state() -> dict:
-    """All RNG states as tensors and plain containers (loadable with weights_only=True)."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    version, internal, gauss = random.getstate()
-    state = {"torch": torch.get_rng_state(),
-             "numpy": {"kind": kind, "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
-                       "has_gauss": int(has_gauss), "cached": float(cached)},
-             "python": {"version": version, "internal": list(internal), "gauss": gauss}}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
-    p = state["python"]
-    random.setstate((p["version"], tuple(p["internal"]), p["gauss"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _with_masters(model_state: dict, optimizer) -> dict:
-    """training.precision=bf16_params at world size 1: the checkpoint holds the fp32 master weights in place of
-    the bf16 parameters (loading them rounds them into the parameters), so a resume is exact."""
-    return optimizer.master_state_dict(model_state) if isinstance(optimizer, MasterWeightAdamW) else model_state
-
-
-# ---------------------------------------------------------------------------- manager
 class CheckpointManager:
-    def __init__(self, cfg, mesh_ctx, info):
+    def __init__(self, cfg, mesh_ctx, info, parts: dict[str, Stateful]):
         self.cfg, self.mesh_ctx, self.info = cfg, mesh_ctx, info
+        self.sharded = {n: p for n, p in parts.items() if isinstance(p, ShardedPart)}  # into DCP
+        self.per_rank = {n: p for n, p in parts.items() if not isinstance(p, ShardedPart)}  # trainer_state files
         self.root = checkpoint_dir(cfg)
         self.fmt = resolved_ckpt_format(cfg)
         self.rank, self.world = info.rank, info.world_size
@@ -139,18 +102,14 @@ class CheckpointManager:
         self._pending: concurrent.futures.Future | None = None
         self._pg = None
         self.last_saved: Path | None = None
-        self.resumed_from: Path | None = None
-        self.resumed_tokenizer: str | None = None  # the resumed checkpoint's, kept when this run names none
         self.before_commit: Callable[[int], None] | None = None  # (step) -> None; fault-injection tests
         self._clean_partials()
 
     # ------------------------------------------------------------------ housekeeping
     def _clean_partials(self) -> None:
-        if self.rank == 0 and self.root.is_dir():
-            for p in sorted([*self.root.glob("*.partial"), *self.root.glob("hf/*.partial")]):
-                shutil.rmtree(p, ignore_errors=True)
+        if self.rank == 0:
+            for p in remove_leftovers(self.root):
                 log(f"removed leftover {p.relative_to(self.root)} (an interrupted save; LATEST was never moved to it)")
-            (self.root / "LATEST.tmp").unlink(missing_ok=True)
         barrier()
 
     def _group(self):
@@ -161,52 +120,22 @@ class CheckpointManager:
 
     def _retention(self) -> None:
         k = self.cfg.checkpoint.keep_last
-        if not k:
-            return
-        latest = read_latest(self.root)
-        done = complete_checkpoints(self.root)
-        keep = set(done[:k]) | ({latest} if latest else set())
-        for p in done:
-            if p not in keep:
-                shutil.rmtree(p, ignore_errors=True)
+        if k:
+            for p in remove_old(self.root, k):
                 log(f"keep_last={k}: deleted {p.name}")
 
-    # ------------------------------------------------------------------------- state
-    def _app_state(self, pm, optimizer, for_save: bool) -> dict:
-        s, parts = pm.strategy, pm.state_parts()
-        msd: dict = {}
-        for part in parts:
-            msd.update(s.model_state_dict(part))
-        # torch_dist saves plain full tensors: a sharded strategy gathers them (rank 0 holds them on CPU)
-        full = for_save and self.fmt == "torch_dist" and any(isinstance(v, DTensor) for v in msd.values())
-        if full:
-            msd = {}
-            for part in parts:
-                msd.update(s.model_state_dict(part, full=True))
-        if self.cfg.peft is not None:  # adapter-only: the frozen base comes from peft_base, not the checkpoint
-            trainable = trainable_names(pm)
-            msd = {k: v for k, v in msd.items() if k in trainable}
-        return {"model": _with_masters(msd, optimizer), "optim": s.optimizer_state_dict(parts, optimizer, full=full)}
+    def _contents(self) -> list[str]:
+        """The manifest's `contents`: the sharded parts (by their `content`), then "trainer_state"."""
+        return [p.content or n for n, p in self.sharded.items()] + (["trainer_state"] if self.per_rank else [])
 
-    def _load_app_state(self, pm, optimizer, state: dict) -> None:
-        s, parts = pm.strategy, pm.state_parts()
-        for part in parts:
-            s.load_model_state_dict(part, state["model"])
-        if "optim" in state:
-            s.load_optimizer_state_dict(parts, optimizer, state["optim"])
-
-    def _manifest_base(self, step: int) -> dict:
-        layout = self.mesh_ctx.layout
-        peft = adapter_manifest(self.cfg)
-        return {"format_version": FORMAT_VERSION, "step": step, **peft,
-                "contents": ["adapter" if peft else "model", "optim", "trainer_state"],
-                "ckpt_format": self.fmt, "strategy": self.cfg.distributed.strategy, "world_size": self.world,
-                "layout": layout.named_shape(),
-                "config_digest": config_digest(self.cfg), "model_args": model_args_dict(self.cfg),
-                "tokenizer": tokenizer_of(self.cfg) or self.resumed_tokenizer,  # for the export's tokenizer files
-                "hf_config": hf_config_of(self.cfg),  # model.hf_model: its config.json, for the export
-                "torch_version": torch.__version__,
-                "created_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+    def _manifest(self, step: int, files: dict) -> dict:
+        entries: dict = {}
+        for part in self.sharded.values():
+            entries.update(part.manifest_entries())
+        return new_manifest(step=step, **entries, contents=self._contents(), ckpt_format=self.fmt,
+                            strategy=self.cfg.distributed.strategy, world_size=self.world,
+                            layout=self.mesh_ctx.layout.named_shape(), config_digest=config_digest(self.cfg),
+                            model_args=model_args_dict(self.cfg), files=files)
 
     # -------------------------------------------------------------------------- save
     def _due(self, step: int, final: bool) -> tuple[bool, bool]:
@@ -219,23 +148,23 @@ class CheckpointManager:
     def will_save(self, step: int, final: bool = False) -> bool:
         return self._due(step, final)[0]
 
-    def maybe_save(self, step: int, pm, optimizer, scheduler, loader, final: bool = False) -> None:
+    def maybe_save(self, step: int, final: bool = False) -> None:
         save, consolidated = self._due(step, final)
         if save:
-            self._save(step, pm, optimizer, scheduler, loader, allow_async=True)
+            self._save(step, allow_async=True)
         if consolidated:
             self.export_consolidated(step)
 
-    def save(self, step: int, pm, optimizer, scheduler, loader) -> Path:
+    def save(self, step: int) -> Path:
         """A synchronous save (what the trainer calls on SIGTERM/SIGUSR1), timed against grace_period_s."""
         t0 = time.perf_counter()
-        path = self._save(step, pm, optimizer, scheduler, loader, allow_async=False)
+        path = self._save(step, allow_async=False)
         dt, grace = time.perf_counter() - t0, self.cfg.checkpoint.grace_period_s
         log(f"synchronous save of step {step} took {dt:.2f} s (checkpoint.grace_period_s={grace:g})",
-             warn=dt > grace)
+            warn=dt > grace)
         return path
 
-    def _save(self, step: int, pm, optimizer, scheduler, loader, allow_async: bool) -> Path:
+    def _save(self, step: int, allow_async: bool) -> Path:
         self.wait()
         final = self.root / f"step_{step}"
         if self.last_saved == final:
@@ -246,21 +175,19 @@ class CheckpointManager:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=True, exist_ok=True)
         barrier()
-        state = self._app_state(pm, optimizer, for_save=True)
-        trainer_state = {"step": step, "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
-                         "rng": rng_state()}
-        use_async = allow_async and self.cfg.checkpoint.async_save
-        if use_async:
+        state = {name: part.state_dict_to_save() for name, part in self.sharded.items()}
+        own = {"step": step, **{name: part.state_dict() for name, part in self.per_rank.items()}}
+        if allow_async and self.cfg.checkpoint.async_save:
             group = self._group()
             fut = dcp.async_save(state, checkpoint_id=str(partial), process_group=group, no_dist=not dist_on())
             del state  # staged to CPU already: training may change the parameters now
-            torch.save(trainer_state, partial / f"trainer_state_rank{self.rank}.pt")
+            torch.save(own, rank_file(partial, self.rank))
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meshforge-ckpt")
             self._pending = self._executor.submit(self._finish_async, fut, step, partial, final, group, t0)
         else:
             dcp.save(state, checkpoint_id=str(partial), no_dist=not dist_on())
-            torch.save(trainer_state, partial / f"trainer_state_rank{self.rank}.pt")
+            torch.save(own, rank_file(partial, self.rank))
             self._commit(step, partial, final, None, t0)
         self.last_saved = final
         return final
@@ -279,19 +206,12 @@ class CheckpointManager:
         for part in all_gather_object(mine, group):
             files.update(part)
         if self.rank == 0:
-            manifest = {**self._manifest_base(step), "files": files}
-            write_atomic(partial / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
-            if final.exists():  # a save of the same step again (e.g. after a resume): replace it
-                old = final.with_name(final.name + ".old.partial")
-                final.rename(old)
-                shutil.rmtree(old, ignore_errors=True)
-            os.rename(partial, final)
-            _fsync_dir(self.root)
-            write_atomic(self.root / "LATEST", final.name + "\n")
+            write_atomic(partial / MANIFEST, json.dumps(self._manifest(step, files), indent=1, sort_keys=True))
+            publish_checkpoint(partial, final)
             self._retention()
             total = sum(f["bytes"] for f in files.values())
             log(f"saved {final.name} ({len(files)} files, {total / 2**20:.2f} MiB, {self.fmt}) in "
-                 f"{time.perf_counter() - t0:.2f} s{' (async)' if background else ''}")
+                f"{time.perf_counter() - t0:.2f} s{' (async)' if background else ''}")
         barrier(group)
 
     def wait(self) -> None:
@@ -312,13 +232,14 @@ class CheckpointManager:
         return out
 
     # ------------------------------------------------------------------------ resume
-    def resume(self, pm, optimizer, scheduler, loader) -> int:
+    def resume(self) -> int:
+        """Load the checkpoint `checkpoint.resume` names into the parts; the step to continue from (0: none)."""
         r = self.cfg.checkpoint.resume
         if r is None:
             return 0
         self.wait()
         if r != "auto":
-            return self._load(resolve_checkpoint_path(r), pm, optimizer, scheduler, loader)
+            return self._load(resolve_checkpoint_path(r))
         latest = read_latest(self.root)
         candidates = complete_checkpoints(self.root)
         if latest is not None:
@@ -328,37 +249,29 @@ class CheckpointManager:
         first_err = None
         for i, path in enumerate(candidates):
             try:
-                return self._load(path, pm, optimizer, scheduler, loader)
+                return self._load(path)
             except CheckpointError as err:
                 first_err = first_err or err
                 nxt = candidates[i + 1].name if i + 1 < len(candidates) else None
                 log(f"{err}; " + (f"falling back to the previous complete checkpoint {nxt}" if nxt
-                                   else "no older complete checkpoint to fall back to"), warn=True)
+                                  else "no older complete checkpoint to fall back to"), warn=True)
         raise CheckpointError(f"{first_err} (checkpoint.resume=auto: no usable checkpoint in {self.root})")
 
-    def _load(self, path: Path, pm, optimizer, scheduler, loader) -> int:
+    def _load(self, path: Path) -> int:
         t0 = time.perf_counter()
         manifest = verify_files(path)
-        check_adapter_checkpoint(path, manifest, self.cfg)
-        weights_only = "optim" not in manifest.get("contents", ["optim"])
-        if weights_only:  # (asking DCP for an optimizer state dict would initialise it with a zero step)
-            state = {"model": {}}
-            for part in pm.state_parts():
-                state["model"].update(pm.strategy.model_state_dict(part))
-            state["model"] = _with_masters(state["model"], optimizer)
-        else:
-            state = self._app_state(pm, optimizer, for_save=False)
-        partial = self._check_same_model(path, manifest, state)
+        for part in self.sharded.values():
+            part.check_manifest(path, manifest)
+        names = self._saved_parts(path, manifest)
+        weights_only = names == [MODEL]
+        state = {name: self.sharded[name].state_dict() for name in names}
+        partial = check_same_model(path, manifest, state[MODEL], model_args_dict(self.cfg),
+                                   self.cfg.checkpoint.allow_partial_load)
         if partial is not None:
-            weights_only = True
-            state = {"model": {k: v for k, v in state["model"].items() if k in partial}}
-        try:
-            dcp_load(state, path, no_dist=not dist_on())
-        except DCP_ERRORS as err:  # DCP wraps per-rank errors; report one line
-            raise CheckpointError(f"{path}: DCP load failed: {dcp_error_line(err)}") from None
-        self._load_app_state(pm, optimizer, state)
-        self.resumed_from = path
-        self.resumed_tokenizer = manifest.get("tokenizer")  # e.g. an imported folder's, carried on to the export
+            state = {MODEL: {k: v for k, v in state[MODEL].items() if k in partial}}
+        dcp_load(state, path, no_dist=not dist_on())
+        for name, part_state in state.items():
+            self.sharded[name].load_state_dict(part_state)
         if partial is not None:
             log(f"loaded {len(partial)} model tensors from {path} (checkpoint.allow_partial_load; the others keep "
                 "their initialisation; no optimizer state): starting at step 0")
@@ -366,50 +279,48 @@ class CheckpointManager:
         if weights_only:
             log(f"loaded model weights from {path} (no optimizer state): starting at step 0")
             return 0
-        ts_path = path / f"trainer_state_rank{self.rank}.pt"
-        if not ts_path.exists():
-            ts_path = path / "trainer_state_rank0.pt"
-        try:
-            ts = torch.load(ts_path, weights_only=True)  # no pickle code execution, ever
-        except Exception as err:  # noqa: BLE001 - one line naming the file
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            raise CheckpointError(f"{ts_path}: refused by torch.load(weights_only=True): {first}") from None
-        scheduler.load_state_dict(ts["scheduler"])
-        try:
-            loader.load_state_dict(ts["loader"])
-        except ValueError as err:
-            raise CheckpointError(f"{ts_path}: {err}") from None
-        set_rng_state(ts["rng"])
+        step = self._load_per_rank(path)
         if manifest.get("config_digest") != config_digest(self.cfg):
             log(f"{path.name} was saved with a different config (digest {manifest.get('config_digest', '?')[:12]}"
-                 f" vs {config_digest(self.cfg)[:12]}); the model is the same, continuing")
+                f" vs {config_digest(self.cfg)[:12]}); the model is the same, continuing")
         world = manifest.get("world_size")
         reshard = f", resharded from world {world} ({manifest.get('strategy')}) to {self.world} " \
                   f"({self.cfg.distributed.strategy})" if world != self.world or \
             manifest.get("strategy") != self.cfg.distributed.strategy else ""
-        log(f"resumed from {path} at step {ts['step']}{reshard} in {time.perf_counter() - t0:.2f} s")
-        return int(ts["step"])
+        log(f"resumed from {path} at step {step}{reshard} in {time.perf_counter() - t0:.2f} s")
+        return step
 
-    def _check_same_model(self, path: Path, manifest: dict, state: dict) -> set[str] | None:
-        """Refuse a checkpoint of another model: its exact set of tensor names and shapes, and its stored model
-        arguments, must be this model's. With checkpoint.allow_partial_load and another model: the names to
-        load (shapes must still match)."""
-        allow = self.cfg.checkpoint.allow_partial_load
-        mine = {fqn: tuple(t.shape) for fqn, t in state["model"].items()}  # full shapes (DTensors say them)
-        # a pipeline rank holds only its stages: the model is every rank's parts
-        mine = {k: v for ranks in all_gather_object(mine) for k, v in ranks.items()}
-        keys = check_model_keys(path, mine, allow)
-        keys = None if keys is None else keys & set(state["model"])  # what this rank loads
-        saved, mine = manifest.get("model_args"), json.loads(json.dumps(model_args_dict(self.cfg)))  # as stored
-        diff = [f"{k}={saved.get(k)!r} (this model {mine.get(k)!r})" for k in sorted(set(saved) | set(mine))
-                if saved.get(k) != mine.get(k)] if isinstance(saved, dict) else []
-        if diff and not allow:
-            raise CheckpointError(f"{path}: saved from another model: {', '.join(diff[:6])}"
-                                  f"{f' and {len(diff) - 6} more' if len(diff) > 6 else ''}; set model.* to "
-                                  "match, or checkpoint.allow_partial_load=true to load the tensors both have")
-        if keys is None and diff:  # same tensors, other model args (e.g. rope_theta): still another model
-            keys = set(state["model"])
-        return keys
+    def _saved_parts(self, path: Path, manifest: dict) -> list[str]:
+        """The sharded parts to load: every one, or only the model from a checkpoint holding only the model (a
+        weights-only checkpoint: `checkpoint import`). The model itself is checked by `check_same_model`."""
+        saved = manifest.get("contents")
+        if saved is None:
+            return list(self.sharded)
+        missing = [n for n, p in self.sharded.items() if n != MODEL and (p.content or n) not in saved]
+        if not missing:
+            return list(self.sharded)
+        if len(missing) == len(self.sharded) - 1:  # (asking DCP for an optimizer state would initialise it)
+            return [MODEL]
+        raise CheckpointError(f"{path}: holds no {missing[0]} ({MANIFEST} lists {', '.join(saved)})")
+
+    def _load_per_rank(self, path: Path) -> int:
+        """This rank's file (rank 0's after a change of world size) into the per-rank parts; the saved step."""
+        ts_path = rank_file(path, self.rank)
+        if not ts_path.exists():
+            ts_path = rank_file(path, 0)
+        try:
+            own = torch.load(ts_path, weights_only=True)  # no pickle code execution, ever
+        except Exception as err:  # noqa: BLE001 - one line naming the file
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise CheckpointError(f"{ts_path}: refused by torch.load(weights_only=True): {first}") from None
+        for name, part in self.per_rank.items():
+            if not isinstance(own, dict) or name not in own:
+                raise CheckpointError(f"{ts_path}: holds no {name} state")
+            try:
+                part.load_state_dict(own[name])
+            except ValueError as err:
+                raise CheckpointError(f"{ts_path}: {err}") from None
+        return int(own["step"])
 
     def close(self) -> None:
         try:

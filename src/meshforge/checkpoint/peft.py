@@ -2,9 +2,10 @@
 
 A LoRA run (`peft:` set) saves only its trainable parameters (the adapters, plus any embeddings/norms the
 freeze policy trains) and their optimizer state, with the same commit protocol as a full checkpoint
-(`manager.py`). The frozen base is not saved: the manifest records where it came from (`peft_base`: the
-`model.init_from` folder, else the seed it was initialised from) with the base's `model_args` and the `peft`
-settings, and a resume onto another base, shape or adapter setting is refused with one line.
+(`manager.py`; the checkpoint part is `parts.AdapterWeights`). The frozen base is not saved: the manifest
+records where it came from (`peft_base`: the `model.init_from` folder, else the seed it was initialised from)
+with the base's `model_args` and the `peft` settings, and a resume onto another base, shape or adapter setting
+is refused with one line.
 
 PEFT format (`export_adapter`): `adapter_config.json` + `adapter_model.safetensors`, tensors named
 `base_model.model.<HF module>.lora_{A,B}.weight`, the HF module taken from the model contract's state-dict
@@ -31,10 +32,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from meshforge.checkpoint.files import DCP_ERRORS, MANIFEST, dcp_error_line, dcp_load, dcp_tensor_shapes
-from meshforge.checkpoint.hf import _adapter, copy_param, load_hf_into, publish_dir, staging_dir
+from meshforge.checkpoint.hf import _adapter, copy_param, load_hf_into
+from meshforge.checkpoint.manifest import MANIFEST, model_args_dict
+from meshforge.checkpoint.paths import publish_dir, staging_dir
+from meshforge.checkpoint.safe_dcp import dcp_load, dcp_tensor_shapes
 from meshforge.errors import CheckpointError
-from meshforge.models import ModelArgs, build_model, init_weights, resolve_model_args
+from meshforge.models import ModelArgs, build_model, init_weights
 from meshforge.models.lora import (
     adapter_modules,
     apply_lora,
@@ -61,28 +64,24 @@ def _base_of(cfg) -> dict:
 
 
 def adapter_manifest(cfg) -> dict:
-    """The manifest entries of an adapter checkpoint ({} for a full one)."""
-    if cfg.peft is None:
-        return {}
+    """The manifest entries of an adapter checkpoint: the peft settings and the base they adapt."""
     return {"peft": cfg.peft.model_dump(mode="json", include=set(_PEFT_KEYS) | {"dropout"}),
             "peft_base": _base_of(cfg)}
 
 
-def check_adapter_checkpoint(path: Path, manifest: dict, cfg) -> None:
-    """Refuse (one line) an adapter checkpoint onto another base or adapter setting, and a full checkpoint
-    under `peft` or an adapter checkpoint without it."""
-    is_adapter = "adapter" in manifest.get("contents", [])
-    if is_adapter and cfg.peft is None:
+def refuse_adapter_checkpoint(path: Path, manifest: dict) -> None:
+    """A run without `peft` cannot resume an adapter checkpoint (its frozen base is not in it): one line."""
+    if "adapter" in manifest.get("contents", []):
         raise CheckpointError(f"{path}: a LoRA adapter checkpoint (peft {manifest.get('peft')}): set the same peft "
                               "section to resume it, or export it with `meshforge checkpoint export --merge`")
-    if cfg.peft is None:
-        return
-    if not is_adapter:
+
+
+def check_adapter_checkpoint(path: Path, manifest: dict, cfg) -> None:
+    """A LoRA run resumes adapter checkpoints of its own base and adapter settings only: else one line."""
+    if "adapter" not in manifest.get("contents", []):
         raise CheckpointError(f"{path}: a full checkpoint, but peft is set and a LoRA run resumes adapter "
                               "checkpoints only: export it (`meshforge checkpoint export`) and set model.init_from")
-    import dataclasses
-
-    mine = dataclasses.asdict(resolve_model_args(cfg.model))
+    mine = model_args_dict(cfg)
     for k, v in manifest.get("model_args", {}).items():
         if mine.get(k) != v:
             raise CheckpointError(f"{path}: adapters trained on a base with model.{k}={v}, but this model has "
@@ -161,10 +160,7 @@ def _load_tensors(ckpt_dir: Path, targets: dict[str, torch.Tensor]) -> None:
     for k, t in targets.items():
         if f"model.{k}" not in shapes or tuple(shapes[f"model.{k}"][0]) != tuple(t.shape):
             raise CheckpointError(f"{ckpt_dir}: tensor {k} {tuple(t.shape)} is not in the checkpoint as expected")
-    try:
-        dcp_load({f"model.{k}": t for k, t in targets.items()}, ckpt_dir, no_dist=True)
-    except DCP_ERRORS as err:
-        raise CheckpointError(f"{ckpt_dir}: DCP load failed: {dcp_error_line(err)}") from None
+    dcp_load({f"model.{k}": t for k, t in targets.items()}, ckpt_dir, no_dist=True)
 
 
 def _write_dir(out_dir: Path, files: dict[str, dict | str]) -> None:

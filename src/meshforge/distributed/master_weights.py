@@ -7,9 +7,10 @@ kernel (fused on every device) from the fp32 gradient (`main_grad`, below), and 
 bf16 parameter: the parameter is always `master.to(bf16)`.
 
 Where the masters go:
-- checkpoints: they stand in for the bf16 parameters in the model's state dict (`master_state_dict`), so a
-  checkpoint holds the fp32 weights, a resume is bitwise exact, and it loads into any precision or layout
-  (fsdp2's fp32 shards, an fp32 run) like any other checkpoint;
+- checkpoints: they stand in for the bf16 parameters in the model's state dict (`master_state_dict`, through
+  the checkpoint part `checkpoint/parts.py` `MasterWeights`), so a checkpoint holds the fp32 weights, a resume
+  is bitwise exact, and it loads into any precision or layout (fsdp2's fp32 shards, an fp32 run) like any
+  other checkpoint;
 - the optimizer's state dict holds the fp32 moments only, as plain AdamW's (torch's `load_state_dict` casts
   floating state to the parameter's dtype: `load_state_dict` here puts the fp32 values back);
 - the bench counts them with the optimizer state (`master_tensors`): 4 bytes per trainable parameter beside
@@ -109,14 +110,9 @@ class MasterWeightAdamW(torch.optim.AdamW):
 
     def master_state_dict(self, model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The model's state dict with each bf16 parameter replaced by its fp32 master (what a checkpoint saves
-        and loads into; `load_masters_into_params` then rounds them into the parameters)."""
+        and loads into; loading that state dict into the model then rounds them into the parameters)."""
         by_ptr = {p.data_ptr(): m for p, m in self.masters.items() if p.numel()}
         return {k: by_ptr.get(v.data_ptr(), v) if v.numel() else v for k, v in model_state.items()}
-
-    @torch.no_grad()
-    def load_masters_into_params(self) -> None:
-        for p, master in self.masters.items():
-            p.copy_(master)
 
 
 @torch.no_grad()

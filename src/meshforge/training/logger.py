@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import sys
 
-from meshforge.checkpoint.files import all_gather_object
+from meshforge.checkpoint.collectives import all_gather_object
 from meshforge.config.schema import BRIDGE_SECTIONS
 from meshforge.errors import ConfigError
 from meshforge.training.loggers import build_loggers, check_extras, run_metadata

@@ -24,7 +24,8 @@ import shutil
 import socket
 from pathlib import Path
 
-from meshforge.checkpoint.files import all_gather_object, checkpoint_dir, complete_checkpoints, has_checkpoint
+from meshforge.checkpoint.collectives import all_gather_object
+from meshforge.checkpoint.paths import checkpoint_dir, complete_checkpoints, has_checkpoint
 from meshforge.config.loader import write_yaml
 from meshforge.errors import ConfigError
 

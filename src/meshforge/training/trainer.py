@@ -7,9 +7,10 @@ Read top to bottom:
   fit()         resume -> steps; on log steps (and before a save) read the losses back, let the non-finite
                 policy judge them, log; save; stop when any rank was signalled
 The loop's parts live in their own modules: `nonfinite.py` (skip/stop), `signals.py` (preemption),
-`checkpoint/manager.py` (save, resume), `logger.py`. Tests arm faults through the same hooks
-(`after_backward`, `after_step`, `before_commit`; see `faults.py`). The trainer never branches on a
-strategy's name: strategies and parallelisms plug in through `ParallelModel` and the `Strategy` protocol.
+`checkpoint/manager.py` (save, resume; what it saves is `checkpoint_parts()`, built by `checkpoint/parts.py`),
+`logger.py`. Tests arm faults through the same hooks (`after_backward`, `after_step`, `before_commit`; see
+`faults.py`). The trainer never branches on a strategy's name: strategies and parallelisms plug in through
+`ParallelModel` and the `Strategy` protocol.
 The bench and the tests build runs with `Trainer.build` too, so what they measure is this loop's step.
 """
 
@@ -24,10 +25,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
 
-from meshforge.checkpoint.files import has_checkpoint
 from meshforge.checkpoint.hf import PlainInitFrom, load_hf_into
 from meshforge.checkpoint.manager import CheckpointManager
+from meshforge.checkpoint.parts import training_parts
+from meshforge.checkpoint.paths import has_checkpoint
 from meshforge.checkpoint.peft import load_peft_adapter
 from meshforge.config import rules as config_rules
 from meshforge.config.schema import Config
@@ -146,14 +149,22 @@ class Trainer:
         return loss, grad_norm
 
     # ------------------------------------------------------------------ the run
+    def checkpoint_parts(self) -> dict[str, Stateful]:
+        """What a checkpoint of this run holds, each part saving and loading itself (checkpoint/parts.py)."""
+        return training_parts(self.cfg, self.pm, self.optimizer, self.scheduler, self.loader)
+
+    def checkpoints(self) -> CheckpointManager:
+        """A checkpoint manager of this run's parts, with the fault hook (`before_commit`) armed."""
+        ckpt = CheckpointManager(self.cfg, self.mesh_ctx, self.info, self.checkpoint_parts())
+        ckpt.before_commit = self.before_commit
+        return ckpt
+
     def _open_checkpoints(self) -> CheckpointManager | None:
         c = self.cfg.checkpoint
         wanted = rundir.writes_checkpoints(self.cfg) or c.resume not in (None, "auto")
         if not (wanted or (c.resume == "auto" and has_checkpoint(self.cfg))):
             return None
-        ckpt = CheckpointManager(self.cfg, self.mesh_ctx, self.info)
-        ckpt.before_commit = self.before_commit
-        return ckpt
+        return self.checkpoints()
 
     def fit(self) -> TrainResult:
         run_dir = rundir.claim(self.cfg, self.info)  # lock, writability, never overwrite a run unasked
@@ -166,7 +177,7 @@ class Trainer:
         cfg, t, info = self.cfg, self.cfg.training, self.info
         ckpt = self._open_checkpoints()
         if ckpt is not None:
-            self.step = ckpt.resume(self.pm, self.optimizer, self.scheduler, self.loader)
+            self.step = ckpt.resume()
         result = TrainResult(start_step=self.step, parallel_model=self.pm, optimizer=self.optimizer)
         profiler = StepProfiler(cfg.profiling, cfg.run.output_dir, info.rank, info.device, note=lambda m: log.info(m))
         log = MetricsLogger(cfg.run.output_dir, cfg.logging, t.max_steps, enabled=info.is_main,
@@ -196,12 +207,12 @@ class Trainer:
                 if self.validation is not None and self.validation.due(self.step):
                     metrics.t0 += self.validation(self.step, result, log)
                 if save:
-                    ckpt.maybe_save(self.step, self.pm, self.optimizer, self.scheduler, self.loader, final=final)
+                    ckpt.maybe_save(self.step, final=final)
                 if signals.poll():
                     window.read()
                     result.stopped_by_signal, result.signal = True, signals.received
-                    ckpt = ckpt or CheckpointManager(cfg, self.mesh_ctx, info)
-                    ckpt.save(self.step, self.pm, self.optimizer, self.scheduler, self.loader)
+                    ckpt = ckpt or self.checkpoints()
+                    ckpt.save(self.step)
                     log.info(f"stop signal received: saved step {self.step} and exiting ({signals.received})")
                     break
         finally:

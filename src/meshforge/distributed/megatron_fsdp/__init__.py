@@ -20,9 +20,9 @@ Options (`distributed.*`, defaults in brackets):
 Compute dtype: bf16 on CUDA, fp32 on CPU (`MegatronFSDPStrategy(..., compute_dtype=)` to choose).
 
 Composes with TP (DTensor parameters: the buffers pack their local tensors) and CP (sharding over dp_cp).
-Checkpoint API (fsdp_dtensor, used by `checkpoint/manager.py`): `model_state_dict`, `load_model_state_dict`,
-`optimizer_state_dict`, `load_optimizer_state_dict` (per-parameter DTensors, Shard(0) on the dp_cp mesh, the
-layout FSDP2 uses, so DCP reshards and interchanges with fsdp2/ddp). Accounting for benchmarks:
+Checkpoint API (fsdp_dtensor, used by the checkpoint parts in `checkpoint/parts.py`): `model_state_dict`,
+`load_model_state_dict`, `optimizer_state_dict`, `load_optimizer_state_dict` (per-parameter DTensors, Shard(0)
+on the dp_cp mesh, the layout FSDP2 uses, so DCP reshards and interchanges with fsdp2/ddp). Accounting for benchmarks:
 `comm_bytes`, `comm_calls`, `reset_comm()`, `memory_report(optimizer)` (see `strategy.py`).
 """
 
