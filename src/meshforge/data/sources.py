@@ -39,10 +39,13 @@ def expand_paths(patterns: list[str], folders: bool = False) -> list[Path]:
 
 
 def byte_tokens(files: list[Path]) -> np.ndarray:
-    """Byte-level tokenization: each byte is one token (vocab 256); files are joined by a NUL byte."""
+    """Byte-level tokenization: each byte is one token (vocab 256); files are joined by a NUL byte. Only UTF-8
+    text is read (`records.text_bytes`): a binary file is refused, naming it."""
+    from meshforge.data.records import text_bytes
+
     chunks = []
     for f in files:
-        chunks.append(np.frombuffer(f.read_bytes(), dtype=np.uint8))
+        chunks.append(np.frombuffer(text_bytes(f), dtype=np.uint8))
         chunks.append(np.zeros(1, dtype=np.uint8))
     if not chunks:
         raise DataError("data: no text files to read")

@@ -152,11 +152,10 @@ def train_tokenizer(patterns: list[str], vocab_size: int, output: str) -> tuple[
                                      initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
 
     def texts():  # file by file, so the progress shows (rich on a terminal, plain lines otherwise)
+        from meshforge.data.records import text_bytes
+
         for f in track(files, "tokenizer train: files read"):
-            try:
-                yield Path(f).read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as err:
-                raise DataError(f"data tokenizer train: {f}: not readable UTF-8 text ({err})") from None
+            yield text_bytes(Path(f), "data tokenizer train").decode("utf-8")
 
     try:
         tok.train_from_iterator(texts(), trainer, length=len(files))

@@ -158,15 +158,16 @@ class Trainer:
     def fit(self) -> TrainResult:
         run_dir = rundir.claim(self.cfg, self.info)  # lock, writability, never overwrite a run unasked
         try:
-            return self._fit()
+            return self._fit(run_dir)
         finally:
             run_dir.release()
 
-    def _fit(self) -> TrainResult:
+    def _fit(self, run_dir: rundir.RunDir) -> TrainResult:
         cfg, t, info = self.cfg, self.cfg.training, self.info
         ckpt = self._open_checkpoints()
         if ckpt is not None:
             self.step = ckpt.resume(self.pm, self.optimizer, self.scheduler, self.loader)
+        run_dir.begin(self.step, ckpt.resumed_from if ckpt is not None else None)  # a step-0 start is a fresh run
         result = TrainResult(start_step=self.step, parallel_model=self.pm, optimizer=self.optimizer)
         profiler = StepProfiler(cfg.profiling, cfg.run.output_dir, info.rank, info.device, note=lambda m: log.info(m))
         log = MetricsLogger(cfg.run.output_dir, cfg.logging, t.max_steps, enabled=info.is_main,
