@@ -70,7 +70,7 @@ def kind_of(folder: Path) -> str | None:
         kind = json.loads((folder / MARKER).read_text()).get("kind")
         if isinstance(kind, str):
             return kind
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         pass
     if not folder.is_dir():
         return None
@@ -88,15 +88,18 @@ def is_empty(folder: Path) -> bool:
         return not Path(folder).exists()
 
 
-def is_foreign(folder: Path) -> bool:
-    """A folder that holds something, none of it recognisably meshforge's (a lock alone is meshforge's)."""
-    folder = Path(folder)
-    if not folder.is_dir() or kind_of(folder) is not None:
-        return False
+def _holds_files(folder: Path) -> bool:
     try:
-        return any(p.name != LOCK for p in folder.iterdir())
+        return any(p.name != LOCK and (not p.is_dir() or p.is_symlink() or _holds_files(p)) for p in folder.iterdir())
     except OSError:
         return False
+
+
+def is_foreign(folder: Path) -> bool:
+    """A folder that holds files, none of them recognisably meshforge's (a lock alone is meshforge's; empty
+    folders hold nothing, e.g. a checkpoints folder another rank has just created)."""
+    folder = Path(folder)
+    return folder.is_dir() and kind_of(folder) is None and _holds_files(folder)
 
 
 def entries(folder: Path, limit: int = 3) -> str:

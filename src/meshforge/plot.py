@@ -55,7 +55,7 @@ def _label(run_dir: Path) -> str:
     meta = run_dir / "run_meta.json"
     try:
         return json.loads(meta.read_text())["config"]["run"]["name"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return run_dir.resolve().name
 
 

@@ -59,6 +59,15 @@ def _probe(directory: Path, key: str, rank: int) -> str | None:
     return None
 
 
+def _written(write, key: str, where: Path) -> str | None:
+    """Run `write()`; None, or the one line an OSError becomes (a full disk after the probe, a quota)."""
+    try:
+        write()
+    except OSError as err:
+        return f"{key}={where}: cannot write there ({err.strerror or type(err).__name__})"
+    return None
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -82,7 +91,7 @@ def _take_lock(out: Path) -> tuple[str | None, str | None]:
             try:
                 held = json.loads(path.read_text())
                 pid, host = int(held["pid"]), str(held["host"])
-            except (OSError, ValueError, KeyError, TypeError):
+            except (OSError, ValueError, KeyError, TypeError, RecursionError):
                 return (f"{out} is locked by {path}, which is unreadable: if no run uses this directory, "
                         f"delete {path}"), None
             if host == me["host"] and not _alive(pid):
@@ -92,8 +101,12 @@ def _take_lock(out: Path) -> tuple[str | None, str | None]:
             return (f"{out} is in use by another run (pid {pid} on {host}, since {held.get('started_utc', '?')}): "
                     f"give this run its own run.output_dir and checkpoint.dir, or wait for that one (if it is gone, "
                     f"delete {path})"), None
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+        except OSError as err:  # created but not written (a full disk): not a lock anyone can read
+            path.unlink(missing_ok=True)
+            return f"{out}: cannot write the lock {path} ({err.strerror or type(err).__name__})", None
         return None, note
     return f"could not take the lock {path}", None
 
@@ -159,7 +172,7 @@ class RunDir:
                            f"checkpoint.resume={r} starts a new run at step 0 (it loads weights only), which would "
                            "overwrite it: choose another run.output_dir, or move that run away first")
             else:
-                write_yaml(cfg, out / "config.yaml")
+                problem = _written(lambda: write_yaml(cfg, out / "config.yaml"), "run.output_dir", out)
         everyone = sorted({p for ps in all_gather_object([problem] if problem else []) for p in ps})
         if everyone:
             raise ConfigError(everyone)
@@ -234,10 +247,10 @@ def claim(cfg, info, log=print) -> RunDir:
                            "choose another run.output_dir, or start over with checkpoint.resume=none "
                            "run.overwrite=true (the old run is moved aside)")
         if problem is None:
-            outputs.mark(out, outputs.RUN)
-            if writes_checkpoints(cfg) and not same:
-                outputs.mark(ck, outputs.CHECKPOINTS)
-        else:
+            problem = _written(lambda: outputs.mark(out, outputs.RUN), "run.output_dir", out)
+        if problem is None and writes_checkpoints(cfg) and not same:
+            problem = _written(lambda: outputs.mark(ck, outputs.CHECKPOINTS), "checkpoint.dir", ck)
+        if problem is not None:
             problems.append(problem)
     everyone = sorted({p for ps in all_gather_object(problems) for p in ps})
     if everyone:
