@@ -40,9 +40,10 @@ from typing import Any
 
 LAUNCHER_PID = "MESHFORGE_LAUNCHER_PID"  # set by a meshforge launcher: the pid its processes follow
 # variables of an enclosing launch that must not leak into a nested one
-LAUNCH_VARS = (LAUNCHER_PID, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
-               "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-               "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE")
+LAUNCH_VARS = (LAUNCHER_PID, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
+               "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
+               "TORCHELASTIC_ERROR_FILE")
 
 
 # what torchrun and srun tell a process about its place in the job: whole numbers (a port: 1..65535)

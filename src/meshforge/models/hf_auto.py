@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 from pathlib import Path
 
 import torch
