@@ -65,9 +65,10 @@ def _fields(entry: str) -> dict[str, str]:
 
 
 def differences(saved: dict, mine: dict[str, str]) -> list[str]:
-    """One phrase per input that differs between a saved fingerprint and this run's."""
+    """One phrase per input that differs between a saved fingerprint and this run's: files first (a changed file is
+    the cause of a changed settings or examples entry), then the rest."""
     out = []
-    for label in sorted(set(saved) | set(mine)):
+    for label in sorted(set(saved) | set(mine), key=lambda k: (": " not in k, k)):
         was, now = saved.get(label), mine.get(label)
         if was == now:
             continue

@@ -3,7 +3,7 @@
 `claim(cfg, info)` (the trainer calls it before anything is written) does, on the ranks that write:
 - the places (rank 0, before writing anything; `meshforge.outputs`): `run.output_dir` and a `checkpoint.dir` of
   its own are new, empty, or meshforge's own earlier run directory / checkpoints folder (their marker
-  `.meshforge-output`, or what an older run left); never the root, home, the working directory or above, and
+  `.meshforge-output`, or what an older run left; `meshforge.outputs.kind_of`); never the root, home, the working directory or above, and
   never inside another run directory or checkpoints folder (paths compared resolved). A folder of someone
   else's files is refused unless `run.overwrite=true`, which moves it aside (below);
 - writability: rank 0 probes `run.output_dir`, every rank probes `checkpoint.dir` when checkpointing is on
@@ -17,7 +17,8 @@
   holds a run (a checkpoint, or metrics) is refused unless `run.overwrite=true`, which moves the old run aside
   into `<output_dir>.replaced-<UTC time>/` and says so: otherwise its checkpoints would be overwritten, its
   metrics truncated, and a later corrupt-checkpoint fallback could resume the old run's step;
-- the markers: rank 0 marks the run directory and the checkpoints folder as meshforge's.
+- the marker: rank 0 marks the run directory as meshforge's (a checkpoints folder is recognised by its LATEST
+  and step folders, and held by its lock while a run writes it).
 `RunDir.begin(start_step, resumed_from)` (after the resume, before the first step): a run that resumed a path
 (`checkpoint.resume=PATH`) but starts at step 0 (weights only, or a partial load) is a fresh run too, refused the
 same way; then rank 0 writes the resolved `config.yaml`.
@@ -248,8 +249,6 @@ def claim(cfg, info, log=print) -> RunDir:
                            "run.overwrite=true (the old run is moved aside)")
         if problem is None:
             problem = _written(lambda: outputs.mark(out, outputs.RUN), "run.output_dir", out)
-        if problem is None and writes_checkpoints(cfg) and not same:
-            problem = _written(lambda: outputs.mark(ck, outputs.CHECKPOINTS), "checkpoint.dir", ck)
         if problem is not None:
             problems.append(problem)
     everyone = sorted({p for ps in all_gather_object(problems) for p in ps})
