@@ -2,10 +2,10 @@
 
 `claim(cfg, info)` (the trainer calls it before anything is written) does, on the ranks that write:
 - the places (rank 0, before writing anything; `meshforge.outputs`): `run.output_dir` and a `checkpoint.dir` of
-  its own are new, empty, or meshforge's own earlier run directory / checkpoints folder (their marker
-  `.meshforge-output`, or what an older run left; `meshforge.outputs.kind_of`); never the root, home, the working directory or above, and
-  never inside another run directory or checkpoints folder (paths compared resolved). A folder of someone
-  else's files is refused unless `run.overwrite=true`, which moves it aside (below);
+  its own are new, empty, or meshforge's own earlier run directory / checkpoints folder (the run's marker
+  `.meshforge-output`, or what an older run left: `outputs.kind_of`); never the root, home, the working
+  directory or above, and never inside another run directory or checkpoints folder (paths compared resolved).
+  A folder of someone else's files is refused unless `run.overwrite=true`, which moves it aside (below);
 - writability: rank 0 probes `run.output_dir`, every rank probes `checkpoint.dir` when checkpointing is on
   (each rank writes its own shards there), so a read-only place is one line at start, not a traceback after
   `checkpoint.interval` steps of lost work;
