@@ -92,7 +92,7 @@ def stop_with_launcher(poll_s: float = 0.5) -> None:
     want = os.environ.pop(LAUNCHER_PID, "")
     if _TIED:
         return
-    parent = int(want) if want.isdigit() else os.getppid()
+    parent = int(want) if want.isdigit() and int(want) != os.getpid() else os.getppid()
     if parent <= 1:  # started by init itself: there is no launcher to follow
         return
     _TIED = True
@@ -170,6 +170,7 @@ def run_cli(nproc: int, argv: list[str], nodes: Nodes | None = None, shutdown_ti
 
     extra = [f"--shutdown-timeout={shutdown_timeout}"] if shutdown_timeout else []
     largs = get_args_parser().parse_args([*extra, *torchrun_args(nproc, ["-m", "meshforge", *argv], nodes)])
+    had = os.environ.get(LAUNCHER_PID)
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the ranks follow this process (`stop_with_launcher`)
     # torch's agent passes SIGTERM/SIGINT/SIGHUP/SIGQUIT on to the ranks; SIGUSR1 (preemption) would end this
     # process at once and leave the ranks running: pass it on the same way
@@ -198,6 +199,10 @@ def run_cli(nproc: int, argv: list[str], nodes: Nodes | None = None, shutdown_ti
         return code
     finally:
         signal.signal(signal.SIGUSR1, old_usr1)
+        if had is None:
+            os.environ.pop(LAUNCHER_PID, None)
+        else:
+            os.environ[LAUNCHER_PID] = had
     return 0
 
 
