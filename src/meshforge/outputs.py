@@ -47,10 +47,15 @@ def resolved(path: str | Path) -> Path:
 
 # --------------------------------------------------------------------------------- kinds
 def mark(folder: Path, kind: str) -> None:
-    """Leave (or refresh) the marker naming what meshforge wrote here."""
+    """Leave the marker naming what meshforge wrote here (an existing marker of that kind is kept as it is)."""
+    try:
+        if json.loads((Path(folder) / MARKER).read_text()).get("kind") == kind:
+            return
+    except (OSError, ValueError, AttributeError, RecursionError):
+        pass
     stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     tmp = Path(folder) / f"{MARKER}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({"kind": kind, "written_utc": stamp}) + "\n")
+    tmp.write_text(json.dumps({"kind": kind, "created_utc": stamp}) + "\n")
     os.replace(tmp, Path(folder) / MARKER)
 
 

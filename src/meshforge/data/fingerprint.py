@@ -20,6 +20,8 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 
+from meshforge.errors import DataError
+
 FULL_HASH_BYTES = 64 << 20
 SAMPLE_BLOCKS = 64
 BLOCK_BYTES = 64 << 10
@@ -43,11 +45,15 @@ def file_entry(path: Path) -> str:
 
 
 def files(label: str, paths: Iterable[str | Path]) -> dict[str, str]:
-    """{`label: path`: entry} for each file; a folder contributes every file under it."""
+    """{`label: path`: entry} for each file; a folder contributes every file under it. A file that cannot be
+    read is one DataError line naming it."""
     out = {}
     for p in map(Path, paths):
         for f in sorted(x for x in p.rglob("*") if x.is_file()) if p.is_dir() else [p]:
-            out[f"{label}: {f}"] = file_entry(f)
+            try:
+                out[f"{label}: {f}"] = file_entry(f)
+            except OSError as err:
+                raise DataError(f"{label}: {f} cannot be read ({err.strerror or type(err).__name__})") from None
     return out
 
 

@@ -193,13 +193,15 @@ def _place_problems(cfg, out: Path, ck: Path, checkpoints: bool) -> tuple[list[s
     may hold only meshforge's own run / checkpoints (or nothing); someone else's files are refused unless
     run.overwrite moves them aside. Nothing is written."""
     problems, foreign = [], False
-    places = [(out, "run.output_dir", outputs.RUN)]
+    same = checkpoints and outputs.resolved(ck) == outputs.resolved(out)  # checkpoint.dir = run.output_dir
+    places = [(out, "run.output_dir", (outputs.RUN, outputs.CHECKPOINTS) if same else (outputs.RUN,))]
     if checkpoints and not outputs.resolved(ck).is_relative_to(outputs.resolved(out)):
-        places.append((ck, "checkpoint.dir", outputs.CHECKPOINTS))
-    for path, key, kind in places:
+        places.append((ck, "checkpoint.dir", (outputs.CHECKPOINTS,)))
+    for path, key, kinds in places:
         problem = outputs.check_place(path, key)
         have = outputs.kind_of(path)
-        if problem is None and have not in (None, kind):
+        if problem is None and have not in (None, *kinds):
+            kind = kinds[0]
             problem = f"{key}={path} is a meshforge {have} folder, not a {kind} folder: give another {key}"
         alien = outputs.is_foreign(path)
         foreign |= alien
