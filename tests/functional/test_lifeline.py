@@ -134,25 +134,30 @@ launch(sys.argv[1], {"dir": sys.argv[2]}, nproc=2, timeout=600)
 """
 
 
-@pytest.mark.parametrize("path", ["launch()", "torchrun"])
-def test_no_rank_outlives_a_killed_launcher(path, tmp_path):
+def test_no_rank_outlives_a_killed_launcher_on_launch_or_torchrun(tmp_path):
+    """Both paths at once (one wait for process start): a process calling launch() (bench, verify, a test
+    session) killed hard, and torch's own launcher with meshforge's worker under it (the rank follows its parent,
+    the agent)."""
     target = f"{Path(__file__).resolve()}:sleeper"
-    if path == "launch()":  # a process calling launch() (bench, verify, a test session) killed hard
-        cmd = [sys.executable, "-c", LAUNCH, target, str(tmp_path)]
-    else:  # torch's own launcher, meshforge's worker under it: the rank follows its parent, the agent
-        (tmp_path / "spec.json").write_text(json.dumps({"dir": str(tmp_path)}))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               "-m", "meshforge.launch", target, str(tmp_path)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(),
-                            start_new_session=True)
-    pids: list[int] = []
+    dirs = {"launch()": tmp_path / "launch", "torchrun": tmp_path / "torchrun"}
+    for d in dirs.values():
+        d.mkdir()
+    (dirs["torchrun"] / "spec.json").write_text(json.dumps({"dir": str(dirs["torchrun"])}))
+    cmds = {"launch()": [sys.executable, "-c", LAUNCH, target, str(dirs["launch()"])],
+            "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                         "-m", "meshforge.launch", target, str(dirs["torchrun"])]}
+    procs = {k: subprocess.Popen(c, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(),
+                                 start_new_session=True) for k, c in cmds.items()}
+    pids: dict[str, list[int]] = {}
     try:
-        _wait(lambda: len(list(tmp_path.glob("rank*.pid"))) == 2 or proc.poll() is not None, 240, "both ranks")
-        pids = [int(p.read_text()) for p in sorted(tmp_path.glob("rank*.pid"))]
-        agents = _children(proc.pid) if path == "launch()" else []
-        assert len(pids) == 2 and all(map(_alive, pids))
-        os.kill(proc.pid, signal.SIGKILL)
-        gone_s = _gone_after_kill(pids + agents)
-        assert gone_s < GONE_WITHIN_S, f"{path}: the ranks outlived their launcher by {gone_s:.1f} s"
+        _wait(lambda: all(len(list(d.glob("rank*.pid"))) == 2 for d in dirs.values())
+              or any(p.poll() is not None for p in procs.values()), 240, "every rank")
+        pids = {k: [int(p.read_text()) for p in sorted(d.glob("rank*.pid"))] for k, d in dirs.items()}
+        agents = _children(procs["launch()"].pid)  # the torchrun agent launch() started
+        assert all(len(v) == 2 and all(map(_alive, v)) for v in pids.values()), pids
+        for p in procs.values():
+            os.kill(p.pid, signal.SIGKILL)
+        gone_s = {k: _gone_after_kill(v + (agents if k == "launch()" else [])) for k, v in pids.items()}
+        assert all(s < GONE_WITHIN_S for s in gone_s.values()), f"ranks outlived their launcher: {gone_s}"
     finally:
-        _reap([proc.pid, *pids])
+        _reap([*(p.pid for p in procs.values()), *(pid for v in pids.values() for pid in v)])
