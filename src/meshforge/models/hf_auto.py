@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 from pathlib import Path
 
 import torch
@@ -73,7 +72,7 @@ def _config(path: str, mtime: float):
     t = _transformers()
     try:
         return t.AutoConfig.from_pretrained(str(p))
-    except (ValueError, KeyError, OSError, json.JSONDecodeError) as err:
+    except Exception as err:  # noqa: BLE001 - a damaged or crafted config.json fails in many ways inside transformers
         raise ValueError(f"model.hf_model={path}: transformers cannot read its config ({_first_line(err)})") from None
 
 
@@ -97,6 +96,14 @@ def hf_model_args(path: str | Path) -> ModelArgs:
     if getattr(c, "output_router_logits", False):
         raise ValueError(f"model.hf_model={path}: output_router_logits=true asks for the router's auxiliary loss, "
                          "which transformers adds only with labels and meshforge's loss does not: set it false")
+    try:
+        return _args_of(c, path)
+    except (TypeError, ValueError, AttributeError) as err:  # a field of the wrong type or a missing one
+        raise ValueError(f"model.hf_model={path}: its config.json does not describe a model meshforge can read "
+                         f"({type(err).__name__}: {_first_line(err)[:160]})") from None
+
+
+def _args_of(c, path: str | Path) -> ModelArgs:
     dim, heads = int(c.hidden_size), int(c.num_attention_heads)
     head_dim = getattr(c, "head_dim", None)
     return ModelArgs(vocab_size=int(c.vocab_size), dim=dim, n_layers=int(c.num_hidden_layers), n_heads=heads,
