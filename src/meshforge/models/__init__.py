@@ -59,10 +59,10 @@ def build_model(model_cfg: Any, device: str | None = None):
     import torch
 
     args = model_cfg if isinstance(model_cfg, ModelArgs) else resolve_model_args(model_cfg)
-    if args.hf_model:  # any transformers causal LM (models/hf_auto.py)
+    if args.hf_model:  # any transformers causal LM (models/hf_auto.py); CPU without a device mode over every op
         from meshforge.models.hf_auto import build_hf_model
 
-        with torch.device(device or "cpu"):
+        with torch.device(device) if device not in (None, "cpu") else contextlib.nullcontext():
             return build_hf_model(args)
     with torch.device(device or "cpu"), _skip_init_on_meta() if device == "meta" else contextlib.nullcontext():
         return model_class(args)(args)
@@ -93,8 +93,10 @@ def meta_modules(model_cfg: Any):
     described in milliseconds and no memory.
     """
     args = resolve_model_args(model_cfg)
-    if args.hf_model:  # a transformers model's blocks need not share shapes: the whole model, on meta
-        whole = build_model(args, device="meta")
+    if args.hf_model:  # a transformers model's blocks need not share shapes: the whole model (models/hf_auto.py)
+        from meshforge.models.hf_auto import probe_model
+
+        whole = probe_model(args)
         return whole, dict(whole.named_modules())
     one = build_model(dataclasses.replace(args, n_layers=1), device="meta")
     block = one.pipeline_layout().split_points[0]
@@ -112,7 +114,7 @@ def meta_modules(model_cfg: Any):
 def plan_modules(model_cfg: Any):
     """`meta_modules` for the planner: a built-in model's torch-free description (models/shapes.py: same names,
     shapes, ties and plans, one block standing in for every block), so `meshforge plan` never imports torch;
-    a `model.hf_model` on the meta device (transformers builds it)."""
+    a `model.hf_model` as validation looks at it (`models.hf_auto.probe_model`)."""
     args = resolve_model_args(model_cfg)
     if args.hf_model:
         return meta_modules(model_cfg)
@@ -140,7 +142,10 @@ def param_init_tensor(model, name: str, shape, seed: int):
 
     from meshforge.models.lora import lora_init_spec
 
-    kind, std = lora_init_spec(name, tuple(shape)) or contract_of(model).init_spec(name)
+    spec = lora_init_spec(name, tuple(shape)) or contract_of(model).init_spec(name)
+    kind, std = spec.kind, spec.std
+    if kind == "computed":
+        return spec.compute(seed)
     if kind == "ones":
         return torch.ones(shape)
     if kind == "zeros":
