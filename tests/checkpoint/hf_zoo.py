@@ -142,47 +142,72 @@ SHORT = ["training.seq_len=16", "training.global_batch_size=2", "training.micro_
          "scheduler.name=constant", "scheduler.warmup_steps=0", "optimizer.lr=1e-3", "optimizer.impl=for_loop"]
 
 
-def train_against_transformers(folder: Path, steps: int = 3) -> dict:
-    """{"loss_rel": max relative loss difference per step, "weight_abs": max abs final weight difference,
-    "losses": meshforge's} of meshforge's trainer against a plain transformers loop (see the module docstring)."""
-    import transformers
+class PlainLoop:
+    """The reference: the transformers model trained by hand, as meshforge's trainer is configured (AdamW with decay
+    on matrices only, the same hyperparameters, global-norm clipping, a constant learning rate), on the batches
+    given: per micro batch sum(cross-entropy) / the global batch's label tokens, plus the auxiliary loss times the
+    coefficient transformers' causal-LM class uses, divided by the micro batches."""
 
+    def __init__(self, folder: Path, cfg, init: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                 attn: str = "sdpa"):
+        import transformers
+
+        self.model = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(folder), attn_implementation=attn, dtype=dtype)
+        self.model.load_state_dict({k: v.to(dtype) for k, v in init.items()})
+        self.model.train()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        o = cfg.optimizer
+        self.opt = torch.optim.AdamW(
+            [{"params": [p for p in self.params if p.dim() >= 2], "weight_decay": o.weight_decay},
+             {"params": [p for p in self.params if p.dim() < 2], "weight_decay": 0.0}],
+            lr=o.lr, betas=tuple(o.betas), eps=o.eps, foreach=False)
+        self.clip = cfg.training.grad_clip
+        self.coef = next((float(getattr(self.model, a)) for a in ("router_aux_loss_coef", "aux_loss_coef")
+                          if hasattr(self.model, a)), 0.0)
+
+    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        count = sum(int((y != -100).sum()) for _, y in micro_batches)
+        total = 0.0
+        for x, y in micro_batches:
+            out = self.model(input_ids=x, use_cache=False)
+            ce = F.cross_entropy(out.logits.flatten(0, 1).to(self.params[0].dtype), y.flatten(), ignore_index=-100,
+                                 reduction="sum") / count
+            aux = getattr(out, "aux_loss", None)
+            (ce if aux is None else ce + self.coef * aux / len(micro_batches)).backward()
+            total += ce.item()
+        torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        self.opt.step()
+        self.opt.zero_grad()
+        return total
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+
+def meshforge_run(folder: Path, overrides: list[str], steps: int):
+    """(config, trainer, its initial weights under transformers' names) of a one-process run, before any step."""
     from meshforge.testing.parity import config, single_info
     from meshforge.training.trainer import Trainer
 
-    cfg = config([f"model.hf_model={folder}", *SHORT], steps, world_size=1)
+    cfg = config([f"model.hf_model={folder}", *overrides], steps, world_size=1)
     trainer = Trainer.build(cfg, single_info())
+    init = {k[len("hf."):]: v.detach().clone() for k, v in trainer.pm.unwrapped_parts()[0].state_dict().items()}
+    return cfg, trainer, init
+
+
+def train_against_transformers(folder: Path, steps: int = 3) -> dict:
+    """{"loss_rel": max relative loss difference per step, "weight_abs": max abs final weight difference,
+    "losses": meshforge's} of meshforge's trainer against `PlainLoop` on the same batches."""
+    cfg, trainer, init = meshforge_run(folder, SHORT, steps)
     ours = trainer.pm.unwrapped_parts()[0]
-    ref = transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.from_pretrained(folder), attn_implementation=ours.hf.config._attn_implementation,
-        dtype=torch.float32)
-    ref.load_state_dict({k[len("hf."):]: v for k, v in ours.state_dict().items()})
-    ref.train()
-    params = [p for p in ref.parameters() if p.requires_grad]
-    o = cfg.optimizer
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": o.weight_decay},
-                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=o.lr, betas=tuple(o.betas), eps=o.eps, foreach=False)
-    coef = next((float(getattr(ref, a)) for a in ("router_aux_loss_coef", "aux_loss_coef") if hasattr(ref, a)), 0.0)
+    ref = PlainLoop(folder, cfg, init, attn=ours.hf.config._attn_implementation)
     ours_losses, ref_losses = [], []
     for _ in range(steps):
         batch = trainer.loader.next_batch()
-        loss, _ = trainer.train_step(batch=batch)
-        ours_losses.append(float(loss))
-        (x, y), = batch
-        out = ref(input_ids=x, use_cache=False)
-        ce = F.cross_entropy(out.logits.flatten(0, 1).float(), y.flatten(), ignore_index=-100)
-        aux = getattr(out, "aux_loss", None)
-        (ce if aux is None else ce + coef * aux).backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.training.grad_clip)
-        opt.step()
-        opt.zero_grad()
-        ref_losses.append(ce.item())
+        ours_losses.append(float(trainer.train_step(batch=batch)[0]))
+        ref_losses.append(ref.step(batch))
     trained = {k[len("hf."):]: v for k, v in ours.state_dict().items()}
-    weight = max((trained[k] - v).abs().max().item() for k, v in ref.state_dict().items() if v.is_floating_point())
+    weight = max((trained[k] - v).abs().max().item() for k, v in ref.state().items() if v.is_floating_point())
     rel = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours_losses, ref_losses))
     return {"loss_rel": rel, "weight_abs": weight, "losses": ours_losses, "ref_losses": ref_losses}
-
-
-def config_json(folder: Path) -> dict:
-    return json.loads((folder / "config.json").read_text())
