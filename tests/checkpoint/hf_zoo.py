@@ -30,6 +30,7 @@ SIZES = {
     "encoder_ffn_dim": 96, "ffn_hidden_size": 96, "dense_intermediate_size": 96,
     # depth
     "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "n_layers": 2, "decoder_layers": 2, "encoder_layers": 2,
+    "num_decoder_layers": 2, "num_encoder_layers": 2,
     # attention
     "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "num_heads": 4, "decoder_attention_heads": 4,
     "encoder_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "swa_num_attention_heads": 4,
@@ -49,10 +50,13 @@ SIZES = {
     "mamba_head_dim": 16, "mamba_d_head": 32, "n_groups": 1, "mamba_n_groups": 1, "mamba_ngroups": 1,
     "chunk_size": 16, "mamba_chunk_size": 16, "mamba_d_ssm": 128, "n_mamba_heads": 2,
     "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "linear_head_dim": 16, "linear_num_heads": 4,
     # extra vocabularies and embeddings
     "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8, "pronunciation_vocab_size": 16,
     "shape_vocab_size": 16, "pronunciation_embed_dim": 16, "shape_embed_dim": 16, "laurel_rank": 8,
     "adapter_rank": 8, "gated_norm_rank": 8, "num_kv_shared_layers": 0, "num_mtp_layers": 0,
+    "unpadded_vocab_size": VOCAB, "mm_embed_dim": 64, "mm_posemb_size": 16, "output_proj_dims": 64,
+    "ext_pw_out_channel": 64, "depthwise_separable_out_channel": 64, "nemo_conv_channels": 64,
     "local_attention_window_len": 16,
 }
 TOKEN_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}

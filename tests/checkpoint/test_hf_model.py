@@ -6,7 +6,7 @@
   trained model's logits; the folder's tokenizer is carried and its bos/eos reach config.json.
 - A built-in model trained with `data.tokenizer` exports that tokenizer (AutoTokenizer encodes like the run).
 - `pad_token_id` (HF's padding_idx) is honoured: the padding row gets no gradient, the gradients equal
-  transformers'; with tensor parallelism it is refused.
+  transformers' (with tensor parallelism: tests/parallel/test_hf_model_parity.py).
 - Refusals, one line each: the keys that do not apply with hf_model, a tp style meshforge cannot map, a missing
   transformers.
 """
@@ -249,11 +249,6 @@ def test_pad_token_id_gradients_equal_transformers(tmp_path):
     assert emb.grad[3].abs().max().item() == 0.0 and emb.grad[tokens[0, 1]].abs().max().item() > 0
     assert torch.allclose(emb.grad, hf.model.embed_tokens.weight.grad, atol=1e-6)
     assert json.loads(json.dumps(ours.state_dict_adapter().hf_config(torch.float32)))["pad_token_id"] == 3
-
-
-def test_pad_token_id_with_tensor_parallelism_is_refused():
-    problems = _problems(["model.pad_token_id=0", "distributed.tp_size=2"])
-    assert any(p.startswith("model.pad_token_id=0 with distributed.tp_size=2 is not supported") for p in problems)
 
 
 def test_documented_hf_model_commands_run(tmp_path, monkeypatch):

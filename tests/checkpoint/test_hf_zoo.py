@@ -82,10 +82,11 @@ def outcome(model_type: str, where: Path) -> dict:
     try:
         problems = _problems(folder, [], 1)
         if not problems:  # validation first: it looks at one model (models.hf_auto.probe_model), training another
-            tp = _problems(folder, ["distributed.strategy=fsdp2", "distributed.tp_size=2"], 2)
+            tp = _problems(folder, ["distributed.strategy=fsdp2", "distributed.tp_size=2"], 2)  # (dp 1)
             row["tp2"] = "refused: " + _short(tp[0], folder) if tp else "passes"
             if _is_moe(folder):
-                ep = _problems(folder, ["distributed.strategy=fsdp2", "distributed.ep_size=2"], 2)
+                ep = _problems(folder, ["distributed.strategy=fsdp2", "distributed.ep_size=2",
+                                        "training.global_batch_size=4"], 2)
                 row["ep2"] = "refused: " + _short(ep[0], folder) if ep else "passes"
         if problems:
             row["train"] = "refused: " + _short(problems[0], folder)

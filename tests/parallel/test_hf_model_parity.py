@@ -3,17 +3,19 @@ reproduce the single process, one shared launch for all of them.
 
 - Qwen2 (qkv biases; transformers' own `_tp_plan`): fsdp2, ddp with activation checkpointing of the
   `_no_split_modules` blocks, megatron_fsdp, fsdp2 x TP2.
+- Qwen2 with `pad_token_id` (the embedding's padding row gets no gradient) under fsdp2 x TP2: the row is named by
+  its local index on the rank whose vocabulary shard holds it, and by none on the others.
 - Qwen3-MoE (fused experts `Qwen3MoeExperts.gate_up_proj`, router `Qwen3MoeTopKRouter`, seeded from transformers'
-  own initialisation): fsdp2, ddp, megatron_fsdp, fsdp2 x EP2 (the experts split by expert, tokens all-to-all).
-- Mixtral with `output_router_logits: true` (the router's auxiliary loss added as transformers adds it): fsdp2,
-  fsdp2 x EP2.
+  own initialisation): fsdp2, megatron_fsdp, fsdp2 x EP2 (the experts split by expert, tokens all-to-all).
+- Mixtral with `output_router_logits: true` (the router's auxiliary loss added as transformers adds it): fsdp2 x EP2.
 - Cohere with q/k LayerNorms per head (weight (heads, head_dim), left whole by transformers' plan): fsdp2 x TP2, the
   norms split with their heads (`local_heads`, found by planning/tp_trace.py).
 - Granite (embedding, residual, attention and logit multipliers; weights randomised with std 0.3, lr 1e-2): fsdp2 x
   TP2. Its logits differ from one process's by more than without TP, and that is rounding, not a real difference:
   against the same training in fp64 (a plain transformers loop, same initial weights and batches) the TP2 run is
   no further than the one-process fp32 run is (measured: logits 3.0e-6 vs 2.4e-6 from fp64, 8e-7 apart).
-- GPT-2 (no `_tp_plan`, Conv1D projections): ddp.
+- GPT-2 (no `_tp_plan`, no `_no_split_modules`: its blocks are the layers of its ModuleList; Conv1D projections):
+  fsdp2.
 
 fp32, same seed and global batch, 3 steps; relative loss difference <= 1e-5 per step, final weights within 5e-5
 (the built-in models' tolerances; MoE as well: at these sizes no routing decision is near a tie, measured).
@@ -33,6 +35,7 @@ LOSS_RTOL, WEIGHT_ATOL, STEPS = 1e-5, 5e-5, 3
 SHARED = Path(os.environ.get("MESHFORGE_TEST_SHARED", "/tmp")) / "hf_model_parity"
 MODELS = {  # name -> (model_type, config overrides)
     "qwen2": ("qwen2", {}),
+    "qwen2_pad": ("qwen2", {"pad_token_id": 131}),  # in tp rank 1's half of the vocabulary
     "qwen3_moe": ("qwen3_moe", {}),
     "mixtral_aux": ("mixtral", {"output_router_logits": True, "router_aux_loss_coef": 0.02}),
     "cohere_qk": ("cohere", {"use_qk_norm": True, "pad_token_id": None}),
@@ -45,15 +48,14 @@ LAYOUTS = {  # name -> (model, overrides)
     "qwen2_ddp_ac_full": ("qwen2", ["distributed.strategy=ddp", "distributed.activation_checkpointing=full"]),
     "qwen2_megatron_fsdp": ("qwen2", ["distributed.strategy=megatron_fsdp"]),
     "qwen2_fsdp2_tp2": ("qwen2", ["distributed.strategy=fsdp2", "distributed.tp_size=2"]),
+    "qwen2_pad_fsdp2_tp2": ("qwen2_pad", ["distributed.strategy=fsdp2", "distributed.tp_size=2"]),
     "qwen3_moe_fsdp2": ("qwen3_moe", ["distributed.strategy=fsdp2"]),
-    "qwen3_moe_ddp": ("qwen3_moe", ["distributed.strategy=ddp"]),
     "qwen3_moe_megatron_fsdp": ("qwen3_moe", ["distributed.strategy=megatron_fsdp"]),
     "qwen3_moe_fsdp2_ep2": ("qwen3_moe", ["distributed.strategy=fsdp2", "distributed.ep_size=2"]),
-    "mixtral_aux_fsdp2": ("mixtral_aux", ["distributed.strategy=fsdp2"]),
     "mixtral_aux_fsdp2_ep2": ("mixtral_aux", ["distributed.strategy=fsdp2", "distributed.ep_size=2"]),
     "cohere_qk_fsdp2_tp2": ("cohere_qk", ["distributed.strategy=fsdp2", "distributed.tp_size=2"]),
     "granite_fsdp2_tp2": ("granite", ["distributed.strategy=fsdp2", "distributed.tp_size=2"]),
-    "gpt2_ddp": ("gpt2", ["distributed.strategy=ddp"]),
+    "gpt2_fsdp2": ("gpt2", ["distributed.strategy=fsdp2"]),
 }
 
 

@@ -237,9 +237,6 @@ def model_fits_data(cfg: Config, world_size: int) -> list[str]:
             if val % d.tp_size:
                 out.append(f"model.{name}={val} is not divisible by distributed.tp_size={d.tp_size}: "
                            "tensor parallelism splits attention heads evenly")
-        if args.pad_token_id is not None:
-            out.append(f"model.pad_token_id={args.pad_token_id} with distributed.tp_size={d.tp_size} is not supported "
-                       "(the padding row is a global row of a vocabulary-sharded embedding): set tp_size 1")
     return out
 
 
