@@ -16,7 +16,6 @@ transformers' causal-LM classes add it) and returns the largest differences.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch

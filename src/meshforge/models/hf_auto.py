@@ -180,8 +180,8 @@ def build_hf_model(args: ModelArgs, probe: bool = False) -> HFCausalLM:
 @torch.no_grad()
 def _check_forward(inner: nn.Module, args: ModelArgs) -> None:
     """Two forwards on 6 tokens that differ only in the last: every earlier position must give the same logits
-    (causal, up to rounding), measured rather than read from attributes (a BART decoder's unused cross-attention is not causal,
-    its self-attention is)."""
+    (causal, up to rounding), measured rather than read from attributes (a BART decoder's unused cross-attention
+    is not causal, its self-attention is)."""
     vocab = max(2, min(args.vocab_size, 64))
     a = torch.arange(6).remainder(vocab).unsqueeze(0)
     b = a.clone()

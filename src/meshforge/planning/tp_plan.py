@@ -15,8 +15,8 @@ each with the module name and its shape. `config/rules.py` runs it on the model'
 (`models.plan_modules`: torch-free for the built-in models) before anything starts, so a bad plan fails in
 validation, not as an opaque DTensor assertion in the first step. How the model uses the sharded tensors (a
 parameter the plan leaves whole meeting sharded activations) is checked by running it (`planning/tp_trace.py`):
-in validation for a `model.hf_model` small enough to hold in memory (`models.hf_auto.probe_model`), and always in the trainer before the first
-collective.
+in validation for a `model.hf_model` small enough to hold in memory (`models.hf_auto.probe_model`), and always
+in the trainer before the first collective.
 """
 
 from __future__ import annotations
