@@ -386,7 +386,7 @@ def hf_model_builds(cfg: Config, world_size: int) -> list[str]:
     args = _model_args(cfg)
     if not cfg.model.hf_model or args is None:
         return []
-    from meshforge.models.hf_auto import probe_model
+    from meshforge.models import probe_model
 
     try:
         model = probe_model(args)
@@ -406,17 +406,12 @@ def hf_model_experts(cfg: Config, world_size: int) -> list[str]:
     if not cfg.model.hf_model or d.ep_size == 1 or _model_args(cfg) is None:
         return []
     from meshforge.models import plan_modules
-    from meshforge.models.hf_auto_moe import ep_problem, experts_modules
 
-    hf = plan_modules(cfg.model)[0].hf  # (meta device)
-    what = f"distributed.ep_size={d.ep_size} with model.hf_model={cfg.model.hf_model}"
-    problem = ep_problem(hf)
-    if problem:
-        return [f"{what}: {problem}: set ep_size 1"]
-    counts = sorted({int(m.num_experts) for _, m in experts_modules(hf)})
-    bad = [n for n in counts if n % d.ep_size]
-    return [f"{what}: its {bad[0]} experts per layer do not split over {d.ep_size} ranks: choose an ep_size "
-            f"dividing {bad[0]}"] if bad else []
+    try:
+        problem = plan_modules(cfg.model)[0].expert_parallel_problem(d.ep_size)
+    except ValueError:  # a model that cannot be built: hf_model_builds says why
+        return []
+    return [f"distributed.ep_size={d.ep_size} with model.hf_model={cfg.model.hf_model}: {problem}"] if problem else []
 
 
 @rule

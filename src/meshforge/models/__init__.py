@@ -28,7 +28,7 @@ from meshforge.models.protocol import (
 __all__ = ["HF_PREFIX", "PRESETS", "AdapterLayout", "ForeignModel", "InitSpec", "ModelArgs", "ModelContract",
            "PipelineLayout", "StateDictAdapter", "args_from_hf_config", "blocks_of", "build_model", "contract_of",
            "hf_config_dict", "init_weights", "load_folder_weights", "meta_modules", "plan_modules",
-           "param_init_tensor", "resolve_model_args", "set_submodule", "submodule_or_none"]
+           "param_init_tensor", "probe_model", "resolve_model_args", "set_submodule", "submodule_or_none"]
 
 
 def resolve_model_args(model_cfg: Any) -> ModelArgs:
@@ -94,8 +94,6 @@ def meta_modules(model_cfg: Any):
     """
     args = resolve_model_args(model_cfg)
     if args.hf_model:  # a transformers model's blocks need not share shapes: the whole model (models/hf_auto.py)
-        from meshforge.models.hf_auto import probe_model
-
         whole = probe_model(args)
         return whole, dict(whole.named_modules())
     one = build_model(dataclasses.replace(args, n_layers=1), device="meta")
@@ -183,6 +181,13 @@ def hf_config_dict(path: str) -> dict:
     from meshforge.models.hf_auto import hf_config
 
     return hf_config(path).to_dict()
+
+
+def probe_model(args: ModelArgs):
+    """A `model.hf_model` as validation looks at it: in CPU memory when small enough to run (models/hf_auto.py)."""
+    from meshforge.models.hf_auto import probe_model as probe
+
+    return probe(args)
 
 
 def load_folder_weights(model) -> bool:

@@ -26,7 +26,13 @@ from torch import nn
 
 from meshforge.models import HF_PREFIX as PREFIX  # the wrapper keeps the transformers model at `.hf`
 from meshforge.models.hf_auto_init import seeded_init
-from meshforge.models.hf_auto_moe import AUX_COEFFICIENTS, HFMoELayer, aux_loss_coefficient, experts_modules
+from meshforge.models.hf_auto_moe import (
+    AUX_COEFFICIENTS,
+    HFMoELayer,
+    aux_loss_coefficient,
+    ep_problem,
+    experts_modules,
+)
 from meshforge.models.presets import ModelArgs
 from meshforge.models.protocol import ForeignModel, InitSpec, Undeclared
 from meshforge.models.shapes import pattern_matches
@@ -290,6 +296,15 @@ class HFCausalLM(Undeclared, nn.Module):
     def moe_layers(self) -> list[HFMoELayer]:
         """The routed-experts modules with transformers' experts interface (expert parallelism shards these)."""
         return self._moe
+
+    def expert_parallel_problem(self, ep_size: int) -> str | None:
+        """Why expert parallelism over `ep_size` ranks cannot split this model's experts (None: it can)."""
+        problem = ep_problem(self.hf)
+        if problem:
+            return f"{problem}: set ep_size 1"
+        bad = sorted({layer.n_experts for layer in self._moe if layer.n_experts % ep_size})
+        return f"its {bad[0]} experts per layer do not split over {ep_size} ranks: choose an ep_size dividing " \
+               f"{bad[0]}" if bad else None
 
     def flops_per_token(self, seq_len: int) -> float:
         """6 x the parameters a token multiplies by (all but the input embedding; a tied head counts) plus causal

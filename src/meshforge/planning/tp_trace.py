@@ -215,9 +215,15 @@ def trace_plan(model: Any, resolved: dict[str, str], tp: int, seq_len: int = 16,
                         f"activations the plan splits over distributed.tp_size={tp} (in {op}), so each rank would "
                         "get only its share of its gradient: give its module a style in distributed.tp_plan or set "
                         "tp_size 1")
-    from meshforge.planning.tp_plan import _fold_repeats
+    return added, fold_repeats(problems)
 
-    return added, _fold_repeats(problems)
+
+def fold_repeats(problems: list[str]) -> list[str]:
+    """The same problem in many layers is one line: '<container>.*.x' (in N layers)."""
+    groups: dict[str, list[str]] = {}
+    for msg in problems:
+        groups.setdefault(re.sub(r"'([\w.]*?)\.\d+\.", r"'\1.*.", msg), []).append(msg)
+    return [msgs[0] if len(msgs) == 1 else f"{key} (in {len(msgs)} layers)" for key, msgs in groups.items()]
 
 
 def _heads_like(mod: Any, tp: int) -> bool:
