@@ -213,7 +213,8 @@ def apply_tp(model: nn.Module, mesh_ctx, dcfg) -> Callable[[], AbstractContextMa
     if problems:
         raise ConfigError(problems)
     resolved, declared, _ = resolve_plan(model, sp, dcfg.tp_plan)
-    if not any(p.is_meta for p in model.parameters()):  # a model in memory: run it once as tp rank 0 would
+    # a whole model in memory (not a pipeline stage, which takes hidden states): run it once as tp rank 0 would
+    if mesh_ctx.pp_size == 1 and not any(p.is_meta for p in model.parameters()):
         added, problems = trace_plan(model, resolved, tp)
         if problems:
             raise ConfigError(problems)

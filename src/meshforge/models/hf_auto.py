@@ -2,10 +2,17 @@
 
 `HFCausalLM` wraps `AutoModelForCausalLM.from_config(...)` (its modules live under `hf.`, so the parameter
 names are transformers' own behind that prefix) and declares what meshforge needs from the model's own class
-attributes: blocks from `_no_split_modules`, the tensor-parallel plan from transformers' per-class `_tp_plan`
-(styles mapped onto meshforge's; one it cannot map is refused), FLOPs from the config, and an initialisation
-per parameter (`init_spec`) so a random start is a function of (seed, name) on every rank and layout.
-Forward takes token ids and returns logits (`use_cache=False`, causal, no padding mask).
+attributes: blocks from `_no_split_modules` (else the layers of its largest ModuleList), the tensor-parallel plan
+from transformers' per-class `_tp_plan` (styles mapped onto meshforge's; one it cannot map is refused; per-head
+parameters the plan leaves whole are found by `planning/tp_trace.py`), its MoE layers (`hf_auto_moe.py`: fused
+experts behind transformers' experts interface, sharded by expert parallelism; the router's aux loss), FLOPs from
+the config, and the initialisation (`hf_auto_init.py`: transformers' own `_init_weights`, seeded per module) so a
+random start is the same on every rank and layout. Forward takes token ids and returns logits (`use_cache=False`,
+causal, no padding mask). The architecture-specific extensions a later change adds (LoRA layout, packing, more TP
+styles) belong on this class as further declarations of the same contract.
+
+Built in CPU memory, the model is run once on a few tokens (`_check_forward`): one that is not causal or does not
+run on token ids alone is refused there, before anything starts; validation does this on `probe_model`'s copy.
 
 A folder that holds safetensors also gives the weights: `load_folder_weights` reads them with transformers'
 own `from_pretrained` (so its name conversions apply) into the plain model before any sharding, refusing any
@@ -322,7 +329,6 @@ class HFCausalLM(Undeclared, nn.Module):
     def state_dict_adapter(self):
         raise ValueError(f"{type(self.hf).__name__} (model.hf_model) keeps transformers' own names: "
                          "`meshforge checkpoint export` writes it with save_pretrained")
-
 
 
 @torch.no_grad()

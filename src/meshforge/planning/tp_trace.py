@@ -32,18 +32,22 @@ from typing import Any
 TRACED_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_output", "replicate", "local_heads")
 
 
-def _slices(style: str, mod: Any, tp: int) -> dict[str, Any]:
-    """{param name: tp rank 0's slice} of a module the plan shards (vocabulary layers keep their shapes: their
-    sharded dimension never meets another tensor)."""
-    params = dict(mod.named_parameters(recurse=False))
-    out = {}
-    for name, p in params.items():
-        if style == "colwise":
-            out[name] = p[: p.shape[0] // tp]
+def _slices(style: str, mod: Any, tp: int) -> list[tuple[Any, str, Any]]:
+    """(module, parameter name, tp rank 0's slice) of a module the plan shards, LoRA factors as their base layer's
+    style splits them (distributed/tensor_parallel.py); vocabulary layers keep their shapes (their sharded
+    dimension never meets another tensor)."""
+    from meshforge.models.lora import LoRALinear
+
+    out = []
+    for name, p in mod.named_parameters(recurse=False):
+        if style in ("colwise", "local_heads"):
+            out.append((mod, name, p[: p.shape[0] // tp]))
         elif style == "rowwise" and name == "weight":
-            out[name] = p[:, : p.shape[1] // tp]
-        elif style == "local_heads":
-            out[name] = p[: p.shape[0] // tp]
+            out.append((mod, name, p[:, : p.shape[1] // tp]))
+    if isinstance(mod, LoRALinear) and style in ("colwise", "rowwise"):
+        factor = mod.lora_B if style == "colwise" else mod.lora_A
+        w = factor.weight
+        out.append((factor, "weight", w[: w.shape[0] // tp] if style == "colwise" else w[:, : w.shape[1] // tp]))
     return out
 
 
@@ -108,8 +112,7 @@ def _swapped(modules: dict[str, Any], plan: dict[str, str], tp: int) -> Iterator
     saved = []
     try:
         for name, style in plan.items():
-            mod = modules[name]
-            for pname, local in _slices(style, mod, tp).items():
+            for mod, pname, local in _slices(style, modules[name], tp):
                 saved.append((mod, pname, mod._parameters[pname]))
                 mod._parameters[pname] = local
         yield
