@@ -2,12 +2,13 @@
 line, and docs/hf.md's table says which (generated from these outcomes).
 
 For each entry of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` (tests/checkpoint/hf_zoo.py builds it tiny and random from its
-config class): `meshforge validate` at world size 1, then 3 steps of meshforge's trainer from the seeded random
-start against a plain transformers loop (same weights, batches, AdamW; `train_against_transformers`), losses within
-LOSS_RTOL and final weights within WEIGHT_ATOL; a model refused only for its random start (a parameter its
-constructor draws at random) is trained from a folder of its weights instead. Then validation at world size 2 with
-tp_size 2 (its TP plan checked by running it as tp rank 0 would, planning/tp_trace.py) and, for a mixture of
-experts, ep_size 2. Any outcome other than "exact" or a one-line refusal (a traceback, a difference) fails.
+config class): `meshforge validate` at world size 1, then (validation first: it looks at one model, training at
+another) validation at world size 2 with tp_size 2 (its TP plan checked by running it as tp rank 0 would,
+planning/tp_trace.py) and, for a mixture of experts, ep_size 2; then 3 steps of meshforge's trainer from the seeded
+random start against a plain transformers loop (same weights, batches, AdamW; `train_against_transformers`), losses
+within LOSS_RTOL and final weights within WEIGHT_ATOL. A model refused only for its random start (a parameter its
+constructor draws at random) is validated and trained from a folder of its weights instead. Any outcome other than
+"exact" or a one-line refusal (a traceback, a difference) fails.
 
 The table: `MESHFORGE_WRITE_HF_TABLE=1 pytest tests/checkpoint/test_hf_zoo.py` rewrites it; otherwise a table that
 disagrees with the outcomes fails. Parity of the distributed layouts (ddp, fsdp2, megatron_fsdp, TP, EP) for a
@@ -61,14 +62,13 @@ def _is_moe(folder: Path) -> bool:
     return any("Expert" in type(m).__name__ for m in hf.modules())
 
 
-def _train(folder: Path) -> tuple[str, dict | None, str]:
-    """(table cell, the differences, the refusal's full line or "")."""
+def _train(folder: Path) -> tuple[str, dict | None]:
     try:
         res = train_against_transformers(folder, STEPS)
     except ConfigError as err:
-        return "refused: " + _short(err.problems[0], folder), None, err.problems[0]
+        return "refused: " + _short(err.problems[0], folder), None
     ok = res["loss_rel"] <= LOSS_RTOL and res["weight_abs"] <= WEIGHT_ATOL
-    return ("exact" if ok else f"DIFFERS (loss {res['loss_rel']:.1e}, weights {res['weight_abs']:.1e})"), res, ""
+    return ("exact" if ok else f"DIFFERS (loss {res['loss_rel']:.1e}, weights {res['weight_abs']:.1e})"), res
 
 
 def outcome(model_type: str, where: Path) -> dict:
@@ -80,25 +80,25 @@ def outcome(model_type: str, where: Path) -> dict:
         return {"train": f"not built here: {type(err).__name__}: {text[:120]}", "tp2": "", "ep2": ""}
     row = {"tp2": "", "ep2": ""}
     try:
-        problems = _problems(folder, [], 1)
-        if not problems:  # validation first: it looks at one model (models.hf_auto.probe_model), training another
+        problems, folder_note = _problems(folder, [], 1), ""
+        if problems and "no seeded initialisation" in problems[0]:  # from a folder of its weights instead
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder))
+            model.save_pretrained(folder)
+            folder_note = " from a folder of its weights (a random start is refused: its constructor draws " \
+                          f"{problems[0].split()[2]} at random)"
+            problems = _problems(folder, [], 1)
+        if not problems:  # validation first: it looks at one model (models.probe_model), training another
             tp = _problems(folder, ["distributed.strategy=fsdp2", "distributed.tp_size=2"], 2)  # (dp 1)
             row["tp2"] = "refused: " + _short(tp[0], folder) if tp else "passes"
             if _is_moe(folder):
                 ep = _problems(folder, ["distributed.strategy=fsdp2", "distributed.ep_size=2",
                                         "training.global_batch_size=4"], 2)
                 row["ep2"] = "refused: " + _short(ep[0], folder) if ep else "passes"
-        if problems:
-            row["train"] = "refused: " + _short(problems[0], folder)
+            row["train"], row["numbers"] = _train(folder)
+            row["train"] += folder_note
         else:
-            row["train"], row["numbers"], why = _train(folder)
-            if "no seeded initialisation" in why:  # from a folder of its weights instead
-                torch.manual_seed(0)
-                model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder))
-                model.save_pretrained(folder)
-                row["train"], row["numbers"], _ = _train(folder)
-                row["train"] += " from a folder of its weights (a random start is refused: its constructor draws " \
-                                f"{why.split()[2]} at random)"
+            row["train"] = "refused: " + _short(problems[0], folder)
     except Exception as err:  # what must never happen: not one line
         row["train"] = f"TRACEBACK {type(err).__name__}: {str(err).strip()[:200]}"
     return row

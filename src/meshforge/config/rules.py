@@ -381,8 +381,9 @@ def hf_model_keys(cfg: Config, world_size: int) -> list[str]:
 
 @rule
 def hf_model_builds(cfg: Config, world_size: int) -> list[str]:
-    """A `model.hf_model` transformers can build, that runs on token ids and is causal (checked by running it when
-    it fits `models.hf_auto.PROBE_PARAMS_MAX`, else by the trainer before the first collective) and has blocks."""
+    """A `model.hf_model` transformers can build, that runs on token ids, is causal and can start from the seed
+    (checked by running it when it fits `models.hf_auto.PROBE_PARAMS_MAX`, else by the trainer before the first
+    collective) and has blocks."""
     args = _model_args(cfg)
     if not cfg.model.hf_model or args is None:
         return []
@@ -390,6 +391,8 @@ def hf_model_builds(cfg: Config, world_size: int) -> list[str]:
 
     try:
         model = probe_model(args)
+        if not any(p.is_meta for p in model.parameters()):
+            model.check_seeded_start(cfg.run.seed)  # (refused for a parameter with no seeded initialisation)
     except ValueError as err:
         return [str(err)]
     if not cfg.distributed.block_classes and not model.blocks():

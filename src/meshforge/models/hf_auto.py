@@ -295,10 +295,18 @@ class HFCausalLM(Undeclared, nn.Module):
         # one seeded initialisation (in place) per pass of `models.init_weights`: a name asked for again starts
         # the next pass, so values trained since are never handed out as initial ones
         if self._init_served is None or self._init_served[0] != seed or name in self._init_served[1]:
-            seeded_init(self.hf, seed, lambda rng: _rebuild(self.hf.config, rng))
-            self._init_served = (seed, set())
+            self._seeded_init(seed)
         self._init_served[1].add(name)
         return self.get_parameter(name).detach().clone()
+
+    def _seeded_init(self, seed: int) -> None:
+        seeded_init(self.hf, seed, lambda rng: _rebuild(self.hf.config, rng), weights_follow=has_weights(self.source))
+        self._init_served = (seed, set())
+
+    def check_seeded_start(self, seed: int) -> None:
+        """Validation (on `probe_model`'s copy): the random start exists (ValueError naming the parameter if not)."""
+        if self._init_served is None or self._init_served[0] != seed:
+            self._seeded_init(seed)
 
     def moe_layers(self) -> list[HFMoELayer]:
         """The routed-experts modules with transformers' experts interface (expert parallelism shards these)."""

@@ -37,9 +37,11 @@ def _visit(module: nn.Module, prefix: str, init: Callable[[nn.Module], None], se
 
 
 @torch.no_grad()
-def seeded_init(hf: nn.Module, seed: int, rebuild: Callable[[int], nn.Module]) -> None:
+def seeded_init(hf: nn.Module, seed: int, rebuild: Callable[[int], nn.Module], weights_follow: bool = False) -> None:
     """Initialise the plain (CPU, unsharded) transformers model `hf` in place, see the module docstring.
-    `rebuild(rng_seed)` builds the same model again (only needed when a parameter is left to its constructor)."""
+    `rebuild(rng_seed)` builds the same model again (only needed when a parameter is left to its constructor).
+    `weights_follow`: a folder's weights replace every value next (each one or refused), so a parameter without
+    a seeded initialisation is no reason to refuse."""
     from transformers import PreTrainedModel
 
     params = dict(hf.named_parameters())
@@ -50,7 +52,7 @@ def seeded_init(hf: nn.Module, seed: int, rebuild: Callable[[int], nn.Module]) -
     with torch.random.fork_rng(devices=[]):
         _visit(hf, "", hf._init_weights, seed, PreTrainedModel)
     left = [n for n, p in params.items() if bool(torch.isnan(p).any())]
-    if left:
+    if left and not weights_follow:
         _constructor_values(hf, left, rebuild)
 
 
