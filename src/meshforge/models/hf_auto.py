@@ -161,9 +161,7 @@ def probe_model(args: ModelArgs) -> HFCausalLM:
     """The model validation looks at, without a process group: built in CPU memory (so run once, see
     `_check_forward`) when it has at most PROBE_PARAMS_MAX parameters, else on the meta device (structure only;
     the trainer then checks the rest on its CPU build before the first collective). Cached per file version."""
-    p = Path(args.hf_model)
-    f = p / "config.json" if p.is_dir() else p
-    key = (args.hf_model, f.stat().st_mtime if f.is_file() else 0.0)
+    key = _file_version(args.hf_model)
     if _PROBED.get("key") != key:
         _PROBED.clear()  # one model at a time: validation looks at one run's model
         with torch.device("meta"):
@@ -185,9 +183,20 @@ def build_hf_model(args: ModelArgs, probe: bool = False) -> HFCausalLM:
     if not probe and torch.get_default_device().type != "meta":
         _PROBED.clear()
     inner = _from_config(hf_config(args.hf_model), args.hf_model)
-    if not any(p.is_meta for p in inner.parameters()):
+    key = _file_version(args.hf_model)
+    if key not in _FORWARD_CHECKED and not any(p.is_meta for p in inner.parameters()):
         _check_forward(inner, args)
+        _FORWARD_CHECKED.add(key)  # (validation's probe and the trainer's build are the same model)
     return HFCausalLM(inner, args.hf_model)
+
+
+_FORWARD_CHECKED: set = set()
+
+
+def _file_version(path: str) -> tuple[str, float]:
+    p = Path(path)
+    f = p / "config.json" if p.is_dir() else p
+    return path, f.stat().st_mtime if f.is_file() else 0.0
 
 
 @torch.no_grad()
