@@ -243,10 +243,13 @@ def ep_export_job(spec: dict, info) -> dict:
 # Sharded loading: `model.init_from` into fsdp2 / TP2 / EP2 models at N=2; every sharded parameter must read
 # only its slice (no full `get_tensor`), and the loaded weights equal a single-process load.
 SLICE_RUNS = {"qwen3-bias fsdp2": ("Qwen3Config", ["distributed.strategy=fsdp2"]),
-              "qwen3-bias tp2": ("Qwen3Config", ["distributed.tp_size=2"]),
+              # (qwen2, not qwen3: the built-in qk_norm's (head_dim,) weight under TP would get only each rank's
+              # heads' gradient, so qk_norm with TP is refused (planning/tp_trace.py))
+              "qwen2-bias tp2": ("Qwen2Config", ["distributed.tp_size=2"]),
               "mixtral ep2": ("MixtralConfig", ["distributed.ep_size=2"]),
               "mixtral fsdp2 x ep2": ("MixtralConfig", ["distributed.strategy=fsdp2", "distributed.ep_size=2"])}
 SLICE_HF = {"Qwen3Config": dict(vocab_size=256, head_dim=24, attention_bias=True, max_position_embeddings=64),
+            "Qwen2Config": dict(vocab_size=256, max_position_embeddings=64),
             "MixtralConfig": dict(vocab_size=256, num_local_experts=4, num_experts_per_tok=2,
                                   max_position_embeddings=64)}
 

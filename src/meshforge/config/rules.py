@@ -119,7 +119,7 @@ def expert_parallel(cfg: Config, world_size: int) -> list[str]:
         out.append(f"distributed.ep_size={d.ep_size} must divide dp_size*cp_size = {dp}*{d.cp_size} = "
                    f"{dp * d.cp_size}: choose an ep_size that divides it")
     args = _model_args(cfg)
-    if args is None:
+    if args is None or args.hf_model:  # (a transformers model's experts: hf_model_experts)
         return out
     if not args.is_moe:
         out.append(f"distributed.ep_size={d.ep_size} needs a mixture-of-experts model, but model.preset="
@@ -232,9 +232,6 @@ def model_fits_data(cfg: Config, world_size: int) -> list[str]:
             if val % d.tp_size:
                 out.append(f"model.{name}={val} is not divisible by distributed.tp_size={d.tp_size}: "
                            "tensor parallelism splits attention heads evenly")
-        if args.pad_token_id is not None:
-            out.append(f"model.pad_token_id={args.pad_token_id} with distributed.tp_size={d.tp_size} is not supported "
-                       "(the padding row is a global row of a vocabulary-sharded embedding): set tp_size 1")
     return out
 
 
@@ -361,7 +358,6 @@ def hf_model_keys(cfg: Config, world_size: int) -> list[str]:
                            ("training.fp8.enabled", "true", t.fp8.enabled), ("peft", "(LoRA)", cfg.peft is not None),
                            ("distributed.pp_size", d.pp_size, d.pp_size > 1),
                            ("distributed.cp_size", d.cp_size, d.cp_size > 1),
-                           ("distributed.ep_size", d.ep_size, d.ep_size > 1),
                            ("distributed.sequence_parallel", "true", d.sequence_parallel)):
         if on:
             out.append(f"{key}={value} is not supported {what} (the transformers model's forward takes token ids "
@@ -370,6 +366,44 @@ def hf_model_keys(cfg: Config, world_size: int) -> list[str]:
         out.append(f"model.init_device=meta {what}: it is built on CPU (its weights load before sharding, and "
                    "transformers computes its buffers, e.g. RoPE frequencies, at construction): set init_device auto")
     return out
+
+
+@rule
+def hf_model_builds(cfg: Config, world_size: int) -> list[str]:
+    """A `model.hf_model` transformers can build, that runs on token ids, is causal and can start from the seed
+    (checked by running it when it fits `models.hf_auto.PROBE_PARAMS_MAX`, else by the trainer before the first
+    collective) and has blocks."""
+    args = _model_args(cfg)
+    if not cfg.model.hf_model or args is None:
+        return []
+    from meshforge.models import probe_model
+
+    try:
+        model = probe_model(args)
+        if not any(p.is_meta for p in model.parameters()):
+            model.check_seeded_start(cfg.run.seed)  # (refused for a parameter with no seeded initialisation)
+    except ValueError as err:
+        return [str(err)]
+    if not cfg.distributed.block_classes and not model.blocks():
+        return [f"model.hf_model={cfg.model.hf_model}: {type(model.hf).__name__} declares no blocks (no "
+                "_no_split_modules, no ModuleList of layers): set distributed.block_classes to its layer class"]
+    return []
+
+
+@rule
+def hf_model_experts(cfg: Config, world_size: int) -> list[str]:
+    """Expert parallelism on a `model.hf_model` shards its transformers experts modules (models/hf_auto_moe.py):
+    refused for a model without them or with experts meshforge cannot split, and the expert count must divide."""
+    d = cfg.distributed
+    if not cfg.model.hf_model or d.ep_size == 1 or _model_args(cfg) is None:
+        return []
+    from meshforge.models import plan_modules
+
+    try:
+        problem = plan_modules(cfg.model)[0].expert_parallel_problem(d.ep_size)
+    except ValueError:  # a model that cannot be built: hf_model_builds says why
+        return []
+    return [f"distributed.ep_size={d.ep_size} with model.hf_model={cfg.model.hf_model}: {problem}"] if problem else []
 
 
 @rule

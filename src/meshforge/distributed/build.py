@@ -50,8 +50,8 @@ def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device, load_
         raise ConfigError(f"training.fused_loss=true: {type(model).__name__} returns logits and cannot hand the "
                           "loss its output head; set training.fused_loss=auto or false")
     if not meta:
-        init_weights(model, cfg.run.seed)
-        try:
+        try:  # (a model.hf_model whose parameter has no seeded initialisation is refused here: one line)
+            init_weights(model, cfg.run.seed)
             load_folder_weights(model)  # a model.hf_model folder's own weights
         except ValueError as err:
             raise ConfigError(str(err)) from None

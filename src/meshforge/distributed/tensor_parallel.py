@@ -14,6 +14,8 @@ Styles (torch's `parallelize_module` styles, placed the way torchtitan places th
 - `vocab_output`: `ColwiseParallel` on the output projection with `use_local_output=False`: the logits stay a
   vocabulary-sharded DTensor and the loss runs under `loss_parallel()` (the returned loss context), so the
   full-vocabulary logits are never gathered.
+- `local_heads` (found by `planning/tp_trace.py`, not declared): the module's parameters split on dim 0 with the
+  heads, its forward on the local shards (per-head parameters such as Cohere's q/k norms).
 - `replicate`: the module is left out of tensor parallelism (weights whole on every TP rank). With sequence
   parallelism a replicated vocabulary layer gets its input gathered / output re-sharded along the sequence.
 """
@@ -42,6 +44,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from meshforge.errors import ConfigError
 from meshforge.models.lora import LoRALinear
 from meshforge.planning.tp_plan import plan_problems, resolve_plan, tied_parameters
+from meshforge.planning.tp_trace import trace_plan
 
 
 # ------------------------------------------------------------------------------ styles
@@ -163,6 +166,31 @@ class EmbeddingParallel(RowwiseParallel):
         return out.clone() if isinstance(out, AsyncCollectiveTensor) else out
 
 
+class LocalHeads(ParallelStyle):
+    """Per-head parameters of a module between column-wise and row-wise projections (e.g. Cohere's q/k norms,
+    weight (heads, head_dim)): split on dim 0 with the heads this rank's column-wise projections give it, and the
+    module's forward run on the local shards (its gradient is this rank's own; nothing to reduce)."""
+
+    def _apply(self, module, mesh):
+        for name, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)],
+                                                                           src_data_rank=None),
+                                                         requires_grad=p.requires_grad))
+        inner = module.forward
+
+        @functools.wraps(inner)
+        def forward(*args, **kwargs):
+            saved = dict(module._parameters)
+            module._parameters.update({n: p.to_local() for n, p in saved.items() if isinstance(p, DTensor)})
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                module._parameters.update(saved)
+
+        module.forward = forward
+        return module
+
+
 def _styles(sequence_parallel: bool, save_shard: bool) -> dict[str, ParallelStyle]:
     seq = Shard(1) if sequence_parallel else Replicate()
     return {
@@ -172,6 +200,7 @@ def _styles(sequence_parallel: bool, save_shard: bool) -> dict[str, ParallelStyl
         "sequence_gather": SequenceGather(save_shard),
         "vocab_embedding": EmbeddingParallel(input_layouts=Replicate(), output_layouts=seq),
         "vocab_output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+        "local_heads": LocalHeads(),
     }
 
 
@@ -184,6 +213,12 @@ def apply_tp(model: nn.Module, mesh_ctx, dcfg) -> Callable[[], AbstractContextMa
     if problems:
         raise ConfigError(problems)
     resolved, declared, _ = resolve_plan(model, sp, dcfg.tp_plan)
+    # a whole model in memory (not a pipeline stage, which takes hidden states): run it once as tp rank 0 would
+    if mesh_ctx.pp_size == 1 and not any(p.is_meta for p in model.parameters()):
+        added, problems = trace_plan(model, resolved, tp)
+        if problems:
+            raise ConfigError(problems)
+        resolved.update(added)  # per-head parameters split with their heads
     styles = _styles(sp, save_shard=dcfg.ac_mode is None)
     plan: dict[str, Any] = {}
     for name, style in resolved.items():

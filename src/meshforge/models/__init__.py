@@ -30,7 +30,7 @@ from meshforge.models.protocol import (
 __all__ = ["HF_PREFIX", "PRESETS", "AdapterLayout", "ForeignModel", "InitSpec", "ModelArgs", "ModelContract",
            "PipelineLayout", "StateDictAdapter", "args_from_hf_config", "blocks_of", "build_model", "contract_of",
            "hf_config_dict", "init_weights", "load_folder_weights", "meta_modules", "plan_modules",
-           "param_init_tensor", "resolve_model_args", "set_submodule", "submodule_or_none"]
+           "param_init_tensor", "probe_model", "resolve_model_args", "set_submodule", "submodule_or_none"]
 
 
 def resolve_model_args(model_cfg: Any) -> ModelArgs:
@@ -51,10 +51,10 @@ def build_model(model_cfg: Any, device: str | None = None):
     import torch
 
     args = model_cfg if isinstance(model_cfg, ModelArgs) else resolve_model_args(model_cfg)
-    if args.hf_model:  # any transformers causal LM (models/hf_auto.py)
+    if args.hf_model:  # any transformers causal LM (models/hf_auto.py); CPU without a device mode over every op
         from meshforge.models.hf_auto import build_hf_model
 
-        with torch.device(device or "cpu"):
+        with torch.device(device) if device not in (None, "cpu") else contextlib.nullcontext():
             return build_hf_model(args)
     with torch.device(device or "cpu"), _skip_init_on_meta() if device == "meta" else contextlib.nullcontext():
         return FAMILIES[args.family].model_class(args)(args)
@@ -85,8 +85,8 @@ def meta_modules(model_cfg: Any):
     described in milliseconds and no memory.
     """
     args = resolve_model_args(model_cfg)
-    if args.hf_model:  # a transformers model's blocks need not share shapes: the whole model, on meta
-        whole = build_model(args, device="meta")
+    if args.hf_model:  # a transformers model's blocks need not share shapes: the whole model (models/hf_auto.py)
+        whole = probe_model(args)
         return whole, dict(whole.named_modules())
     one = build_model(dataclasses.replace(args, n_layers=1), device="meta")
     block = one.pipeline_layout().split_points[0]
@@ -104,7 +104,7 @@ def meta_modules(model_cfg: Any):
 def plan_modules(model_cfg: Any):
     """`meta_modules` for the planner: a built-in model's torch-free description (models/shapes.py: same names,
     shapes, ties and plans, one block standing in for every block), so `meshforge plan` never imports torch;
-    a `model.hf_model` on the meta device (transformers builds it)."""
+    a `model.hf_model` as validation looks at it (`models.hf_auto.probe_model`)."""
     args = resolve_model_args(model_cfg)
     if args.hf_model:
         return meta_modules(model_cfg)
@@ -130,7 +130,10 @@ def param_init_tensor(model, name: str, shape, seed: int):
 
     from meshforge.models.lora import lora_init_spec
 
-    kind, std = lora_init_spec(name, tuple(shape)) or contract_of(model).init_spec(name)
+    spec = lora_init_spec(name, tuple(shape)) or contract_of(model).init_spec(name)
+    kind, std = spec.kind, spec.std
+    if kind == "computed":
+        return spec.compute(seed)
     if kind == "ones":
         return torch.ones(shape)
     if kind == "zeros":
@@ -168,6 +171,13 @@ def hf_config_dict(path: str) -> dict:
     from meshforge.models.hf_auto import hf_config
 
     return hf_config(path).to_dict()
+
+
+def probe_model(args: ModelArgs):
+    """A `model.hf_model` as validation looks at it: in CPU memory when small enough to run (models/hf_auto.py)."""
+    from meshforge.models.hf_auto import probe_model as probe
+
+    return probe(args)
 
 
 def load_folder_weights(model) -> bool:
