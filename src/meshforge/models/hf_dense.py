@@ -197,21 +197,9 @@ class DenseFamily(Family):
 
 
 def _read_rope(c: dict, refuse) -> dict:
-    """Both layouts: transformers 5's `rope_parameters` and the older top-level `rope_theta` + `rope_scaling`."""
-    params, scaling, theta = c.pop("rope_parameters", None), c.pop("rope_scaling", None), c.pop("rope_theta", None)
-    if params is None:
-        params = dict(scaling or {})
-        if theta is not None:
-            params["rope_theta"] = theta
-    else:
-        params = dict(params)
-        if scaling is not None and scaling != {k: v for k, v in params.items() if k != "rope_theta"}:
-            refuse("rope_scaling disagrees with rope_parameters: keep one")
-        if theta is not None and params.get("rope_theta", theta) != theta:
-            refuse(f"rope_theta={theta} disagrees with rope_parameters.rope_theta={params['rope_theta']}")
-        params.setdefault("rope_theta", theta)
-    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    params.pop("type", None)
+    """RoPE of a dense family: `rope_type` default or llama3 (`rope_parameters` consumes the keys)."""
+    params = rope_parameters(c, refuse)
+    rope_type = params.pop("rope_type")
     out = {"rope_theta": float(params.pop("rope_theta", None) or 10000.0), "rope_type": rope_type}
     if rope_type == "llama3":
         keys = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
@@ -227,6 +215,26 @@ def _read_rope(c: dict, refuse) -> dict:
     if params:
         refuse(f"rope parameter {sorted(params)[0]!r} is not supported for rope_type {rope_type}")
     return out
+
+
+def rope_parameters(c: dict, refuse) -> dict:
+    """The RoPE parameters of a config.json (consumed from `c`) in both layouts, transformers 5's `rope_parameters`
+    and the older top-level `rope_theta` + `rope_scaling`, as one dict with `rope_type` (default when unset)."""
+    params, scaling, theta = c.pop("rope_parameters", None), c.pop("rope_scaling", None), c.pop("rope_theta", None)
+    if params is None:
+        params = dict(scaling or {})
+        if theta is not None:
+            params["rope_theta"] = theta
+    else:
+        params = dict(params)
+        if scaling is not None and scaling != {k: v for k, v in params.items() if k != "rope_theta"}:
+            refuse("rope_scaling disagrees with rope_parameters: keep one")
+        if theta is not None and params.get("rope_theta", theta) != theta:
+            refuse(f"rope_theta={theta} disagrees with rope_parameters.rope_theta={params['rope_theta']}")
+        params.setdefault("rope_theta", theta)
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    return {**params, "rope_type": rope_type}
 
 
 # ------------------------------------------------------------------------------------ adapter
