@@ -109,9 +109,11 @@ def attention(a: ModelArgs) -> ModuleShape:
     return ModuleShape("Attention", children=children, init=(a,))
 
 
-def router(dim: int, n_experts: int, top_k: int, score_func: str, route_norm: bool) -> ModuleShape:
+def router(dim: int, n_experts: int, top_k: int, score_func: str, route_norm: bool,
+           bias_update_rate: float = 0.0) -> ModuleShape:
+    """The gate; with `bias_update_rate` > 0 also the balancing bias, a buffer (not a parameter: not described)."""
     return ModuleShape("Router", children={"gate": linear(dim, n_experts)},
-                       init=(dim, n_experts, top_k, score_func, route_norm))
+                       init=(dim, n_experts, top_k, score_func, route_norm, bias_update_rate))
 
 
 def grouped_experts(n_experts: int, dim: int, hidden: int) -> ModuleShape:
@@ -126,7 +128,8 @@ def moe(a: ModelArgs) -> ModuleShape:
     """Router, routed experts, and shared experts (a SwiGLU of moe_ffn_dim * n_shared_experts) if any."""
     d, h = a.dim, a.moe_ffn_dim
     shared = feed_forward(d, h * a.n_shared_experts) if a.n_shared_experts > 0 else None
-    return ModuleShape("MoE", children={"router": router(d, a.n_experts, a.top_k, a.score_func, a.route_norm),
+    return ModuleShape("MoE", children={"router": router(d, a.n_experts, a.top_k, a.score_func, a.route_norm,
+                                                         a.router_bias_update_rate),
                                         "experts": grouped_experts(a.n_experts, d, h), "shared_experts": shared},
                        init=(a,))
 
