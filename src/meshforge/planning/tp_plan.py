@@ -25,7 +25,7 @@ from meshforge.models import plan_modules
 from meshforge.models.shapes import ModuleShape, model_contract, pattern_matches
 
 SHARDED_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_output")
-ALL_STYLES = SHARDED_STYLES + ("sequence_parallel", "sequence_gather", "replicate")
+ALL_STYLES = SHARDED_STYLES + ("sequence_parallel", "sequence_gather", "shared_input", "replicate")
 
 
 def _kind(mod: Any) -> str | None:
