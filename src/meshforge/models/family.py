@@ -62,6 +62,7 @@ class Family:
     model: str = "meshforge.models.moe:decoder_class"
     description: str = "meshforge.models.shapes:describe"
     rope_types: tuple[str, ...] = ("default", "llama3")  # the `model.rope_type`s its model computes
+    moe_packing: bool = False  # its MoE model takes packed sequences' document ids (its dense model always does)
 
     def model_class(self, args: ModelArgs) -> type:
         return _resolve(self.model)(args)
