@@ -305,7 +305,8 @@ def _hf_tensor_files(hf_dir: Path) -> dict[str, Path]:
 
 
 # model.* values that do not change the weights or the logits: a run may differ from config.json in them
-_FREE_ARGS = {"init_std", "max_seq_len", "bos_token_id", "eos_token_id", "head_dim"}
+_FREE_ARGS = {"init_std", "max_seq_len", "bos_token_id", "eos_token_id", "head_dim",
+              "aux_loss_coeff", "router_bias_update_rate"}  # (training choices: the balancing of the experts)
 
 
 def hf_model_args(hf_dir: Path, what: str = "model.init_from") -> ModelArgs:

@@ -89,6 +89,9 @@ class DeepSeekV3Family(MoEFamily):
         if a.n_kv_heads != a.n_heads:
             raise CheckpointError(f"model.n_kv_heads={a.n_kv_heads}: {self.name}'s latent attention has one key "
                                   f"and value per query head (model.n_heads={a.n_heads})")
+        if a.is_moe and not a.n_shared_experts:
+            raise CheckpointError(f"model.n_shared_experts=0: Hugging Face {self.name} always builds shared experts "
+                                  "(zero-width ones are not supported here)")
         if a.qkv_bias or a.qk_norm or a.sliding_window is not None:
             raise CheckpointError(f"model.qkv_bias / qk_norm / sliding_window cannot be exported as Hugging Face "
                                   f"{self.name}")
@@ -154,13 +157,16 @@ class DeepSeekV3Family(MoEFamily):
         for key in ("n_group", "topk_group", "num_experts_per_tok", "moe_intermediate_size"):
             if c.get(key, 0) is None:
                 refuse(f"{key}=null is not supported: give a number")
+        if not c.get("n_shared_experts", 1):
+            refuse(f"n_shared_experts={c['n_shared_experts']} is not supported (transformers then builds "
+                   "zero-width shared experts)")
         out = {"family": self.name, "vocab_size": c.pop("vocab_size"), "dim": c.pop("hidden_size"),
                "ffn_dim": c.pop("intermediate_size"), "n_layers": n_layers, "n_heads": heads, "n_kv_heads": heads,
                "head_dim": nope + rope, "qk_nope_head_dim": nope, "qk_rope_head_dim": rope, "v_head_dim": v,
                "kv_lora_rank": c.pop("kv_lora_rank"), "q_lora_rank": c.pop("q_lora_rank", 1536) or 0,
                "n_experts": experts.pop(), "top_k": c.pop("num_experts_per_tok", 8),
                "moe_ffn_dim": c.pop("moe_intermediate_size", 2048),
-               "n_shared_experts": c.pop("n_shared_experts", 1) or 0,
+               "n_shared_experts": c.pop("n_shared_experts", 1),
                "routed_scaling_factor": float(c.pop("routed_scaling_factor", 2.5)),
                "n_group": c.pop("n_group", 8), "topk_group": c.pop("topk_group", 4),
                "first_k_dense": min(first_dense if first_dense is not None else 0, n_layers),
