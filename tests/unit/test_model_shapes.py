@@ -105,6 +105,9 @@ PLANS = [
      "peft={rank: 4, target_modules: [experts.down_proj, q_proj], dropout: 0, freeze: [norms]}"],
     ["moe_ep_cpu.yaml", "--world-size", "2", "distributed.strategy=megatron_fsdp", "distributed.ep_size=1",
      "peft={rank: 4, target_modules: ['*'], dropout: 0}"],
+    # two block shapes (dense, then MoE), latent attention under TP, balancing loads under EP
+    ["tiny_cpu.yaml", "--world-size", "8", "model.preset=tiny_deepseek", "model.n_layers=3", "distributed.tp_size=2",
+     "distributed.ep_size=2", "model.router_bias_update_rate=0.01"],
 ]
 
 

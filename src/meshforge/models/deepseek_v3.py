@@ -78,6 +78,10 @@ class SharedKey(nn.Module):
     """The rope half of the key, one head every query head shares: identity. Declared in the TP plan so that tensor
     parallelism sums its gradient over the ranks' heads (module docstring)."""
 
+    def __init__(self, width: int):
+        super().__init__()
+        self.width = width
+
     def forward(self, k_rot: torch.Tensor) -> torch.Tensor:
         return k_rot
 

@@ -38,7 +38,8 @@ def qk_head_dim(a: ModelArgs) -> int:
 
 def mla(a: ModelArgs) -> ModuleShape:
     """Multi-head latent attention: see the module docstring. `k_rope` is the key every head shares (its tensor
-    parallel style sums its gradient over the heads' ranks); `core` the attention slot."""
+    parallel style sums its gradient over the heads' ranks; its `init`, the width, tells the planner the bytes);
+    `core` the attention slot."""
     h, qk = a.n_heads, qk_head_dim(a)
     if not a.q_lora_rank:
         children = {"wq": linear(a.dim, h * qk)}
@@ -49,7 +50,7 @@ def mla(a: ModelArgs) -> ModuleShape:
                     kv_norm=rms_norm(a.kv_lora_rank, LATENT_NORM_EPS),
                     wkv_b=linear(a.kv_lora_rank, h * (a.qk_nope_head_dim + a.v_head_dim)),
                     wo=linear(h * a.v_head_dim, a.dim, a.attention_bias),
-                    k_rope=ModuleShape("SharedKey"), core=ModuleShape("CoreAttention"))
+                    k_rope=ModuleShape("SharedKey", init=(a.qk_rope_head_dim,)), core=ModuleShape("CoreAttention"))
     return ModuleShape("MLA", children=children, init=(a,))
 
 
