@@ -178,3 +178,49 @@ def test_docs_list_every_key():
         assert f"`{key}`" in section, key
     for field in FIELDS:  # and the model.* field each becomes
         assert f"`model.{field.name}`" in section, field.name
+
+
+def test_lora_on_latent_attention_and_experts_exports_to_peft(tmp_path):
+    """LoRA on every latent-attention projection and the routed experts (tiny_deepseek, 2 steps from a transformers
+    base): PEFT loads the `--adapter` export onto the transformers model with the same logits, the `--merge` export
+    equals it, and `peft.init_from` reads the folder back."""
+    import peft
+
+    from meshforge.models import resolve_model_args
+    from meshforge.models.hf_families import dense_adapter
+    from meshforge.testing.parity import config, single_info
+    from meshforge.training.trainer import Trainer
+
+    shape = ["model.preset=tiny_deepseek"]
+    hcfg = dense_adapter(resolve_model_args(config(shape).model)).hf_config()
+    torch.manual_seed(0)
+    transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        **{k: v for k, v in hcfg.items() if k != "architectures"})).save_pretrained(tmp_path / "base")
+    ov = [*shape, f"model.init_from={tmp_path / 'base'}", "peft.rank=4", "peft.alpha=8",
+          "peft.target_modules=[q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,'experts.*']"]
+    tr = Trainer.build(config([*ov, "checkpoint.interval=2", f"run.output_dir={tmp_path / 'run'}"], steps=2,
+                              world_size=1), single_info())
+    tr.fit()
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = tr.pm.model.eval()(tokens)
+    ck = tmp_path / "run" / "checkpoints" / "step_2"
+    assert cli_main(["checkpoint", "export", str(ck), "--to", str(tmp_path / "adapter"), "--adapter"]) == 0
+    assert cli_main(["checkpoint", "export", str(ck), "--to", str(tmp_path / "merged"), "--merge"]) == 0
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert sorted(saved["target_modules"]) == ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj"]
+    assert saved["target_parameters"] == ["experts.down_proj", "experts.gate_up_proj"]
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    with torch.no_grad():
+        base_logits = base(tokens).logits
+        theirs = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(tokens).logits
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(tokens).logits
+    print(f"deepseek_v3 LoRA: peft moved the logits by {(theirs - base_logits).abs().max():.2e}; |peft - meshforge| "
+          f"{(theirs - ours).abs().max():.2e}, |merged - peft| {(merged - theirs).abs().max():.2e}")
+    assert (theirs - base_logits).abs().max() > 1e-3
+    assert (theirs - ours).abs().max() < 1e-4
+    assert (merged - theirs).abs().max() < 1e-4
+    back = Trainer.build(config([*ov, f"peft.init_from={tmp_path / 'adapter'}"], steps=1, world_size=1),
+                         single_info())
+    with torch.no_grad():
+        assert (back.pm.model.eval()(tokens) - ours).abs().max() < 1e-5
