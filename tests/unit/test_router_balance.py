@@ -112,8 +112,9 @@ def test_bias_stays_fp32_starts_at_zero_and_is_saved():
     assert not any(k.endswith("expert_bias") for k in plain.state_dict())
 
 
-def test_resume_continues_the_bias_exactly(tmp_path):
-    over = ["model.preset=tiny_deepseek", "model.router_bias_update_rate=1e-2"]
+@pytest.mark.parametrize("strategy", ["fsdp2", "megatron_fsdp"])  # megatron_fsdp: the bias beside its flat buffers
+def test_resume_continues_the_bias_exactly(tmp_path, strategy):
+    over = ["model.preset=tiny_deepseek", "model.router_bias_update_rate=1e-2", f"distributed.strategy={strategy}"]
     full = train(config(over + [f"run.output_dir={tmp_path / 'a'}", "checkpoint.interval=2"], 4, 1), single_info())
     step2 = tmp_path / "a" / "checkpoints" / "step_2"
     resumed = train(config(over + [f"run.output_dir={tmp_path / 'b'}", f"checkpoint.resume={step2}"], 4, 1),
