@@ -17,8 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from meshforge.config.strategies import dp_size, either, strategy_specs
-from meshforge.models import resolve_model_args
-from meshforge.models.hf_families import FAMILIES
+from meshforge.models import FAMILIES, resolve_model_args
 from meshforge.planning.layout import Layout
 from meshforge.planning.pipeline_plan import pipeline_problems
 

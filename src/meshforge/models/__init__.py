@@ -27,7 +27,7 @@ from meshforge.models.protocol import (
     submodule_or_none,
 )
 
-__all__ = ["HF_PREFIX", "PRESETS", "AdapterLayout", "ForeignModel", "InitSpec", "ModelArgs", "ModelContract",
+__all__ = ["FAMILIES", "HF_PREFIX", "PRESETS", "AdapterLayout", "ForeignModel", "InitSpec", "ModelArgs", "ModelContract",
            "PipelineLayout", "StateDictAdapter", "args_from_hf_config", "blocks_of", "build_model", "contract_of",
            "hf_config_dict", "init_weights", "load_folder_weights", "meta_modules", "persistent_buffers",
            "plan_modules", "param_init_tensor", "resolve_model_args", "set_submodule", "submodule_or_none"]
