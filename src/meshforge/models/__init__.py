@@ -6,7 +6,6 @@ This package sits below config and planning: they validate a config against the 
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
 from typing import Any
 
@@ -27,10 +26,11 @@ from meshforge.models.protocol import (
     submodule_or_none,
 )
 
-__all__ = ["FAMILIES", "HF_PREFIX", "PRESETS", "AdapterLayout", "ForeignModel", "InitSpec", "ModelArgs", "ModelContract",
-           "PipelineLayout", "StateDictAdapter", "args_from_hf_config", "blocks_of", "build_model", "contract_of",
-           "hf_config_dict", "init_weights", "load_folder_weights", "meta_modules", "persistent_buffers",
-           "plan_modules", "param_init_tensor", "resolve_model_args", "set_submodule", "submodule_or_none"]
+__all__ = ["FAMILIES", "HF_PREFIX", "PRESETS", "AdapterLayout", "ForeignModel", "InitSpec", "ModelArgs",
+           "ModelContract", "PipelineLayout", "StateDictAdapter", "args_from_hf_config", "blocks_of", "build_model",
+           "contract_of", "hf_config_dict", "init_weights", "load_folder_weights", "meta_modules",
+           "persistent_buffers", "plan_modules", "param_init_tensor", "resolve_model_args", "set_submodule",
+           "submodule_or_none"]
 
 
 def resolve_model_args(model_cfg: Any) -> ModelArgs:

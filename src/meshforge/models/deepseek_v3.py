@@ -36,8 +36,8 @@ from meshforge.models.attention import document_mask
 from meshforge.models.hf_families import dense_adapter
 from meshforge.models.llama import Llama, TransformerBlock, apply_rope
 from meshforge.models.materialize import build_children, buildable
-from meshforge.models.moe import MoE, Router
-from meshforge.models.protocol import AdapterLayout, InitSpec, PipelineLayout, StateDictAdapter
+from meshforge.models.moe import MoE, Router, take_aux_loss, with_aux_loss
+from meshforge.models.protocol import AdapterLayout, InitSpec, StateDictAdapter
 from meshforge.models.yarn import attention_factor, get_mscale, yarn_inv_freq
 
 
@@ -181,23 +181,14 @@ class DeepSeekV3(Llama):
         aux = None
         for block in self.layers.values():
             h = block(h, cos, sin) if mask is None else block(h, cos, sin, mask)
-            ff = block.feed_forward
-            if isinstance(ff, MoE) and ff.aux_loss is not None:
-                aux = ff.aux_loss if aux is None else aux + ff.aux_loss
-                ff.aux_loss = None
+            aux = take_aux_loss(block.feed_forward, aux)
         if self.norm is not None:
             h = self.norm(h)
-        out = self.head(h)
-        if self.training and aux is not None and self.args.aux_loss_coeff > 0:
-            return out, aux
-        return out
+        return with_aux_loss(self, self.head(h), aux)
 
     # ------------------------------------------------------------ declared plans
     def tp_plan(self, sequence_parallel: bool = False) -> dict[str, str]:
         return ds.tp_plan(self.args, sequence_parallel)  # declared in the description, which the planner reads
-
-    def pipeline_layout(self) -> PipelineLayout:
-        return PipelineLayout(tuple(f"layers.{k}" for k in self.layers), ("tok_embeddings",), ("norm", "output"))
 
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.modules() if isinstance(m, MoE)]

@@ -18,16 +18,8 @@ from __future__ import annotations
 import dataclasses
 
 from meshforge.models.args import ModelArgs
-from meshforge.models.protocol import AdapterLayout, PipelineLayout
-from meshforge.models.shapes import (
-    ModelShape,
-    ModuleShape,
-    ParamShape,
-    feed_forward,
-    grouped_experts,
-    linear,
-    rms_norm,
-)
+from meshforge.models.protocol import AdapterLayout
+from meshforge.models.shapes import ModelShape, ModuleShape, feed_forward, grouped_experts, linear, rms_norm
 
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default, which q_a_layernorm / kv_a_layernorm keep
 
@@ -82,28 +74,13 @@ def is_sparse(a: ModelArgs, layer: int) -> bool:
 class DeepSeekV3Shape(ModelShape):
     """The whole model's description; the contract methods as the model answers them."""
 
+    moe_kind = "DeepSeekMoE"
+
     def __init__(self, args: ModelArgs):
-        emb = ModuleShape("Embedding", {"weight": ParamShape((args.vocab_size, args.dim))},
-                          init=(args.vocab_size, args.dim, args.pad_token_id))
-        output = ModuleShape("Linear", {"weight": emb.weight if args.tie_embeddings
-                                        else ParamShape((args.vocab_size, args.dim))},
-                             init=(args.dim, args.vocab_size, False))
-        layers = ModuleShape("ModuleDict", children={str(i): block(args, is_sparse(args, i))
-                                                     for i in range(args.n_layers)})
-        ModuleShape.__init__(self, "DeepSeekV3", children={"tok_embeddings": emb, "layers": layers,
-                                                           "norm": rms_norm(args.dim, args.norm_eps),
-                                                           "output": output}, init=(args,))
-        self.args = args
+        super().__init__(args, [block(args, is_sparse(args, i)) for i in range(args.n_layers)], "DeepSeekV3")
 
     def tp_plan(self, sequence_parallel: bool = False) -> dict[str, str]:
         return tp_plan(self.args, sequence_parallel)
-
-    def pipeline_layout(self) -> PipelineLayout:
-        return PipelineLayout(tuple(f"layers.{k}" for k in self.layers.children), ("tok_embeddings",),
-                              ("norm", "output"))
-
-    def moe_layers(self) -> list[ModuleShape]:
-        return [m for _, m in self.named_modules() if m.kind == "DeepSeekMoE"]
 
     def flops_per_token(self, seq_len: int) -> float:
         return flops_per_token(self.args, seq_len)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from meshforge.errors import CheckpointError
 from meshforge.models.family import Arg, _resolve
-from meshforge.models.hf_dense import _DTYPE_NAMES, _METADATA_KEYS, rope_parameters
+from meshforge.models.hf_dense import _DTYPE_NAMES, rope_parameters
 from meshforge.models.hf_moe import MoEFamily, MoEStateDictAdapter
 from meshforge.models.yarn import YARN_FIELDS, read_yarn, write_yarn
 
@@ -116,17 +116,8 @@ class DeepSeekV3Family(MoEFamily):
 
     # -------------------------------------------------------------- config.json -> model.* values
     def read_config(self, config: dict) -> dict:
-        c = dict(config)
-        where = f"config.json ({self.name})"
-
-        def refuse(msg: str):
-            raise CheckpointError(f"{where}: {msg}")
-
-        archs = c.pop("architectures", None)
-        if archs is not None and archs != [self.architecture]:
-            refuse(f"architectures={archs} is not [{self.architecture!r}]")
-        c.pop("model_type", None)
-        for key in (*_METADATA_KEYS, *_ACCEPTED):
+        c, refuse = self.open_config(config)
+        for key in _ACCEPTED:
             c.pop(key, None)
         for key, why in _WHY.items():
             if key in c and (key not in _MUST_BE or c[key] != _MUST_BE[key]):

@@ -107,7 +107,9 @@ class DenseFamily(Family):
                                   f"{self.name} (family mistral has it)")
 
     # -------------------------------------------------------------- config.json -> model.* values
-    def read_config(self, config: dict) -> dict:
+    def open_config(self, config: dict):
+        """(a copy of config.json without the keys every family reads alike: architectures (must be this family's),
+        model_type and the metadata keys; `refuse(msg)`, which raises one line naming the family)."""
         c = dict(config)
         where = f"config.json ({self.name})"
 
@@ -120,6 +122,10 @@ class DenseFamily(Family):
         c.pop("model_type", None)
         for key in _METADATA_KEYS:
             c.pop(key, None)
+        return c, refuse
+
+    def read_config(self, config: dict) -> dict:
+        c, refuse = self.open_config(config)
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if key not in c:
                 refuse(f"required key {key!r} is missing")

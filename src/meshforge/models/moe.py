@@ -305,6 +305,24 @@ class MoE(nn.Module):
         self.expert_load = None
 
 
+def take_aux_loss(feed_forward: nn.Module, aux: torch.Tensor | None) -> torch.Tensor | None:
+    """`aux` plus the load-balancing loss an MoE block's feed-forward left on itself (then cleared; see the module
+    docstring: collected right after each block); a dense feed-forward adds nothing."""
+    own = getattr(feed_forward, "aux_loss", None)
+    if own is None:
+        return aux
+    feed_forward.aux_loss = None
+    return own if aux is None else aux + own
+
+
+def with_aux_loss(model: Llama, out, aux: torch.Tensor | None):
+    """A mixture-of-experts model's forward result: (logits, aux_loss) in training with an auxiliary loss, else the
+    logits alone."""
+    if model.training and aux is not None and model.args.aux_loss_coeff > 0:
+        return out, aux
+    return out
+
+
 class MoETransformer(Llama):
     """Llama with an `MoE` feed-forward in every block (models/shapes.py `block`); forward returns
     (logits, aux_loss) in training."""
@@ -321,16 +339,10 @@ class MoETransformer(Llama):
         aux = None
         for block in self.layers.values():
             h = block(h, cos, sin)
-            ff = block.feed_forward
-            if ff.aux_loss is not None:
-                aux = ff.aux_loss if aux is None else aux + ff.aux_loss
-                ff.aux_loss = None
+            aux = take_aux_loss(block.feed_forward, aux)
         if self.norm is not None:
             h = self.norm(h)
-        out = self.head(h)
-        if self.training and aux is not None and self.args.aux_loss_coeff > 0:
-            return out, aux
-        return out
+        return with_aux_loss(self, self.head(h), aux)
 
     # ------------------------------------------------------------ declared plans
     @staticmethod
