@@ -60,6 +60,10 @@ def test_planner_sees_both_block_shapes_and_checks_the_tp_plan():
     (["model.rope_type=llama3"], "must be default or yarn for model.family=deepseek_v3"),
     (["model.preset=tiny", "model.rope_type=yarn"], "must be default or llama3 for model.family=llama"),
     (["model.preset=tiny", "model.kv_lora_rank=8"], "model.kv_lora_rank is read only by model.family=deepseek_v3"),
+    (["model.n_kv_heads=2"], "model.n_kv_heads=2 must equal model.n_heads=4"),
+    (["model.head_dim=16"], "model.head_dim=16 must be qk_nope_head_dim \\+ qk_rope_head_dim = 24"),
+    (["model.score_func=softmax"], "model.score_func=softmax is not read by model.family=deepseek_v3"),
+    (["model.qk_norm=true"], "model.qk_norm=True is not read"),
 ])
 def test_family_validation_one_line(over, expected):
     from meshforge.errors import ConfigError

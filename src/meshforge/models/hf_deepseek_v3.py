@@ -84,19 +84,26 @@ class DeepSeekV3Family(MoEFamily):
     """config.json <-> model.* for DeepSeek-V3; the experts' tensor layout is MoEFamily's (`mlp.experts.{e}`)."""
 
     def check_args(self, a: ModelArgs) -> None:
-        if a.score_func != "sigmoid":
-            raise CheckpointError(f"model.score_func={a.score_func}: Hugging Face {self.name} routes by sigmoid")
-        if a.n_kv_heads != a.n_heads:
-            raise CheckpointError(f"model.n_kv_heads={a.n_kv_heads}: {self.name}'s latent attention has one key "
-                                  f"and value per query head (model.n_heads={a.n_heads})")
+        """What `validate` lets through but config.json cannot say."""
         if a.is_moe and not a.n_shared_experts:
             raise CheckpointError(f"model.n_shared_experts=0: Hugging Face {self.name} always builds shared experts "
                                   "(zero-width ones are not supported here)")
-        if a.qkv_bias or a.qk_norm or a.sliding_window is not None:
-            raise CheckpointError(f"model.qkv_bias / qk_norm / sliding_window cannot be exported as Hugging Face "
-                                  f"{self.name}")
 
     def validate(self, a: ModelArgs) -> None:
+        """Besides the routing's arithmetic, the shared fields latent attention has no use for must not be set
+        (they would be silently ignored)."""
+        if a.n_kv_heads != a.n_heads:
+            raise ValueError(f"model.n_kv_heads={a.n_kv_heads} must equal model.n_heads={a.n_heads} for "
+                             f"model.family={self.name} (latent attention expands a key and value per head)")
+        if a.head_dim is not None and a.head_dim != a.qk_nope_head_dim + a.qk_rope_head_dim:
+            raise ValueError(f"model.head_dim={a.head_dim} must be qk_nope_head_dim + qk_rope_head_dim = "
+                             f"{a.qk_nope_head_dim + a.qk_rope_head_dim} for model.family={self.name}")
+        for key, value in (("qkv_bias", True), ("qk_norm", True), ("score_func", "softmax")):
+            if getattr(a, key) == value:
+                raise ValueError(f"model.{key}={value} is not read by model.family={self.name} (latent attention; "
+                                 "a sigmoid router): remove it")
+        if a.sliding_window is not None:
+            raise ValueError(f"model.sliding_window is not read by model.family={self.name}: remove it")
         if a.n_experts == 0:
             return
         if a.n_experts % a.n_group:
