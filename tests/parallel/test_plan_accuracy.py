@@ -28,6 +28,7 @@ N4 = {"ddp": ["distributed.strategy=ddp"], "fsdp2": ["distributed.strategy=fsdp2
 # a Mixtral-shaped tiny MoE with attention and per-expert adapters (stacked by expert: they shard with EP)
 MOE_LORA = ["model.preset=tiny_moe", "model.family=mixtral", "model.n_shared_experts=0", "peft.rank=4",
             "peft.target_modules=['*_proj']"]
+DEEPSEEK = ["model.preset=tiny_deepseek"]
 # (megatron_fsdp's four modes are checked at N=4; at N=2 with LoRA, whose frozen parameters get flat buffers of
 # their own)
 N2 = {"ddp": ["distributed.strategy=ddp"], "fsdp2": ["distributed.strategy=fsdp2"],
@@ -60,7 +61,13 @@ N2 = {"ddp": ["distributed.strategy=ddp"], "fsdp2": ["distributed.strategy=fsdp2
                            *LORA, "peft.freeze=[embeddings]"],
       "lora_ep2": ["distributed.strategy=fsdp2", *MOE_LORA, "distributed.ep_size=2"],
       # bf16_params under fsdp2: fp32 shards are the masters, parameters gathered in bf16, gradients reduced in fp32
-      "bf16_params_fsdp2": ["distributed.strategy=fsdp2", "training.precision=bf16_params"]}
+      "bf16_params_fsdp2": ["distributed.strategy=fsdp2", "training.precision=bf16_params"],
+      # DeepSeek-V3: a dense and an MoE block (two block shapes); latent attention under TP (column-wise inputs of
+      # rank q_lora / kv_lora, the shared rope key's gradient); EP with auxiliary-loss-free balancing (its loads)
+      "ds_fsdp2": ["distributed.strategy=fsdp2", *DEEPSEEK],
+      "ds_tp2": ["distributed.strategy=fsdp2", *DEEPSEEK, "distributed.tp_size=2"],
+      "ds_ep2_balanced": ["distributed.strategy=fsdp2", *DEEPSEEK, "model.router_bias_update_rate=0.01",
+                          "distributed.ep_size=2"]}
 STEPS = 3
 
 
@@ -178,10 +185,12 @@ def test_state_and_comm_n4(group):
 
 def test_state_and_comm_n2(group):
     for name, bench, plan in _compare(group("plan accuracy n2"), N2, 2):
-        if name in ("fsdp2_ep2", "lora_ep2"):  # what a rank receives from the all-to-all depends on the routing; the plan
-            # counts the balanced top_k copies per token (within 5% here); everything else exact
+        if name in ("fsdp2_ep2", "lora_ep2", "ds_ep2_balanced"):  # what a rank receives from the all-to-all depends
+            # on the routing; the plan counts the balanced top_k copies per token (within 5% here; DeepSeek's
+            # group-limited routing of random weights sends rank 0's experts 35% of the copies, not 50%: 15% under
+            # the plan); everything else exact
             a2a = bench.pop("all_to_all")
-            assert abs(a2a - plan.pop("all_to_all")) / a2a < 0.05
+            assert abs(a2a - plan.pop("all_to_all")) / a2a < (0.2 if name.startswith("ds_") else 0.05)
         assert bench == plan, (name, bench, plan)
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from meshforge.config.strategies import dp_size, either, strategy_specs
-from meshforge.models import resolve_model_args
+from meshforge.models import FAMILIES, resolve_model_args
 from meshforge.planning.layout import Layout
 from meshforge.planning.pipeline_plan import pipeline_problems
 
@@ -516,6 +516,7 @@ def packing_support(cfg: Config, world_size: int) -> list[str]:
     if d.pp_size > 1:
         out.append(f"data.packing=true with distributed.pp_size={d.pp_size} is not supported yet: set pp_size 1")
     args = _model_args(cfg)
-    if args is not None and args.is_moe:
-        out.append("data.packing=true with a mixture-of-experts model is not supported yet")
+    if args is not None and args.is_moe and not FAMILIES[args.family].moe_packing:
+        out.append(f"data.packing=true with a mixture-of-experts model of model.family={args.family} is not "
+                   "supported yet")
     return out

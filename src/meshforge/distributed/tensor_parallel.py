@@ -16,6 +16,9 @@ Styles (torch's `parallelize_module` styles, placed the way torchtitan places th
   full-vocabulary logits are never gathered.
 - `local_heads` (found by `planning/tp_trace.py`, not declared): the module's parameters split on dim 0 with the
   heads, its forward on the local shards (per-head parameters such as Cohere's q/k norms).
+- `shared_input` (model plans only): the module's first input is one tensor every TP rank uses for its own heads
+  only (DeepSeek's rope key, shared by all query heads): identity forward, its gradient (each rank's heads' share)
+  summed over the TP group in backward, as a column-wise layer sums its input's gradient.
 - `replicate`: the module is left out of tensor parallelism (weights whole on every TP rank). With sequence
   parallelism a replicated vocabulary layer gets its input gathered / output re-sharded along the sequence.
 """
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -152,6 +156,30 @@ class ReplicateSP(ParallelStyle):
         return module
 
 
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; the gradient all-reduced (summed) over the TP group in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class SharedInput(ParallelStyle):
+    """`shared_input`: the module's first input feeds every rank's share of the heads (module docstring)."""
+
+    def _apply(self, module, mesh):
+        group = mesh.get_group()
+        module.register_forward_pre_hook(lambda m, args: (_SumGradOverTP.apply(args[0], group),) + tuple(args[1:]))
+        return module
+
+
 class EmbeddingParallel(RowwiseParallel):
     """`RowwiseParallel` on the embedding, whose output is a plain tensor that has waited for its collective.
 
@@ -198,6 +226,7 @@ def _styles(sequence_parallel: bool, save_shard: bool) -> dict[str, ParallelStyl
         "rowwise": RowwiseParallel(output_layouts=seq),
         "sequence_parallel": SequenceParallel(),
         "sequence_gather": SequenceGather(save_shard),
+        "shared_input": SharedInput(),
         "vocab_embedding": EmbeddingParallel(input_layouts=Replicate(), output_layouts=seq),
         "vocab_output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
         "local_heads": LocalHeads(),

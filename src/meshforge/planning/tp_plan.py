@@ -28,7 +28,8 @@ from meshforge.models.shapes import ModuleShape, model_contract, pattern_matches
 from meshforge.planning.tp_trace import fold_repeats, trace_plan
 
 SHARDED_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_output")
-ALL_STYLES = SHARDED_STYLES + ("sequence_parallel", "sequence_gather", "replicate", "local_heads")
+ALL_STYLES = SHARDED_STYLES + ("sequence_parallel", "sequence_gather", "shared_input", "replicate",
+                                  "local_heads")
 
 
 def _kind(mod: Any) -> str | None:

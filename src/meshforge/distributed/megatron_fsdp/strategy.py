@@ -55,7 +55,7 @@ from meshforge.distributed.megatron_fsdp.buffers import (
 )
 from meshforge.distributed.megatron_fsdp.comm import CommCounter
 from meshforge.distributed.strategy import Strategy
-from meshforge.models import blocks_of, param_init_tensor
+from meshforge.models import blocks_of, param_init_tensor, persistent_buffers
 
 
 class MegatronFSDPStrategy(Strategy):
@@ -469,10 +469,15 @@ class MegatronFSDPStrategy(Strategy):
                 t = self._sharded(full[s.offset:s.offset + s.numel].view(s.shape), s)
                 for n in s.names:
                     out[n] = t
+        out.update(persistent_buffers(model))  # outside the flat buffers, whole on every rank
         return out
 
     def load_model_state_dict(self, model: nn.Module, sd: dict) -> None:
         """A frozen unit none of whose names `sd` holds keeps its values (an adapter-only checkpoint)."""
+        with torch.no_grad():
+            for n, b in persistent_buffers(model):
+                if n in sd:
+                    b.copy_(self._full(sd[n]))
         for u in self.units:
             if u.frozen and not any(s.fqn in sd for s in u.slots):
                 continue
@@ -492,6 +497,7 @@ class MegatronFSDPStrategy(Strategy):
             for s in u.slots:
                 for n in s.names:
                     out[n] = s.global_of(full[s.offset:s.offset + s.numel].view(s.shape)).clone()
+        out.update({n: b.clone() for n, b in persistent_buffers(model)})
         return out
 
     def _group_fqns(self, optimizer) -> list[list[str]]:
