@@ -323,20 +323,27 @@ def peft_composes(cfg: Config, world_size: int) -> list[str]:
 
 
 def fused_loss_conflict(cfg: Config) -> str | None:
-    """Why the fused loss cannot run in this layout (None: it can). `training.fused_loss=auto` then takes the plain
-    loss; an explicit true is refused."""
-    d = cfg.distributed
-    if d.tp_size > 1 or d.pp_size > 1:
-        return (f"tp_size={d.tp_size}, pp_size={d.pp_size}: tensor parallelism computes a vocabulary-parallel loss "
-                "on sharded logits and pipeline stages keep the plain loss")
-    freed = d.spec.head_freed_after_forward
-    return freed(d.options) if freed is not None else None
+    """Why the fused loss cannot run here (None: it can): only a model whose forward cannot hand the loss its
+    head's input (a transformers model returns logits). Every layout runs it: TP (vocabulary-parallel), PP (on
+    the last stage), fsdp2 and megatron_fsdp in every mode (a strategy keeps the unit holding the head gathered
+    until its backward: `Strategy.head_read_after_forward`). `training.fused_loss=auto` then takes the plain
+    loss, and says so (`warnings`, the plan's notes); an explicit true is refused."""
+    if cfg.model.hf_model:
+        return "model.hf_model: the transformers model's forward returns logits"
+    return None
 
 
 def fused_loss_on(cfg: Config) -> bool:
     """`training.fused_loss`: auto fuses where the layout allows (see `fused_loss_conflict`)."""
     setting = cfg.training.fused_loss
     return fused_loss_conflict(cfg) is None if setting == "auto" else bool(setting)
+
+
+def fused_loss_note(cfg: Config) -> str | None:
+    """The line a run's log and its plan carry when `training.fused_loss=auto` takes the plain loss."""
+    why = fused_loss_conflict(cfg) if cfg.training.fused_loss == "auto" else None
+    return (f"training.fused_loss=auto takes the plain loss ({why}): full fp32 [batch, seq, vocab] logits are "
+            "kept for backward") if why else None
 
 
 @rule
@@ -356,8 +363,7 @@ def hf_model_keys(cfg: Config, world_size: int) -> list[str]:
     given = set(m.overrides()) | {"init_from"} | ({"preset"} if m.preset != "tiny" else set())  # tiny: the default
     out = [f"model.{k} cannot be set {what} (its config.json gives the model): remove it"
            for k in sorted(m.model_fields_set & given)]
-    for key, value, on in (("data.packing", "true", cfg.data.packing), ("training.fused_loss", "true",
-                                                                         t.fused_loss is True),
+    for key, value, on in (("data.packing", "true", cfg.data.packing),  # (fused_loss: `fused_loss_layout`)
                            ("training.fp8.enabled", "true", t.fp8.enabled), ("peft", "(LoRA)", cfg.peft is not None),
                            ("distributed.pp_size", d.pp_size, d.pp_size > 1),
                            ("distributed.cp_size", d.cp_size, d.cp_size > 1),
@@ -435,6 +441,9 @@ def warnings(cfg: Config, world_size: int | None = None) -> list[str]:
         out.append("distributed.moe is ignored because ep_size=1")
     for fn in d.spec.warnings:
         out += fn(cfg, ws)
+    fused = fused_loss_note(cfg)
+    if fused:
+        out.append(fused)
     out += _ignored_tracking_keys(cfg)
     set_options = sorted(d.options.model_fields_set)
     if ws == 1 and set_options:

@@ -36,7 +36,8 @@ def apply_fsdp(model: nn.Module, strategy: FSDP2Strategy, experts: list[nn.Modul
        backward needs at once; none under pipeline parallelism (a stage's parameters stay gathered across
        micro batches); `reshard_after_forward` overrides both.
     4. the root: everything left (embedding, final norm, head), kept gathered after forward unless
-       `reshard_after_forward` is true.
+       `reshard_after_forward` is true; kept under the fused loss whatever it says (the loss reads the head's
+       weight after forward, and the root's backward, which runs first, would gather it again at once).
     """
     moe = strategy.dcfg.moe_or_default
     dense, reshard_moe = strategy.mesh_ctx.dp_shard_mesh(), bool(moe.reshard_after_forward)
@@ -51,7 +52,7 @@ def apply_fsdp(model: nn.Module, strategy: FSDP2Strategy, experts: list[nn.Modul
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=dense, reshard_after_forward=strategy.reshard(i < len(blocks) - 1), **leaf)
     fully_shard(model, mesh=dense, mp_policy=strategy.mp_policy(True), offload_policy=leaf["offload_policy"],
-                reshard_after_forward=strategy.reshard(False))
+                reshard_after_forward=strategy.reshard(False) and not strategy.head_read_after_forward)
     return model
 
 

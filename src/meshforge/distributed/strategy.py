@@ -49,6 +49,9 @@ class Strategy:
         self.name = dcfg.strategy
         # training.precision=bf16_params: the dtype a sharding strategy gathers its fp32 shards in (fsdp2)
         self.param_dtype: torch.dtype | None = None
+        # the fused loss reads the output head's weight after the model's forward (models.loss.HeadInput): the
+        # unit holding it stays gathered until its backward
+        self.head_read_after_forward = False
 
     @property
     def active(self) -> bool:

@@ -1,7 +1,8 @@
 """Tensor and sequence parallelism: apply a model's resolved TP plan (`planning/tp_plan.py`) with DTensor.
 
 `apply_tp(model, mesh_ctx, dcfg)` runs before context parallelism and before any data-parallel strategy, and
-returns the loss context the step must run the loss in (None when the output head is not vocabulary-sharded).
+returns the loss context the step must run the loss in: `loss_parallel()` for a vocabulary-sharded head's logits,
+and the fused loss's tensor-parallel form (`vocab_parallel_loss.tp_head_loss`) for a `HeadInput`.
 
 Styles (torch's `parallelize_module` styles, placed the way torchtitan places them):
 - `colwise`: `ColwiseParallel`, weight rows sharded, output a local shard of the features (heads).
@@ -13,15 +14,17 @@ Styles (torch's `parallelize_module` styles, placed the way torchtitan places th
 - `vocab_embedding`: `RowwiseParallel` on the embedding, vocabulary sharded.
 - `vocab_output`: `ColwiseParallel` on the output projection with `use_local_output=False`: the logits stay a
   vocabulary-sharded DTensor and the loss runs under `loss_parallel()` (the returned loss context), so the
-  full-vocabulary logits are never gathered.
+  full-vocabulary logits are never gathered. With the fused loss the head's forward does not run: the loss
+  projects chunk by chunk on each rank's vocabulary rows (`vocab_parallel_loss.py`).
 - `replicate`: the module is left out of tensor parallelism (weights whole on every TP rank). With sequence
   parallelism a replicated vocabulary layer gets its input gathered / output re-sharded along the sequence.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -39,8 +42,10 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from meshforge.distributed.vocab_parallel_loss import tp_head_loss
 from meshforge.errors import ConfigError
 from meshforge.models.lora import LoRALinear
+from meshforge.models.loss import head_loss_override
 from meshforge.planning.tp_plan import plan_problems, resolve_plan, tied_parameters
 
 
@@ -176,9 +181,15 @@ def _styles(sequence_parallel: bool, save_shard: bool) -> dict[str, ParallelStyl
 
 
 # ------------------------------------------------------------------------------ apply
-def apply_tp(model: nn.Module, mesh_ctx, dcfg) -> Callable[[], AbstractContextManager] | None:
-    """Shard `model` in place over the `tp` mesh; returns the loss context (vocabulary-parallel loss) or None.
-    Raises ConfigError (before any step) for a bad plan."""
+@contextlib.contextmanager
+def _tp_loss_context(vocab_parallel: bool) -> Iterator[None]:
+    with loss_parallel() if vocab_parallel else contextlib.nullcontext(), head_loss_override(tp_head_loss):
+        yield
+
+
+def apply_tp(model: nn.Module, mesh_ctx, dcfg) -> Callable[[], AbstractContextManager]:
+    """Shard `model` in place over the `tp` mesh; returns the loss context (vocabulary-parallel loss, plain or
+    fused). Raises ConfigError (before any step) for a bad plan."""
     tp, sp = mesh_ctx.tp_size, bool(dcfg.sequence_parallel)
     problems = plan_problems(model, tp, sp, dcfg.tp_plan)
     if problems:
@@ -204,7 +215,7 @@ def apply_tp(model: nn.Module, mesh_ctx, dcfg) -> Callable[[], AbstractContextMa
     for n, p in model.named_parameters():
         if n in frozen:
             p.requires_grad_(False)
-    return loss_parallel if "vocab_output" in resolved.values() else None
+    return functools.partial(_tp_loss_context, "vocab_output" in resolved.values())
 
 
 # LoRA factors follow their base layer's style: y = W x + B A x with W split by rows (colwise) needs B split by

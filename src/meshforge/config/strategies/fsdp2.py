@@ -91,13 +91,6 @@ def _bf16_params_dtype(cfg: Config, world_size: int) -> list[str]:
     return []
 
 
-def _head_freed(options: FSDP2Options) -> str | None:
-    if options.reshard_after_forward is True:
-        return ("distributed.reshard_after_forward=true frees the root's parameters (the output head's too) right "
-                "after forward, before the loss reads the head's weight")
-    return None
-
-
 # ------------------------------------------------------------------------------------------ planner terms
 def _fsdp_units(group: list, layout, dim: int, n: int) -> tuple[dict, dict]:
     """({unit: padded elements}, {unit: padded trainable elements}) of FSDP's units (each block, the rest)
@@ -198,5 +191,5 @@ SPEC = register_strategy(StrategySpec(
     description="torch fully_shard per block, then the root; HSDP on (dp_replicate, dp_shard)",
     composes_with=frozenset(AXES), shards_parameters=True, rules=(_hsdp_sizes, _cpu_offload),
     warnings=(_defer_under_pp,), plan=FSDP2Terms(), plan_search=True, frozen_params=True,
-    bf16_params="fp32_shards", bf16_params_rule=_bf16_params_dtype, head_freed_after_forward=_head_freed,
+    bf16_params="fp32_shards", bf16_params_rule=_bf16_params_dtype,
     bridge_flags=("dist.use_torch_fsdp2",)))

@@ -61,13 +61,6 @@ def _fp8_cache(cfg, world_size: int) -> list[str]:
     return []
 
 
-def _head_freed(options: MegatronFSDPOptions) -> str | None:
-    if options.sharding_strategy == "optim_grads_params":
-        return ("megatron_fsdp's optim_grads_params frees the root unit (the output head's weight) right after "
-                "forward, before the loss reads it")
-    return None
-
-
 # ------------------------------------------------------------------------------------------ planner terms
 def _units(stage: list, layout) -> dict[tuple, list[int]]:
     """{(block, trainable): local element counts}: the flat buffers per unit, trainable and frozen parameters
@@ -153,7 +146,7 @@ SPEC = register_strategy(StrategySpec(
     description="Megatron-FSDP: flat per-unit buffers, ZeRO 0-3",
     composes_with=frozenset({"tp", "cp"}), ckpt_formats=("fsdp_dtensor",), shards_parameters=True,
     warnings=(_fp8_cache,), plan=MegatronFSDPTerms(), plan_search=True, frozen_params=True,
-    bf16_params="megatron_fsdp keeps its own main weights and mixed precision", head_freed_after_forward=_head_freed,
+    bf16_params="megatron_fsdp keeps its own main weights and mixed precision",
     flat_buffers=True, bridge_flags=("dist.use_megatron_fsdp", "ddp.use_megatron_fsdp"),
     bridge_refused=(("dist.use_tp_pp_dp_mapping", "is not supported with Megatron FSDP: set it false (meshforge "
                      "lays out ranks tp-innermost itself)"),),
