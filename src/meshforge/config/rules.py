@@ -397,25 +397,32 @@ def compile_backend_read(cfg: Config, world_size: int) -> list[str]:
     return []
 
 
+_BF16_MASTERS = ("unsharded", "fp32_shards", "replicated", "main_buffers")  # StrategySpec.bf16_params
+
+
 @rule
 def bf16_params_layout(cfg: Config, world_size: int) -> list[str]:
-    """bf16_params keeps fp32 master weights in one of two places: the optimizer (the model unwrapped: world size
-    1) or the fp32 shards of a strategy whose spec keeps them there (`bf16_params="fp32_shards"`: its
-    mixed-precision policy gathers bf16), over dp*cp > 1."""
+    """bf16_params keeps fp32 master weights where the strategy's spec says (`StrategySpec.bf16_params`):
+    "unsharded": in the optimizer beside the bf16 model (world size 1); "fp32_shards": its fp32 shards gathered
+    in bf16 over dp*cp > 1, else (nothing but pipeline stages) as unsharded, per stage; "replicated": every dp
+    rank's optimizer beside bf16 replicas, the fp32 main gradients averaged by the strategy; "main_buffers": its
+    own fp32 main buffers beside bf16 compute buffers. Any other text says why the strategy cannot run it."""
     if cfg.training.precision != "bf16_params":
         return []
     d, fix = cfg.distributed, "set training.precision=bf16 (autocast over fp32 parameters)"
-    spec = d.spec
-    if d.pp_size > 1:
-        return [f"training.precision=bf16_params does not run with pp_size={d.pp_size}: {fix}"]
-    if spec.bf16_params not in ("unsharded", "fp32_shards"):
-        return [f"training.precision=bf16_params: {spec.bf16_params}; {fix}"]
-    sharded = spec.bf16_params == "fp32_shards" and (dp_size(cfg, world_size) or 1) * d.cp_size > 1
-    if world_size > 1 and not sharded:
-        able = either([s.name for s in strategy_specs().values() if s.bf16_params == "fp32_shards"])
-        return [f"training.precision=bf16_params keeps fp32 master weights at world size 1 or in {able}'s fp32 shards "
-                f"(data or context parallel size > 1), not with strategy {d.strategy} over {world_size} ranks with "
-                f"no {able} sharding: set distributed.strategy={able} with dp or cp > 1, or {fix}"]
+    spec, mode = d.spec, d.spec.bf16_params
+    if mode not in _BF16_MASTERS:
+        return [f"training.precision=bf16_params: {mode}; {fix}"]
+    dp_cp = (dp_size(cfg, world_size) or 1) * d.cp_size
+    if mode == "fp32_shards" and dp_cp == 1 and d.tp_size > 1:
+        return [f"training.precision=bf16_params with distributed.tp_size={d.tp_size} needs data or context "
+                f"parallel size > 1 under {spec.name} (its fp32 shards are the masters): add dp or cp ranks, "
+                f"or {fix}"]
+    if mode == "unsharded" and world_size > 1:
+        able = either([s.name for s in strategy_specs().values() if s.bf16_params in _BF16_MASTERS[1:]])
+        return [f"training.precision=bf16_params keeps fp32 master weights in the optimizer of an unwrapped model "
+                f"(world size 1) under strategy {d.strategy}, not over {world_size} ranks: set "
+                f"distributed.strategy={able}, or {fix}"]
     return spec.bf16_params_rule(cfg, world_size) if spec.bf16_params_rule is not None else []
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from meshforge.distributed.master_weights import cast_to_bf16_with_masters
+from meshforge.distributed.master_weights import keep_masters
 from meshforge.distributed.mesh import MeshContext
 from meshforge.distributed.parallelize import parallelize_model, set_fused_loss
 from meshforge.distributed.pipeline import build_pipeline_model
@@ -60,6 +60,5 @@ def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device, load_
                              compile_backend=cfg.training.compile_backend, fused_loss=fused)
     if meta:
         part.strategy.materialize(part.model, cfg.run.seed)
-    if cfg.training.precision == "bf16_params" and not part.strategy.active:
-        cast_to_bf16_with_masters(part.model)  # the fp32 masters live in the optimizer (master_weights.py)
+    keep_masters(part.model, part.strategy, cfg.training.precision)  # bf16_params: where the fp32 masters live
     return ParallelModel([part], mesh_ctx, device, cfg.training.precision)

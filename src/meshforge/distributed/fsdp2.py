@@ -80,6 +80,10 @@ class FSDP2Strategy(Strategy):
         return self.mesh_ctx.world_size > 1 and self.mesh_ctx.size("dp_cp") > 1
 
     @property
+    def holds_masters(self) -> bool:
+        return self.active  # its fp32 shards, gathered in bf16
+
+    @property
     def float8_all_gather(self) -> bool:
         return self.active
 

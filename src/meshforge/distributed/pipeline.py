@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from meshforge.distributed.context_parallel import load_balanced_indices
 from meshforge.distributed.grad_norm import clip_grad_norm_
+from meshforge.distributed.master_weights import keep_masters
 from meshforge.distributed.mesh import MeshContext
 from meshforge.distributed.parallelize import Parallelized, parallelize_model, set_fused_loss
 from meshforge.distributed.runtime import ParallelModel
@@ -315,6 +316,7 @@ def build_pipeline_model(cfg, mesh_ctx: MeshContext, device: torch.device, meta:
                                  compile_backend=cfg.training.compile_backend, **_stage_numerics(cfg, module, s == plan.num_stages - 1))
         if meta:
             part.strategy.materialize(part.model, cfg.run.seed)
+        keep_masters(part.model, part.strategy, cfg.training.precision)
         parts.append(part)
 
     def shell():

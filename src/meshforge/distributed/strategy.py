@@ -63,6 +63,13 @@ class Strategy:
         return model
 
     @property
+    def holds_masters(self) -> bool:
+        """training.precision=bf16_params: the strategy keeps the fp32 master weights itself (fsdp2's fp32
+        shards, megatron_fsdp's main buffers) and computes in `param_dtype`; otherwise the model is cast to bf16
+        and the optimizer keeps the masters (`master_weights.py`)."""
+        return False
+
+    @property
     def float8_all_gather(self) -> bool:
         """training.fp8: the strategy all-gathers float8 weights itself (torchao's `enable_fsdp_float8_all_gather`
         for torch's fully_shard), so the cast happens before the gather."""

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
+from meshforge.config.rules import fused_loss_note
 from meshforge.planning.activations import activation_bytes, alive_peak, lora_profile
 from meshforge.planning.comm import comm_per_step
 from meshforge.planning.hardware import Device
@@ -207,6 +208,9 @@ def _notes(cfg) -> list[str]:
     if cfg.peft is not None and lora_profile(cfg, _args_of(cfg)) is None:
         out.append("LoRA: activations are counted as for full training (this model's adapter roles are not the "
                    "Llama block's); parameters, gradients, optimizer state and communication are exact")
+    fused = fused_loss_note(cfg)
+    if fused:
+        out.append(fused)
     spec = spec_of(cfg)
     if spec is None or spec.plan is None:
         out.append(f"strategy {d.strategy} declares no planner terms (StrategySpec.plan, planning/terms.py): its "

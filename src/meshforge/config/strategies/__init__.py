@@ -90,7 +90,9 @@ class StrategySpec:
     frozen_params: bool = False  # frozen (LoRA base) parameters get no gradient and no optimizer state
     # training.precision=bf16_params: where the fp32 masters live. "unsharded": the optimizer's, beside a model
     # that runs unwrapped (world size 1); "fp32_shards": the strategy's own fp32 shards gathered in bf16 (dp*cp > 1;
-    # unsharded at world size 1); any other text says why the strategy cannot run it
+    # else unsharded, per pipeline stage); "replicated": every dp rank's optimizer beside bf16 replicas, the fp32
+    # main gradients averaged by the strategy; "main_buffers": its own fp32 main buffers beside bf16 compute
+    # buffers; any other text says why the strategy cannot run it
     bf16_params: str = "unsharded"
     bf16_params_rule: Rule | None = None  # its own bf16_params checks, once the layout can run it
     flat_buffers: bool = False  # parameters re-stored in flat buffers: model.init_from loads the plain model first

@@ -3,6 +3,9 @@
 Full replicas of parameters, gradients and optimizer state; its reducer's buckets hold a second copy of the
 gradients, which one all-reduce per step (over the dp group) averages. Frozen parameters (LoRA) get no gradient
 and no optimizer state. The runtime is `meshforge.distributed.ddp`.
+training.precision=bf16_params: bf16 replicas (2 bytes a parameter), fp32 main gradients (4), fp32 masters and
+moments in every rank's optimizer (12); the model is not wrapped in DDP (no reducer buckets): the strategy
+averages the fp32 main gradients over dp once per step (the same bytes as fp32 DDP's all-reduce).
 """
 
 from __future__ import annotations
@@ -36,4 +39,4 @@ SPEC = register_strategy(StrategySpec(
     name="ddp", runtime="meshforge.distributed.ddp:DDPStrategy", options=DDPOptions,
     description="torch DistributedDataParallel: full replicas, gradients all-reduced",
     ckpt_formats=("torch_dist", "fsdp_dtensor"), warnings=(_static_graph_accumulation,),
-    plan=DeclaredSharding(grad_buckets=True), frozen_params=True))
+    plan=DeclaredSharding(grad_buckets=True), frozen_params=True, bf16_params="replicated"))

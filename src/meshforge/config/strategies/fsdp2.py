@@ -7,7 +7,8 @@ moments the unpadded torch.chunk piece); experts under EP: dim 0 over ep, dim 1 
 (LoRA) only their shard. On CUDA (and under bf16_params) it gathers bf16; its fp32 shards are bf16_params' masters
 when dp*cp > 1. `offload_policy` moves the shards and optimizer state to host memory.
 What it sends per step: every unit's parameters all-gathered per micro batch, again in backward for the units
-resharded after forward (every block but the last by default, none under PP), gradients reduce-scattered once
+resharded after forward (every block but the last by default, none under PP; `reshard_after_forward: true`: every
+block, and the root unless the fused loss reads its head after forward, which keeps it gathered), gradients reduce-scattered once
 (accumulation defers the reduction) and, under HSDP, all-reduced over dp_replicate.
 """
 
@@ -92,6 +93,14 @@ def _bf16_params_dtype(cfg: Config, world_size: int) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ planner terms
+def _root_resharded(cfg: Config) -> bool:
+    """The root (embedding, final norm, head) freed after forward and gathered again in backward: when asked,
+    except under the fused loss, which reads the head's weight after forward (the runtime keeps the root)."""
+    from meshforge.config.rules import fused_loss_on  # (rules import this registry)
+
+    return bool(cfg.distributed.options.reshard_after_forward) and not fused_loss_on(cfg)
+
+
 def _fsdp_units(group: list, layout, dim: int, n: int) -> tuple[dict, dict]:
     """({unit: padded elements}, {unit: padded trainable elements}) of FSDP's units (each block, the rest)
     sharded on `dim` over `n` ranks; memoised per parameter list (the search asks again for every candidate)."""
@@ -174,7 +183,7 @@ class FSDP2Terms(StrategyPlanTerms):
             if reshard is None and layout.pp > 1:
                 regather = []
             total = sum(units.values())
-            gathers = total + sum(units[b] for b in regather) + (units.get(None, 0) if reshard else 0)
+            gathers = total + sum(units[b] for b in regather) + (units.get(None, 0) if _root_resharded(cfg) else 0)
             reps = accum if (layout.pp == 1) else 1
             ax = ("dp_shard_cp" if layout.cp > 1 else "dp_shard") if dim == 0 else "ep_shard"
             add(ax, "all_gather", gathers * reps * gather_bytes(cfg))

@@ -88,6 +88,10 @@ class MegatronFSDPStrategy(Strategy):
         return True  # buffers and hooks at every size; at dp size 1 no collective runs
 
     @property
+    def holds_masters(self) -> bool:
+        return True  # its fp32 main buffers; bf16_params makes the compute buffers bf16 (on CPU too)
+
+    @property
     def comm_bytes(self):
         return self.comm.bytes
 
@@ -103,6 +107,10 @@ class MegatronFSDPStrategy(Strategy):
 
     # ================================================================== wrapping
     def parallelize(self, model: nn.Module) -> nn.Module:
+        if self.param_dtype is not None:  # bf16_params: bf16 compute buffers beside the fp32 main ones
+            self.compute_dtype = self.param_dtype
+            if self.options.grad_reduce_in_fp32 is False:  # (refused by the config rules)
+                self.reduce_dtype = self.compute_dtype
         names: dict[int, list[str]] = {}
         params: dict[int, nn.Parameter] = {}
         for fqn, p in model.named_parameters(remove_duplicate=False):
