@@ -85,7 +85,10 @@ class FSDP2Strategy(Strategy):
 
     @property
     def float8_all_gather(self) -> bool:
-        return self.active
+        # not under TP: torchao scales the float8 gather from the amax over the fsdp mesh only, so each tp shard
+        # of a weight would get its own scale (measured: grad norm 1.1e-4 off one process at the first step, where
+        # gathering the high-precision shards and casting the TP DTensor gives 1e-7)
+        return self.active and self.mesh_ctx.tp_size == 1
 
     def mp_policy(self, root: bool) -> MixedPrecisionPolicy:
         mp = self.options.mp_policy
@@ -100,6 +103,12 @@ class FSDP2Strategy(Strategy):
     def offload(self) -> OffloadPolicy:
         return CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.options.offload_policy \
             else OffloadPolicy()
+
+    @property
+    def param_device(self) -> torch.device:
+        # offloaded shards live on the host: fully_shard refuses them anywhere else at its lazy init ("FSDP
+        # parameters should be materialized on CPU when enabling CPU offloading")
+        return torch.device("cpu") if self.active and self.options.offload_policy else self.device
 
     def reshard(self, default: bool) -> bool:
         """`reshard_after_forward` when set, else `default`, and never under pipeline parallelism."""

@@ -131,8 +131,18 @@ class Strategy:
                 p.copy_(full.to(device=p.device, dtype=p.dtype))
 
         inner = self.unwrap(model)
-        inner.to_empty(device=self.device)
+        inner.to_empty(device=self.param_device)
         init_weights(inner, seed, copy_fn=copy)
+        if self.param_device != self.device:  # buffers compute on the device
+            for m in inner.modules():
+                for k, b in m._buffers.items():
+                    if b is not None:
+                        m._buffers[k] = b.to(self.device)
+
+    @property
+    def param_device(self) -> torch.device:
+        """Where the parameters (this rank's shards) live at rest: the device, or the host when offloaded."""
+        return self.device
 
     # ------------------------------------------------------------------ state dicts (DCP)
     def model_state_dict(self, model: nn.Module, full: bool = False) -> dict:

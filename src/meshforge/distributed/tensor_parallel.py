@@ -42,6 +42,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from meshforge.distributed.float8 import float8_tp_styles
 from meshforge.distributed.vocab_parallel_loss import tp_head_loss
 from meshforge.errors import ConfigError
 from meshforge.models.lora import LoRALinear
@@ -107,7 +108,7 @@ class _ShardSaved:
 
     def pack(self, t):
         local = t._local_tensor if isinstance(t, DTensor) else t
-        if local.untyped_storage().data_ptr() != self.full_ptr:
+        if _storage_ptr(local) != self.full_ptr:
             return self.outer[0](t) if self.outer else t
         if self.packed_shard is None:
             self.packed_shard = self.outer[0](self.shard) if self.outer else self.shard
@@ -124,6 +125,14 @@ class _ShardSaved:
             self.regathered = full.wait() if isinstance(full, AsyncCollectiveTensor) else full
         view = self.regathered.as_strided(packed.size, packed.stride, packed.offset)
         return view if packed.spec is None else DTensor(view, packed.spec, requires_grad=False)
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    """The tensor's storage address; None for a wrapper subclass without storage (float8's casts)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -204,6 +213,7 @@ def apply_tp(model: nn.Module, mesh_ctx, dcfg) -> Callable[[], AbstractContextMa
                 plan[name] = ReplicateSP(gather_input=base == "vocab_output", shard_output=base == "vocab_embedding")
             continue
         plan[name] = styles[style]
+    plan.update(float8_tp_styles(model, resolved, sp))  # float8 linears: torchao's styles (float8.py)
     ties = tied_parameters(model)
     adapters = _adapter_weights(model, resolved)
     # SequenceParallel re-creates parameters as trainable: frozen ones (LoRA's base) must stay frozen

@@ -83,8 +83,9 @@ class _VocabParallelCE(torch.autograd.Function):
         local = labels - ctx.start
         mine = (labels != IGNORE_INDEX) & (local >= 0) & (local < rows)
         scale = (labels != IGNORE_INDEX).float() * grad_total
-        grad_h = torch.zeros_like(h)
-        grad_w = torch.zeros(w_local.shape, dtype=torch.float32, device=w_local.device)
+        grad_h = torch.zeros_like(h)  # (always: every tp rank must take part in its all-reduce)
+        grad_w = torch.zeros(w_local.shape, dtype=torch.float32, device=w_local.device) \
+            if ctx.needs_input_grad[1] else None
         for s in range(0, h.shape[0], chunk):
             if not rows:
                 break
@@ -95,8 +96,9 @@ class _VocabParallelCE(torch.autograd.Function):
             g.scatter_add_(1, local[s:s + chunk].clamp(0, rows - 1).unsqueeze(1), hit)
             g = g.mul_(scale[s:s + chunk].unsqueeze(1)).to(dtype)
             grad_h[s:s + chunk] = g @ w
-            grad_w.add_(g.t() @ hc)
+            if grad_w is not None:  # a frozen head (LoRA) takes none
+                grad_w.add_(g.t() @ hc)
             del g
         if ctx.reduce_grad:  # the hidden states were replicated: their gradient is the sum over the shards
             dist.all_reduce(grad_h, group=ctx.group)
-        return grad_h, grad_w.to(w_local.dtype), None, None, None, None, None, None
+        return grad_h, None if grad_w is None else grad_w.to(w_local.dtype), None, None, None, None, None, None

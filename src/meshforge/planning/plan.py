@@ -211,6 +211,11 @@ def _notes(cfg) -> list[str]:
     fused = fused_loss_note(cfg)
     if fused:
         out.append(fused)
+    if cfg.training.fp8.enabled:
+        out.append("training.fp8: counted as without it (weights, gradients and optimizer state stay in their "
+                   "dtype, exactly); not counted: fsdp2's float8 all-gather (1 byte an element, where the plan "
+                   "counts the gathered dtype), the float8 copies the matmuls keep for backward, and the float8 "
+                   "scales' small all-reduces (under TP and fsdp2)")
     spec = spec_of(cfg)
     if spec is None or spec.plan is None:
         out.append(f"strategy {d.strategy} declares no planner terms (StrategySpec.plan, planning/terms.py): its "

@@ -67,9 +67,11 @@ def _cpu_offload(cfg: Config, world_size: int) -> list[str]:
     if not d.options.offload_policy:
         return []
     out = []
-    if d.pp_size > 1:
-        out.append(f"distributed.offload_policy=true is not supported with pp_size={d.pp_size}: "
-                   "set pp_size 1 or turn offloading off")
+    dp = dp_size(cfg, world_size)
+    if world_size > 1 and dp is not None and dp * d.cp_size == 1:
+        out.append(f"distributed.offload_policy=true offloads fsdp2's shards, but dp_size*cp_size=1 shards nothing "
+                   f"(world size {world_size}: tp_size={d.tp_size}, pp_size={d.pp_size}): add data-parallel ranks "
+                   "or turn offloading off")
     if d.ac_mode:
         out.append(f"distributed.offload_policy=true is not supported with activation_checkpointing="
                    f"{d.activation_checkpointing}: turn one of them off")
