@@ -8,8 +8,8 @@ moments the unpadded torch.chunk piece); experts under EP: dim 0 over ep, dim 1 
 when dp*cp > 1. `offload_policy` moves the shards and optimizer state to host memory.
 What it sends per step: every unit's parameters all-gathered per micro batch, again in backward for the units
 resharded after forward (every block but the last by default, none under PP; `reshard_after_forward: true`: every
-block, and the root unless the fused loss reads its head after forward, which keeps it gathered), gradients reduce-scattered once
-(accumulation defers the reduction) and, under HSDP, all-reduced over dp_replicate.
+block, and the root unless the fused loss reads its head after forward, which keeps it gathered), gradients
+reduce-scattered once (accumulation defers the reduction) and, under HSDP, all-reduced over dp_replicate.
 """
 
 from __future__ import annotations
