@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from meshforge.config.rules import check, fused_loss_note, fused_loss_on, warnings
+from meshforge.config.rules import check, warnings
+from meshforge.planning.precision import fused_loss_note, fused_loss_on
 from meshforge.config.schema import Config, ModelConfig
 from meshforge.models import build_model, contract_of, init_weights
 from meshforge.models.loss import IGNORE_INDEX, HeadInput, chunked_cross_entropy, lm_loss

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from meshforge.config.rules import check, fused_loss_on
+from meshforge.config.rules import check
 from meshforge.config.schema import Config
 from meshforge.distributed.activation_checkpointing import apply_activation_checkpointing
 from meshforge.distributed.compile import apply_compile, compile_enabled
@@ -36,6 +36,7 @@ from meshforge.distributed.strategy import Strategy, build_strategy
 from meshforge.distributed.tensor_parallel import apply_tp
 from meshforge.errors import ConfigError
 from meshforge.models import blocks_of, contract_of
+from meshforge.planning.precision import fused_loss_on
 
 
 @dataclass

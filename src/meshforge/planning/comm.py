@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import math
 
-from meshforge.config.rules import fused_loss_on
 from meshforge.planning.layout import Layout, MeshAxis
 from meshforge.planning.params import F32, ParamRec
-from meshforge.planning.precision import bf16_compute
+from meshforge.planning.precision import bf16_compute, fused_loss_on
 from meshforge.planning.state import pipeline_plan_of, stage_params, terms_of
 from meshforge.planning.terms import AddComm
 

@@ -22,7 +22,7 @@ from pydantic import ConfigDict, field_validator
 from meshforge.config.strategies import AXES, StrategyOptions, StrategySpec, StrictSection, dp_size, register_strategy
 from meshforge.planning.layout import MeshAxis
 from meshforge.planning.params import F32, STEP_BYTES, alike, chunk_rows, local_shape, memo
-from meshforge.planning.precision import bf16_params, gather_bytes
+from meshforge.planning.precision import bf16_params, fused_loss_on, gather_bytes
 from meshforge.planning.terms import StrategyPlanTerms, replicas
 
 if TYPE_CHECKING:
@@ -98,8 +98,6 @@ def _bf16_params_dtype(cfg: Config, world_size: int) -> list[str]:
 def _root_resharded(cfg: Config) -> bool:
     """The root (embedding, final norm, head) freed after forward and gathered again in backward: when asked,
     except under the fused loss, which reads the head's weight after forward (the runtime keeps the root)."""
-    from meshforge.config.rules import fused_loss_on  # (rules import this registry)
-
     return bool(cfg.distributed.options.reshard_after_forward) and not fused_loss_on(cfg)
 
 
