@@ -5,7 +5,9 @@ What it keeps (the planner's terms, equal to what the bench measures): each para
 on dim 0 over dp_shard*cp, padded to a multiple of it (parameters and gradients hold the padded shard; AdamW's
 moments the unpadded torch.chunk piece); experts under EP: dim 0 over ep, dim 1 over ep_shard. Frozen parameters
 (LoRA) only their shard. On CUDA (and under bf16_params) it gathers bf16; its fp32 shards are bf16_params' masters
-when dp*cp > 1. `offload_policy` moves the shards and optimizer state to host memory.
+when dp*cp > 1 (gradients accumulated unsharded and reduce-scattered in fp32); with nothing to shard (pipeline
+stages alone) each stage is cast to bf16 and its optimizer keeps the masters. `offload_policy` moves the shards
+and optimizer state to host memory (also per pipeline stage).
 What it sends per step: every unit's parameters all-gathered per micro batch, again in backward for the units
 resharded after forward (every block but the last by default, none under PP; `reshard_after_forward: true`: every
 block, and the root unless the fused loss reads its head after forward, which keeps it gathered), gradients
