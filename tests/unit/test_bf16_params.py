@@ -143,6 +143,7 @@ def test_resume_is_bitwise_exact_and_the_checkpoint_holds_the_fp32_masters(tmp_p
      "needs data or context parallel size > 1"),
     (["distributed.strategy=megatron_fsdp", "distributed.grad_reduce_in_fp32=false"], 2, "grad_reduce_in_fp32"),
     (["distributed.strategy=fsdp2", "distributed.mp_policy.param_dtype=fp32"], 2, "contradicts"),
+    (["distributed.strategy=ddp", "distributed.static_graph=true"], 2, "static_graph=true is not read"),
 ])
 def test_rules_say_where_it_runs(overrides, world_size, words):
     with pytest.raises(ConfigError) as err:
