@@ -148,3 +148,11 @@ def test_fused_loss_config_rules():
 
 def test_foreign_model_cannot_fuse():
     assert contract_of(torch.nn.Sequential(torch.nn.Linear(2, 2))).set_fused_loss(True) is False
+
+
+def test_auto_taking_the_plain_loss_is_in_the_plan_notes():
+    from meshforge.planning.plan import _notes
+
+    auto = Config.model_validate({"model": {"hf_model": "some/folder"}})
+    assert fused_loss_note(auto) in _notes(auto)
+    assert not any("fused_loss" in n for n in _notes(Config.model_validate({"distributed": {"tp_size": 2}})))
