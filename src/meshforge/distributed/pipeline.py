@@ -26,6 +26,11 @@ pp_size > 1) returns a `PipelineParallelModel`:
   n_microbatches, so the loss is multiplied by it first.
 - The logged loss (the cross-entropy sum) is broadcast from the last stage's
   rank over the pp group, then summed over dp and divided by the count.
+- Every stage takes the run's numerics as a whole model would: float8 linears,
+  bf16_params (the strategy's fp32 shards, or the stage cast to bf16 with its
+  masters in the optimizer), and the fused loss on the last stage, whose
+  forward then returns the head's input (`_HeadHandOff` carries the head's
+  weight to the loss beside the stage's output).
 """
 
 from __future__ import annotations
@@ -142,7 +147,8 @@ class _HeadHandOff:
     def _hook(self, module, args, out):
         whole = type(out) is tuple  # (HeadInput, aux) from an MoE
         head = out[0] if whole else out
-        if not isinstance(head, HeadInput):
+        if not isinstance(head, HeadInput):  # logits (evaluation, or the plain loss)
+            self.weight = None
             return out
         self.weight = head.weight
         return (head.hidden, *out[1:]) if whole else head.hidden
