@@ -255,8 +255,12 @@ class MegatronFSDPStrategy(Strategy):
 
     def _post_forward_root(self) -> None:
         if self.mode == "optim_grads_params" and not torch.is_grad_enabled():
+            # (a forward without gradients, e.g. validation: nothing will free the units later; the fused loss
+            # still reads the head's weight in the root unit, which the next step's backward frees)
+            keep = self.root_parts if self.head_read_after_forward else []
             for u in self.units:
-                self._reshard(u)
+                if not any(u is k for k in keep):
+                    self._reshard(u)
 
     # ================================================================== gradients
     def _grad_hook(self, u: FlatUnit, s: ParamSlot):
