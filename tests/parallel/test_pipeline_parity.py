@@ -16,8 +16,8 @@ PP2 (interleaved) x TP2 with sequence parallelism.
 The fused loss on the last stage (`training.fused_loss=true`: the stage hands the loss the head's input, never
 the logits) against the same plain-loss reference: N=2 with 1f1b, zero_bubble (split weight pass) and
 v_schedule (the last stage on pp rank 0); N=4 under TP2 + SP (vocabulary-parallel) and under fsdp2
-`reshard_after_forward: true`. CPU offload of every stage's fsdp2 shards (N=4). bf16_params on the stages (the fp32 masters in each stage's optimizer) reproduces
-the one-process bf16_params run bitwise (no gradient clipping: a pipeline sums the stages' squared norms, which
+`reshard_after_forward: true`. CPU offload of every stage's fsdp2 shards (N=4). bf16_params on the stages (the
+fp32 masters in each stage's optimizer) reproduces the one-process bf16_params run bitwise (no gradient clipping: a pipeline sums the stages' squared norms, which
 moves the clipping coefficient by ~1e-7 and a bf16 weight by an ulp), and its checkpoint (fp32 masters under the
 whole model's names) resumes in one process, bitwise on the reference's later losses.
 """
@@ -80,7 +80,6 @@ CONFIGS_2.update({
     "pp2 saves step 5": pp(2, "interleaved_1f1b", "training.max_steps=5", "checkpoint.save_final=true",
                            f"checkpoint.dir={PP_DIR}"),
     **{f"pp2 {s} fused loss": pp(2, s, *FUSED) for s in ("1f1b", "zero_bubble", "v_schedule")},
-    "pp2 bf16_params": pp(2, "1f1b", *BF16),
     "pp2 bf16_params saves step 5": pp(2, "1f1b", *BF16, "training.max_steps=5", "checkpoint.save_final=true",
                                        f"checkpoint.dir={PP_BF16_DIR}"),
 })
@@ -122,9 +121,9 @@ def _check(reference, results, configs, tail_from: dict[str, int] | None = None)
 
 def test_pp2_every_schedule_and_checkpoint_interchange(reference, group):
     ref = reference(BASE)
+    results = results_of(group("pp parity n2"))  # (first: its launch's preparation writes the file read next)
     first = json.loads((SHARED / "single_losses.json").read_text())  # the run that wrote the step-5 checkpoint
     assert first == pytest.approx(ref.losses[:5], rel=LOSS_RTOL)
-    results = results_of(group("pp parity n2"))
     saver = results.pop("pp2 saves step 5")
     assert saver.error is None, saver.error
     assert saver.losses == pytest.approx(ref.losses[:5], rel=LOSS_RTOL)
@@ -154,10 +153,12 @@ def test_pp4_and_pp_with_fsdp2_and_tp(reference, group):
 
 
 def test_pp2_bf16_params_is_bitwise_and_resumes_without_pp(reference, group):
-    ref, results = reference(BASE + BF16), results_of(group("pp parity n2"))
-    got, saver = results["pp2 bf16_params"], results["pp2 bf16_params saves step 5"]
-    compare(ref, got, "pp2 bf16_params", loss_rtol=0.0, weight_atol=0.0, grad_norm_rtol=1e-6)
-    assert saver.error is None and saver.losses == ref.losses[:5], (saver.error, saver.losses, ref.losses)
+    """PP2 runs steps 1-5 (losses equal one process's), saves, and one process continues to step 10: losses and
+    final weights equal the one-process run's."""
+    ref, saver = reference(BASE + BF16), results_of(group("pp parity n2"))["pp2 bf16_params saves step 5"]
+    assert saver.error is None, saver.error
+    compare(type(ref)(ref.losses[:5], ref.grad_norms[:5]), saver, "pp2 bf16_params", loss_rtol=0.0,
+            grad_norm_rtol=1e-6)
     resumed = run_single(BASE + BF16 + [f"checkpoint.resume={PP_BF16_DIR / 'step_5'}"], steps=10)
     tail = type(ref)(ref.losses[5:], ref.grad_norms[5:], ref.weights)
     compare(tail, resumed, "non-PP bf16_params resumes PP2 step 5", loss_rtol=0.0, weight_atol=0.0,
