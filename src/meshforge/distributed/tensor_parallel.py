@@ -1,7 +1,8 @@
 """Tensor and sequence parallelism: apply a model's resolved TP plan (`planning/tp_plan.py`) with DTensor.
 
 `apply_tp(model, mesh_ctx, dcfg)` runs before context parallelism and before any data-parallel strategy, and
-returns the loss context the step must run the loss in (None when the output head is not vocabulary-sharded).
+returns the loss context the step must run the loss in: `loss_parallel()` for a vocabulary-sharded head's logits,
+and the fused loss's tensor-parallel form (`vocab_parallel_loss.tp_head_loss`) for a `HeadInput`.
 
 Styles (torch's `parallelize_module` styles, placed the way torchtitan places them):
 - `colwise`: `ColwiseParallel`, weight rows sharded, output a local shard of the features (heads).
@@ -13,7 +14,8 @@ Styles (torch's `parallelize_module` styles, placed the way torchtitan places th
 - `vocab_embedding`: `RowwiseParallel` on the embedding, vocabulary sharded.
 - `vocab_output`: `ColwiseParallel` on the output projection with `use_local_output=False`: the logits stay a
   vocabulary-sharded DTensor and the loss runs under `loss_parallel()` (the returned loss context), so the
-  full-vocabulary logits are never gathered.
+  full-vocabulary logits are never gathered. With the fused loss the head's forward does not run: the loss
+  projects chunk by chunk on each rank's vocabulary rows (`vocab_parallel_loss.py`).
 - `local_heads` (found by `planning/tp_trace.py`, not declared): the module's parameters split on dim 0 with the
   heads, its forward on the local shards (per-head parameters such as Cohere's q/k norms).
 - `shared_input` (model plans only): the module's first input is one tensor every TP rank uses for its own heads
@@ -25,8 +27,9 @@ Styles (torch's `parallelize_module` styles, placed the way torchtitan places th
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -45,8 +48,11 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from meshforge.distributed.float8 import float8_tp_styles
+from meshforge.distributed.vocab_parallel_loss import tp_head_loss
 from meshforge.errors import ConfigError
 from meshforge.models.lora import LoRALinear
+from meshforge.models.loss import head_loss_override
 from meshforge.planning.tp_plan import plan_problems, resolve_plan, tied_parameters
 from meshforge.planning.tp_trace import trace_plan
 
@@ -109,7 +115,7 @@ class _ShardSaved:
 
     def pack(self, t):
         local = t._local_tensor if isinstance(t, DTensor) else t
-        if local.untyped_storage().data_ptr() != self.full_ptr:
+        if _storage_ptr(local) != self.full_ptr:
             return self.outer[0](t) if self.outer else t
         if self.packed_shard is None:
             self.packed_shard = self.outer[0](self.shard) if self.outer else self.shard
@@ -126,6 +132,14 @@ class _ShardSaved:
             self.regathered = full.wait() if isinstance(full, AsyncCollectiveTensor) else full
         view = self.regathered.as_strided(packed.size, packed.stride, packed.offset)
         return view if packed.spec is None else DTensor(view, packed.spec, requires_grad=False)
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    """The tensor's storage address; None for a wrapper subclass without storage (float8's casts)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -234,9 +248,15 @@ def _styles(sequence_parallel: bool, save_shard: bool) -> dict[str, ParallelStyl
 
 
 # ------------------------------------------------------------------------------ apply
-def apply_tp(model: nn.Module, mesh_ctx, dcfg) -> Callable[[], AbstractContextManager] | None:
-    """Shard `model` in place over the `tp` mesh; returns the loss context (vocabulary-parallel loss) or None.
-    Raises ConfigError (before any step) for a bad plan."""
+@contextlib.contextmanager
+def _tp_loss_context(vocab_parallel: bool) -> Iterator[None]:
+    with loss_parallel() if vocab_parallel else contextlib.nullcontext(), head_loss_override(tp_head_loss):
+        yield
+
+
+def apply_tp(model: nn.Module, mesh_ctx, dcfg) -> Callable[[], AbstractContextManager]:
+    """Shard `model` in place over the `tp` mesh; returns the loss context (vocabulary-parallel loss, plain or
+    fused). Raises ConfigError (before any step) for a bad plan."""
     tp, sp = mesh_ctx.tp_size, bool(dcfg.sequence_parallel)
     problems = plan_problems(model, tp, sp, dcfg.tp_plan)
     if problems:
@@ -257,6 +277,7 @@ def apply_tp(model: nn.Module, mesh_ctx, dcfg) -> Callable[[], AbstractContextMa
                 plan[name] = ReplicateSP(gather_input=base == "vocab_output", shard_output=base == "vocab_embedding")
             continue
         plan[name] = styles[style]
+    plan.update(float8_tp_styles(model, resolved, sp))  # float8 linears: torchao's styles (float8.py)
     ties = tied_parameters(model)
     adapters = _adapter_weights(model, resolved)
     # SequenceParallel re-creates parameters as trainable: frozen ones (LoRA's base) must stay frozen
@@ -268,7 +289,7 @@ def apply_tp(model: nn.Module, mesh_ctx, dcfg) -> Callable[[], AbstractContextMa
     for n, p in model.named_parameters():
         if n in frozen:
             p.requires_grad_(False)
-    return loss_parallel if "vocab_output" in resolved.values() else None
+    return functools.partial(_tp_loss_context, "vocab_output" in resolved.values())
 
 
 # LoRA factors follow their base layer's style: y = W x + B A x with W split by rows (colwise) needs B split by

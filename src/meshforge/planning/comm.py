@@ -17,7 +17,7 @@ import math
 
 from meshforge.planning.layout import Layout, MeshAxis
 from meshforge.planning.params import F32, ParamRec
-from meshforge.planning.precision import bf16_compute
+from meshforge.planning.precision import bf16_compute, fused_loss_on
 from meshforge.planning.state import pipeline_plan_of, stage_params, terms_of
 from meshforge.planning.terms import AddComm
 
@@ -93,7 +93,9 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
     (distributed/tensor_parallel.py). Checkpointing (full or selective) runs the block's forward collectives
     again, except the last reduction of each block: the recomputation stops at the last tensor backward needs
     (non-reentrant checkpoint), and the block's output is not one. The vocabulary-parallel loss reduces the max,
-    sum of exponentials and target logit of every token (3 x tokens x 4 bytes)."""
+    sum of exponentials and target logit of every token (3 x tokens x 4 bytes); the fused loss instead all-gathers
+    two fp32 numbers a token (each rank's log-sum-exp and label logit, distributed/vocab_parallel_loss.py), and
+    gathers (SP) or all-reduces the head's input and its gradient as the head would."""
     d, t = cfg.distributed, cfg.training
     e = 2 if bf16_compute(cfg) else F32
     tokens = t.micro_batch_size * t.seq_len // layout.cp
@@ -121,7 +123,10 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
     # column-wise projections' input gradients, and the inputs the plan declares shared by the ranks' heads
     cols = sum(input_grad(p) for p in in_blocks if p.tp_dim == 0) - skip + _shared_inputs(mine_all, cfg) * tokens * e
     recompute = d.ac_mode is not None
-    loss = 3 * tokens * F32 if head else 0
+    fused = fused_loss_on(cfg)
+    loss = 3 * tokens * F32 if head and not fused else 0
+    if head and fused:
+        add("tp", "all_gather", n_micro * layout.tp * 2 * tokens * F32)
     # replicated parameters with Partial gradients are all-reduced twice per step, by the gradient norm and by the
     # optimizer step (measured, torch 2.13, dp 1)
     partial = 2 * F32 * sum(math.prod(p.shape) for p in mine_all if p.partial_grad and p.trainable)

@@ -88,6 +88,10 @@ class MegatronFSDPStrategy(Strategy):
         return True  # buffers and hooks at every size; at dp size 1 no collective runs
 
     @property
+    def holds_masters(self) -> bool:
+        return True  # its fp32 main buffers; bf16_params makes the compute buffers bf16 (on CPU too)
+
+    @property
     def comm_bytes(self):
         return self.comm.bytes
 
@@ -103,6 +107,10 @@ class MegatronFSDPStrategy(Strategy):
 
     # ================================================================== wrapping
     def parallelize(self, model: nn.Module) -> nn.Module:
+        if self.param_dtype is not None:  # bf16_params: bf16 compute buffers beside the fp32 main ones
+            self.compute_dtype = self.param_dtype
+            if self.options.grad_reduce_in_fp32 is False:  # (refused by the config rules)
+                self.reduce_dtype = self.compute_dtype
         names: dict[int, list[str]] = {}
         params: dict[int, nn.Parameter] = {}
         for fqn, p in model.named_parameters(remove_duplicate=False):
@@ -247,8 +255,12 @@ class MegatronFSDPStrategy(Strategy):
 
     def _post_forward_root(self) -> None:
         if self.mode == "optim_grads_params" and not torch.is_grad_enabled():
+            # (a forward without gradients, e.g. validation: nothing will free the units later; the fused loss
+            # still reads the head's weight in the root unit, which the next step's backward frees)
+            keep = self.root_parts if self.head_read_after_forward else []
             for u in self.units:
-                self._reshard(u)
+                if not any(u is k for k in keep):
+                    self._reshard(u)
 
     # ================================================================== gradients
     def _grad_hook(self, u: FlatUnit, s: ParamSlot):
