@@ -100,6 +100,11 @@ class HFMoELayer:
         else:
             self.experts.forward = functools.partial(_dispatched_forward, self)
 
+    def balance_load(self) -> None:
+        """None: transformers' routers keep no selection bias meshforge updates (no auxiliary-loss-free balancing;
+        `model.router_bias_update_rate` is a model field, refused with hf_model)."""
+        return None
+
 
 def _dispatched_forward(layer: HFMoELayer, hidden: torch.Tensor, top_k_index: torch.Tensor,
                         top_k_weights: torch.Tensor) -> torch.Tensor:
