@@ -153,3 +153,28 @@ def test_a_projection_the_plan_leaves_whole_is_refused(tmp_path):
     mine = [p for p in problems if p.startswith("tensor parallelism:")]
     assert len(mine) == 1 and "o_proj" in mine[0] and "\n" not in mine[0], problems
     print(mine[0])
+
+
+def test_transformers_tp_styles_map_and_validate(tmp_path):
+    """The styles transformers' own plans use beyond colwise/rowwise: Qwen3's q/k norms
+    (`replicated_with_grad_allreduce`: whole, gradient summed over tp) and GLM's fused gate_up_proj
+    (`colwise_gather_output`) with its down_proj (`rowwise_split_input`) map onto meshforge's styles and pass
+    validation at TP2 (parity: tests/parallel/test_hf_model_parity.py)."""
+    expect = {"qwen3": {"self_attn.q_norm": "replicate_grad_sum", "self_attn.k_norm": "replicate_grad_sum"},
+              "glm": {"mlp.gate_up_proj": "colwise_gather", "mlp.down_proj": "rowwise_split"}}
+    for model_type, styles in expect.items():
+        folder = write_tiny(model_type, tmp_path / model_type)
+        plan = build_model(resolve_model_args(config([f"model.hf_model={folder}"], world_size=1).model),
+                           "meta").tp_plan()
+        assert {k: plan[f"hf.model.layers.*.{k}"] for k in styles} == styles
+        assert _problems(folder, ["distributed.strategy=fsdp2", "distributed.tp_size=2"]) == [], model_type
+
+
+def test_a_summed_gradient_on_whole_activations_is_refused(tmp_path):
+    """`replicate_grad_sum` is right only where the parameter meets this rank's share of the heads: with Qwen3's
+    projections left whole (distributed.tp_plan) its q/k norms would get tp times their gradient: refused."""
+    folder = write_tiny("qwen3", tmp_path / "qwen3")
+    problems = _problems(folder, ["distributed.strategy=fsdp2", "distributed.tp_size=2",
+                                  "distributed.tp_plan={hf.model.layers.*.self_attn.*_proj: replicate}"])
+    mine = [p for p in problems if "summed over the tp ranks" in p]
+    assert len(mine) == 2 and all("(in 2 layers)" in p for p in mine), problems

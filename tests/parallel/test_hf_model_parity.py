@@ -14,6 +14,9 @@ reproduce the single process, one shared launch for all of them.
   TP2. Its logits differ from one process's by more than without TP, and that is rounding, not a real difference:
   against the same training in fp64 (a plain transformers loop, same initial weights and batches) the TP2 run is
   no further than the one-process fp32 run is (measured: logits 3.0e-6 vs 2.4e-6 from fp64, 8e-7 apart).
+- transformers' other TP styles (issue 30 item 4), fsdp2 x TP2: Qwen3's q/k norms (`replicated_with_grad_allreduce`:
+  whole, their gradient summed over tp) and GLM's fused gate_up_proj (`colwise_gather_output`) with its down_proj
+  (`rowwise_split_input`).
 - GPT-2 (no `_tp_plan`, no `_no_split_modules`: its blocks are the layers of its ModuleList; Conv1D projections):
   fsdp2.
 
@@ -42,6 +45,8 @@ MODELS = {  # name -> (model_type, config overrides)
     "granite": ("granite", {"pad_token_id": None, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                             "attention_multiplier": 0.015625, "logits_scaling": 1.0}),
     "gpt2": ("gpt2", {}),
+    "qwen3": ("qwen3", {}),
+    "glm": ("glm", {}),
 }
 LAYOUTS = {  # name -> (model, overrides)
     "qwen2_fsdp2": ("qwen2", ["distributed.strategy=fsdp2"]),
@@ -56,6 +61,8 @@ LAYOUTS = {  # name -> (model, overrides)
     "cohere_qk_fsdp2_tp2": ("cohere_qk", ["distributed.strategy=fsdp2", "distributed.tp_size=2"]),
     "granite_fsdp2_tp2": ("granite", ["distributed.strategy=fsdp2", "distributed.tp_size=2"]),
     "gpt2_fsdp2": ("gpt2", ["distributed.strategy=fsdp2"]),
+    "qwen3_fsdp2_tp2": ("qwen3", ["distributed.strategy=fsdp2", "distributed.tp_size=2"]),
+    "glm_fsdp2_tp2": ("glm", ["distributed.strategy=fsdp2", "distributed.tp_size=2"]),
 }
 
 

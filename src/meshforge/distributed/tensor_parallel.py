@@ -21,6 +21,12 @@ Styles (torch's `parallelize_module` styles, placed the way torchtitan places th
 - `shared_input` (model plans only): the module's first input is one tensor every TP rank uses for its own heads
   only (DeepSeek's rope key, shared by all query heads): identity forward, its gradient (each rank's heads' share)
   summed over the TP group in backward, as a column-wise layer sums its input's gradient.
+- `colwise_gather` / `rowwise_split` (transformers' `colwise_gather_output` / `rowwise_split_input`, e.g. GLM's
+  fused gate_up_proj, whose output is chunked in features, then down_proj): `ColwiseParallel` with the output
+  all-gathered whole; `RowwiseParallel` taking a whole input and splitting it itself.
+- `replicate_grad_sum` (transformers' `replicated_with_grad_allreduce`, e.g. a (head_dim,) q/k norm applied on each
+  rank's own heads): parameters whole on every rank, their gradient summed over the TP group in backward
+  (`planning/tp_trace.py` checks that they do meet sharded activations: else the sum would count tp times).
 - `replicate`: the module is left out of tensor parallelism (weights whole on every TP rank). With sequence
   parallelism a replicated vocabulary layer gets its input gathered / output re-sharded along the sequence.
 """
@@ -208,6 +214,23 @@ class EmbeddingParallel(RowwiseParallel):
         return out.clone() if isinstance(out, AsyncCollectiveTensor) else out
 
 
+def _forward_on(module: nn.Module, swap: Callable[[nn.Parameter], torch.Tensor]) -> None:
+    """Run the module's forward with each of its own parameters replaced by `swap(parameter)` (module hooks, e.g.
+    FSDP's gather, still run around it)."""
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        saved = dict(module._parameters)
+        module._parameters.update({n: swap(p) for n, p in saved.items() if p is not None})
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            module._parameters.update(saved)
+
+    module.forward = forward
+
+
 class LocalHeads(ParallelStyle):
     """Per-head parameters of a module between column-wise and row-wise projections (e.g. Cohere's q/k norms,
     weight (heads, head_dim)): split on dim 0 with the heads this rank's column-wise projections give it, and the
@@ -218,18 +241,16 @@ class LocalHeads(ParallelStyle):
             module.register_parameter(name, nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)],
                                                                            src_data_rank=None),
                                                          requires_grad=p.requires_grad))
-        inner = module.forward
+        _forward_on(module, lambda p: p.to_local() if isinstance(p, DTensor) else p)
+        return module
 
-        @functools.wraps(inner)
-        def forward(*args, **kwargs):
-            saved = dict(module._parameters)
-            module._parameters.update({n: p.to_local() for n, p in saved.items() if isinstance(p, DTensor)})
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                module._parameters.update(saved)
 
-        module.forward = forward
+class ReplicateGradSum(ParallelStyle):
+    """`replicate_grad_sum`: whole parameters used on this rank's heads only; their gradient summed over TP."""
+
+    def _apply(self, module, mesh):
+        group = mesh.get_group()
+        _forward_on(module, lambda p: _SumGradOverTP.apply(p, group) if p.requires_grad else p)
         return module
 
 
@@ -244,6 +265,9 @@ def _styles(sequence_parallel: bool, save_shard: bool) -> dict[str, ParallelStyl
         "vocab_embedding": EmbeddingParallel(input_layouts=Replicate(), output_layouts=seq),
         "vocab_output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
         "local_heads": LocalHeads(),
+        "colwise_gather": ColwiseParallel(output_layouts=Replicate()),
+        "rowwise_split": RowwiseParallel(input_layouts=Replicate()),
+        "replicate_grad_sum": ReplicateGradSum(),
     }
 
 
@@ -296,6 +320,7 @@ def apply_tp(model: nn.Module, mesh_ctx, dcfg) -> Callable[[], AbstractContextMa
 # rows and A whole; with W split by columns (rowwise, input sharded) A is split by columns and B whole, the
 # two partial sums (W x, B A x) reduced together by the style's output redistribution
 _ADAPTER_PLACEMENTS = {"colwise": ([Replicate()], [Shard(0)]), "rowwise": ([Shard(1)], [Replicate()])}
+_ADAPTER_PLACEMENTS.update(colwise_gather=_ADAPTER_PLACEMENTS["colwise"], rowwise_split=_ADAPTER_PLACEMENTS["rowwise"])
 
 
 def _adapter_weights(model: nn.Module, resolved: dict[str, str]) -> dict[str, tuple]:

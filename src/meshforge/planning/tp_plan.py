@@ -27,9 +27,9 @@ from meshforge.models import plan_modules
 from meshforge.models.shapes import ModuleShape, model_contract, pattern_matches
 from meshforge.planning.tp_trace import fold_repeats, trace_plan
 
-SHARDED_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_output")
+SHARDED_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_output", "colwise_gather", "rowwise_split")
 ALL_STYLES = SHARDED_STYLES + ("sequence_parallel", "sequence_gather", "shared_input", "replicate",
-                                  "local_heads")
+                                  "local_heads", "replicate_grad_sum")
 
 
 def _kind(mod: Any) -> str | None:
@@ -102,7 +102,7 @@ def sharded_dim(mod: Any, style: str) -> int | None:
     if style not in SHARDED_STYLES:
         return None
     emb = _kind(mod) == "embedding"
-    if style in ("colwise", "vocab_output"):
+    if style in ("colwise", "vocab_output", "colwise_gather"):
         return 1 if emb else 0
     return 0 if emb else 1
 

@@ -29,7 +29,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-TRACED_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_output", "replicate", "local_heads")
+TRACED_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_output", "replicate", "local_heads",
+                 "colwise_gather", "rowwise_split", "replicate_grad_sum")
+_WHOLE_IN_OUT = ("colwise_gather", "rowwise_split")  # split inside the module only: traced whole
 
 
 def _slices(style: str, mod: Any, tp: int) -> list[tuple[Any, str, Any]]:
@@ -54,7 +56,7 @@ def _slices(style: str, mod: Any, tp: int) -> list[tuple[Any, str, Any]]:
 class _Taint:
     """A TorchDispatchMode following sharded activations and replicated parameters through the aten ops."""
 
-    def __init__(self, replicated: dict[int, str]):
+    def __init__(self, replicated: dict[int, str], summed: set[str]):
         from torch.utils._python_dispatch import TorchDispatchMode
 
         taint = self
@@ -68,6 +70,7 @@ class _Taint:
         self.params: dict[int, frozenset[str]] = {k: frozenset([v]) for k, v in replicated.items()}
         self.keep: list[Any] = []
         self.partial: dict[str, str] = {}  # parameter -> the op that met a sharded activation
+        self.summed, self.met = summed, set()  # `replicate_grad_sum` parameters; those that met one
 
     def mark(self, out: Any, sharded: bool) -> None:
         import torch
@@ -97,7 +100,10 @@ class _Taint:
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if sharded and params and any(t.is_floating_point() for t in outs):
             for name in sorted(params):
-                self.partial.setdefault(name, str(func))
+                if name in self.summed:
+                    self.met.add(name)
+                else:
+                    self.partial.setdefault(name, str(func))
         if sharded:
             self.mark(out, True)
         elif params and all(id(t) in self.params for t in inputs):  # computed from parameters only
@@ -121,15 +127,19 @@ def _swapped(modules: dict[str, Any], plan: dict[str, str], tp: int) -> Iterator
             mod._parameters[pname] = p
 
 
-def _run(model: Any, plan: dict[str, str], tp: int, seq_len: int, vocab: int) -> tuple[dict[str, str], str | None,
-                                                                                      str | None]:
-    """One traced forward: ({parameter: op} met sharded activations, module of a shape error, its message)."""
+def _run(model: Any, plan: dict[str, str], tp: int, seq_len: int, vocab: int
+         ) -> tuple[dict[str, str], str | None, str | None, list[str]]:
+    """One traced forward: ({parameter: op} met sharded activations, module of a shape error, its message,
+    `replicate_grad_sum` parameters that met none)."""
     import torch
 
     modules = dict(model.named_modules())
+    summed = {f"{name}.{n}" for name, s in plan.items() if s == "replicate_grad_sum"
+              for n, _ in modules[name].named_parameters()}
     covered = {id(p) for name in plan for p in modules[name].parameters()}
-    replicated = {id(p): n for n, p in model.named_parameters() if id(p) not in covered and p.requires_grad}
-    taint = _Taint(replicated)
+    replicated = {id(p): n for n, p in model.named_parameters()
+                  if (id(p) not in covered or n in summed) and p.requires_grad}
+    taint = _Taint(replicated, summed)
     stack: list[str] = []
     handles = []
 
@@ -138,7 +148,7 @@ def _run(model: Any, plan: dict[str, str], tp: int, seq_len: int, vocab: int) ->
             stack.append(name)
             if style == "rowwise" and not taint.is_sharded(args):
                 raise _PlanError(name, "row-wise but its input is whole (no column-wise module before it)")
-            if style in ("colwise", "vocab_output") and taint.is_sharded(args):
+            if style in ("colwise", "vocab_output", *_WHOLE_IN_OUT) and taint.is_sharded(args):
                 raise _PlanError(name, f"{style} but its input is already sharded (a column-wise module before it "
                                        "without a row-wise one in between)")
         return hook
@@ -146,7 +156,7 @@ def _run(model: Any, plan: dict[str, str], tp: int, seq_len: int, vocab: int) ->
     def post(style):
         def hook(mod, args, out):
             stack.pop()
-            if style in ("colwise", "rowwise", "vocab_embedding"):
+            if style in ("colwise", "rowwise", "vocab_embedding", *_WHOLE_IN_OUT):
                 taint.mark(out, style == "colwise")
         return hook
 
@@ -161,15 +171,15 @@ def _run(model: Any, plan: dict[str, str], tp: int, seq_len: int, vocab: int) ->
             model.train()
             model(tokens)
     except _PlanError as err:
-        return taint.partial, err.module, err.why
+        return taint.partial, err.module, err.why, []
     except Exception as err:  # the forward itself failed on the shards: a shape error, named by its module
         text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return taint.partial, stack[-1] if stack else "", text
+        return taint.partial, stack[-1] if stack else "", text, []
     finally:
         for h in handles:
             h.remove()
         model.train(was_training)
-    return taint.partial, None, None
+    return taint.partial, None, None, sorted(summed - taint.met)
 
 
 class _PlanError(Exception):
@@ -192,7 +202,7 @@ def trace_plan(model: Any, resolved: dict[str, str], tp: int, seq_len: int = 16,
     modules = dict(model.named_modules())
     added: dict[str, str] = {}
     tried: set[str] = set()
-    partial, failed_in, why = _run(model, plan, tp, seq_len, vocab)
+    partial, failed_in, why, unmet = _run(model, plan, tp, seq_len, vocab)
     while True:
         suspects = [failed_in] if failed_in and failed_in not in plan else []
         suspects += [p.rpartition(".")[0] for p in partial]
@@ -207,7 +217,7 @@ def trace_plan(model: Any, resolved: dict[str, str], tp: int, seq_len: int = 16,
         in_fixed = (again[1] is not None and _pattern(again[1]) == pattern) or \
             any(_pattern(p.rpartition(".")[0]) == pattern for p in again[0])
         if not in_fixed:  # it runs there now: keep it (what remains elsewhere is the next suspect)
-            added, (partial, failed_in, why) = candidate, again
+            added, (partial, failed_in, why, unmet) = candidate, again
     problems = []
     if failed_in is not None:
         problems.append(f"tensor parallelism: with distributed.tp_size={tp} the model fails in module "
@@ -217,6 +227,11 @@ def trace_plan(model: Any, resolved: dict[str, str], tp: int, seq_len: int = 16,
         problems.append(f"tensor parallelism: parameter {param!r} is kept whole on every tp rank but is used with "
                         f"activations the plan splits over distributed.tp_size={tp} (in {op}), so each rank would "
                         "get only its share of its gradient: give its module a style in distributed.tp_plan or set "
+                        "tp_size 1")
+    for param in unmet:
+        problems.append(f"tensor parallelism: parameter {param!r} has its gradient summed over the tp ranks "
+                        "(replicated_with_grad_allreduce) but never meets activations the plan splits, so the sum "
+                        f"would count it {tp} times: give its module 'replicate' in distributed.tp_plan or set "
                         "tp_size 1")
     return added, fold_repeats(problems)
 
