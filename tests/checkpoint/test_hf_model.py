@@ -193,11 +193,12 @@ def test_keys_that_do_not_apply_are_refused(weights_dir, override, key):
     assert "\n" not in mine[0]
 
 
-def test_packing_is_refused(weights_dir, tmp_path):
+def test_packing_is_accepted_where_transformers_keeps_documents_apart(weights_dir, tmp_path):
+    """(Qwen2 builds its document mask from restarting positions: tests/checkpoint/test_hf_model_packing.py.)"""
     (tmp_path / "a.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
     problems = _problems([f"model.hf_model={weights_dir}", "data.source=dataset", f"data.paths=[{tmp_path}/a.jsonl]",
                           "data.format=prompt_completion", "data.packing=true"])
-    assert any(p.startswith("data.packing=true is not supported with model.hf_model") for p in problems), problems
+    assert not any("packing" in p for p in problems), problems
 
 
 def test_a_tp_style_meshforge_cannot_map_is_one_line(weights_dir):

@@ -4,7 +4,8 @@ line, and docs/hf.md's table says which (generated from these outcomes).
 For each entry of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` (tests/checkpoint/hf_zoo.py builds it tiny and random from its
 config class): `meshforge validate` at world size 1, then (validation first: it looks at one model, training at
 another) validation at world size 2 with tp_size 2 (its TP plan checked by running it as tp rank 0 would,
-planning/tp_trace.py) and, for a mixture of experts, ep_size 2; then 3 steps of meshforge's trainer from the seeded
+planning/tp_trace.py) and, for a mixture of experts, ep_size 2, and whether it keeps packed documents apart
+(`models.packing_problem`, measured); then 3 steps of meshforge's trainer from the seeded
 random start against a plain transformers loop (same weights, batches, AdamW; `train_against_transformers`), losses
 within LOSS_RTOL and final weights within WEIGHT_ATOL. A model refused only for its random start (a parameter its
 constructor draws at random) is validated and trained from a folder of its weights instead. Any outcome other than
@@ -52,6 +53,15 @@ def _short(line: str, folder: Path) -> str:
     return line if len(line) <= 150 else line[:147] + "..."
 
 
+def _packing(folder: Path) -> str:
+    """Whether the model keeps packed documents apart (measured on validation's model, `models.packing_problem`)."""
+    from meshforge.models import packing_problem
+    from meshforge.models.hf_auto import hf_model_args, probe_model
+
+    problem = packing_problem(probe_model(hf_model_args(folder)))
+    return "refused: " + _short(problem, folder) if problem else "passes"
+
+
 def _is_moe(folder: Path) -> bool:
     from meshforge.models.hf_auto import hf_model_args, probe_model
 
@@ -77,8 +87,8 @@ def outcome(model_type: str, where: Path) -> dict:
         folder = write_tiny(model_type, where / model_type)
     except Exception as err:  # the architecture cannot be built tiny here (extra package, own checks)
         text = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        return {"train": f"not built here: {type(err).__name__}: {text[:120]}", "tp2": "", "ep2": ""}
-    row = {"tp2": "", "ep2": ""}
+        return {"train": f"not built here: {type(err).__name__}: {text[:120]}", "tp2": "", "ep2": "", "packing": ""}
+    row = {"tp2": "", "ep2": "", "packing": ""}
     try:
         problems, folder_note = _problems(folder, [], 1), ""
         if problems and "no seeded initialisation" in problems[0]:  # from a folder of its weights instead
@@ -91,6 +101,7 @@ def outcome(model_type: str, where: Path) -> dict:
         if not problems:  # validation first: it looks at one model (models.probe_model), training another
             tp = _problems(folder, ["distributed.strategy=fsdp2", "distributed.tp_size=2"], 2)  # (dp 1)
             row["tp2"] = "refused: " + _short(tp[0], folder) if tp else "passes"
+            row["packing"] = _packing(folder)
             if _is_moe(folder):
                 ep = _problems(folder, ["distributed.strategy=fsdp2", "distributed.ep_size=2",
                                         "training.global_batch_size=4"], 2)
@@ -124,9 +135,9 @@ def outcomes(tmp_path_factory) -> dict[str, dict]:
 def table(outcomes: dict[str, dict]) -> str:
     classes = causal_lm_types()
     lines = ["| `model_type` | class | 3 steps from a random start, 1 process | validate tp_size=2 | "
-             "validate ep_size=2 |", "|---|---|---|---|---|"]
+             "validate ep_size=2 | packing |", "|---|---|---|---|---|---|"]
     for mt, row in outcomes.items():
-        cells = [f"`{mt}`", classes[mt], row["train"], row["tp2"], row["ep2"] or "(dense)"]
+        cells = [f"`{mt}`", classes[mt], row["train"], row["tp2"], row["ep2"] or "(dense)", row["packing"]]
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(lines)
 
@@ -134,7 +145,7 @@ def table(outcomes: dict[str, dict]) -> str:
 @pytest.mark.parametrize("model_type", list(causal_lm_types()))
 def test_trains_exactly_or_is_refused_in_one_line(outcomes, model_type):
     row = outcomes[model_type]
-    for key in ("train", "tp2", "ep2"):
+    for key in ("train", "tp2", "ep2", "packing"):
         assert "TRACEBACK" not in row[key] and "DIFFERS" not in row[key], f"{model_type}: {row}"
         assert "\n" not in row[key]
 

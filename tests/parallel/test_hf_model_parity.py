@@ -17,6 +17,9 @@ reproduce the single process, one shared launch for all of them.
 - transformers' other TP styles (issue 30 item 4), fsdp2 x TP2: Qwen3's q/k norms (`replicated_with_grad_allreduce`:
   whole, their gradient summed over tp) and GLM's fused gate_up_proj (`colwise_gather_output`) with its down_proj
   (`rowwise_split_input`).
+- Packed sequences (issue 30 item 4; several prompt/completion documents a row, positions restarting per document,
+  transformers' own document mask) under fsdp2 and fsdp2 x TP2; LoRA on every projection (PEFT-compatible adapters)
+  under fsdp2 and fsdp2 x TP2 for Qwen2, and for GLM under TP2 (adapters on its gathered / split projections).
 - GPT-2 (no `_tp_plan`, no `_no_split_modules`: its blocks are the layers of its ModuleList; Conv1D projections):
   fsdp2.
 
@@ -48,7 +51,11 @@ MODELS = {  # name -> (model_type, config overrides)
     "qwen3": ("qwen3", {}),
     "glm": ("glm", {}),
 }
-LAYOUTS = {  # name -> (model, overrides)
+DATA = Path(__file__).resolve().parents[2] / "examples" / "data" / "prompt_completion_tiny.jsonl"
+PACKED = ["data.source=dataset", f"data.paths=[{DATA}]", "data.format=prompt_completion", "data.packing=true",
+          "training.seq_len=64"]  # several documents a row: the mask matters
+LORA = ["peft.rank=4", "peft.alpha=8", "peft.target_modules=['*_proj']"]
+LAYOUTS = {  # name -> (model, overrides; those not under distributed. apply to the one-process reference too)
     "qwen2_fsdp2": ("qwen2", ["distributed.strategy=fsdp2"]),
     "qwen2_ddp_ac_full": ("qwen2", ["distributed.strategy=ddp", "distributed.activation_checkpointing=full"]),
     "qwen2_megatron_fsdp": ("qwen2", ["distributed.strategy=megatron_fsdp"]),
@@ -63,6 +70,11 @@ LAYOUTS = {  # name -> (model, overrides)
     "gpt2_fsdp2": ("gpt2", ["distributed.strategy=fsdp2"]),
     "qwen3_fsdp2_tp2": ("qwen3", ["distributed.strategy=fsdp2", "distributed.tp_size=2"]),
     "glm_fsdp2_tp2": ("glm", ["distributed.strategy=fsdp2", "distributed.tp_size=2"]),
+    "qwen2_packed_fsdp2": ("qwen2", [*PACKED, "distributed.strategy=fsdp2"]),
+    "qwen2_packed_fsdp2_tp2": ("qwen2", [*PACKED, "distributed.strategy=fsdp2", "distributed.tp_size=2"]),
+    "qwen2_lora_fsdp2": ("qwen2", [*LORA, "distributed.strategy=fsdp2"]),
+    "qwen2_lora_fsdp2_tp2": ("qwen2", [*LORA, "distributed.strategy=fsdp2", "distributed.tp_size=2"]),
+    "glm_lora_fsdp2_tp2": ("glm", [*LORA, "distributed.strategy=fsdp2", "distributed.tp_size=2"]),
 }
 
 
@@ -110,7 +122,9 @@ GROUP_JOBS = [Job("hf_model parity n2", "meshforge.testing.parity:configs_job",
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_hf_model_parity_n2(reference, group, name):
     got = results_of(group("hf_model parity n2"))[name]
-    compare(reference(base(LAYOUTS[name][0]), steps=STEPS), got, name, LOSS_RTOL, WEIGHT_ATOL)
+    model, overrides = LAYOUTS[name]
+    same = [o for o in overrides if not o.startswith("distributed.")]
+    compare(reference(base(model) + same, steps=STEPS), got, name, LOSS_RTOL, WEIGHT_ATOL)
 
 
 def test_granite_tp2_logit_difference_is_rounding(reference, group):

@@ -140,10 +140,12 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, shard_mb: int =
             "tokenizer": tokenizer is not None}
 
 
-def export_hf_model(ckpt_dir: Path, out_dir: Path, manifest: dict, shard_mb: int) -> dict:
+def export_hf_model(ckpt_dir: Path, out_dir: Path, manifest: dict, shard_mb: int,
+                    state: dict[str, torch.Tensor] | None = None) -> dict:
     """A `model.hf_model` run: the transformers model rebuilt from the config.json the run recorded, its weights
-    read from DCP, written by transformers' own `save_pretrained` (its names, tied weights once, config.json and
-    generation_config.json). The whole model is in this process's memory once (offline, one process)."""
+    read from DCP (or `state`, under transformers' names: a LoRA run's merged weights), written by transformers' own
+    `save_pretrained` (its names, tied weights once, config.json and generation_config.json). The whole model is in
+    this process's memory once (offline, one process)."""
     try:
         import transformers
     except ImportError:
@@ -155,17 +157,7 @@ def export_hf_model(ckpt_dir: Path, out_dir: Path, manifest: dict, shard_mb: int
         raise CheckpointError(f"{ckpt_dir}: the manifest records model.hf_model but not its config.json")
     config = transformers.AutoConfig.for_model(**config)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    shapes = dcp_tensor_shapes(ckpt_dir)
-    own = model.state_dict()
-    missing = [k for k in own if f"model.{HF_PREFIX}{k}" not in shapes]
-    extra = sorted(k for k in shapes if k.startswith("model.") and k[len("model." + HF_PREFIX):] not in own)
-    if missing or extra:
-        what = f"{missing[0]} is missing from it" if missing else f"it holds {extra[0]}, not a tensor of the model"
-        raise CheckpointError(f"{ckpt_dir}: not this {type(model).__name__}'s checkpoint ({what})")
-    state = {f"model.{HF_PREFIX}{k}": torch.empty(shapes[f"model.{HF_PREFIX}{k}"][0],
-                                                  dtype=shapes[f"model.{HF_PREFIX}{k}"][1]) for k in own}
-    dcp_load(state, ckpt_dir, no_dist=True)
-    model.load_state_dict({k: state[f"model.{HF_PREFIX}{k}"] for k in own}, strict=True)
+    model.load_state_dict(_hf_model_state(model, ckpt_dir) if state is None else state, strict=True)
     tmp = staging_dir(out_dir)
     tokenizer = copy_tokenizer(manifest.get("tokenizer"), tmp)
     for key, value in (tokenizer or {}).items():  # bos/eos from the run's tokenizer where the model has none
@@ -183,6 +175,21 @@ def export_hf_model(ckpt_dir: Path, out_dir: Path, manifest: dict, shard_mb: int
             written.update({k: sf.get_slice(k).get_shape() for k in sf.keys()})  # noqa: SIM118
     return {"files": len(files), "tensors": len(written), "dir": str(out_dir), "tokenizer": tokenizer is not None,
             "bytes": sum(torch.Size(v).numel() * 4 for v in written.values())}
+
+
+def _hf_model_state(model, ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    """A full hf_model checkpoint's tensors (DCP: `model.hf.<name>`) under transformers' names, every one checked."""
+    shapes = dcp_tensor_shapes(ckpt_dir)
+    own = model.state_dict()
+    missing = [k for k in own if f"model.{HF_PREFIX}{k}" not in shapes]
+    extra = sorted(k for k in shapes if k.startswith("model.") and k[len("model." + HF_PREFIX):] not in own)
+    if missing or extra:
+        what = f"{missing[0]} is missing from it" if missing else f"it holds {extra[0]}, not a tensor of the model"
+        raise CheckpointError(f"{ckpt_dir}: not this {type(model).__name__}'s checkpoint ({what})")
+    state = {f"model.{HF_PREFIX}{k}": torch.empty(shapes[f"model.{HF_PREFIX}{k}"][0],
+                                                  dtype=shapes[f"model.{HF_PREFIX}{k}"][1]) for k in own}
+    dcp_load(state, ckpt_dir, no_dist=True)
+    return {k: state[f"model.{HF_PREFIX}{k}"] for k in own}
 
 
 def _state(model) -> list[tuple[str, torch.Tensor]]:

@@ -32,12 +32,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from meshforge.checkpoint.hf import _adapter, copy_param, load_hf_into
+from meshforge.checkpoint.hf import _adapter, copy_param, export_hf_model, load_hf_into
 from meshforge.checkpoint.manifest import MANIFEST, model_args_dict
 from meshforge.checkpoint.paths import publish_dir, staging_dir
 from meshforge.checkpoint.safe_dcp import dcp_load, dcp_tensor_shapes
 from meshforge.errors import CheckpointError
-from meshforge.models import ModelArgs, build_model, init_weights
+from meshforge.models import ModelArgs, build_model, init_weights, load_folder_weights
 from meshforge.models.lora import (
     adapter_modules,
     apply_lora,
@@ -181,7 +181,8 @@ def export_adapter(ckpt_dir: str | Path, out_dir: str | Path) -> dict:
     model, pcfg = _peft_model(manifest, ckpt_dir)
     adapter = _adapter(model, ckpt_dir)
     apply_lora(model, pcfg)
-    if "embeddings" not in pcfg.freeze and model.args.tie_embeddings:
+    trained = [n for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad]
+    if "embeddings" not in pcfg.freeze and len(trained) > len({id(model.get_parameter(n)) for n in trained}):
         raise CheckpointError(f"{ckpt_dir}: trained tied embeddings would be untied by PEFT's modules_to_save copy "
                               "of embed_tokens: use --merge")
     modules = adapter_modules(model)
@@ -228,6 +229,7 @@ def export_merged(ckpt_dir: str | Path, out_dir: str | Path) -> dict:
         load_hf_into(model, base["init_from"])
     else:
         init_weights(model, int(base["seed"]))
+        load_folder_weights(model)  # a model.hf_model folder's own weights (no-op for the built-in models)
     apply_lora(model, pcfg)
     trained = {n: p.data for n, p in model.named_parameters() if p.requires_grad}
     _load_tensors(ckpt_dir, trained)
@@ -236,6 +238,8 @@ def export_merged(ckpt_dir: str | Path, out_dir: str | Path) -> dict:
     for name, p in model.named_parameters(remove_duplicate=False):
         if adapter.hf_names(name):
             tensors.update(adapter.to_hf(name, p.detach()))
+    if manifest["model_args"].get("hf_model"):  # transformers writes its own model (names, config.json)
+        return export_hf_model(ckpt_dir, out_dir, manifest, 2048, state=tensors)
     dtype = next(model.parameters()).dtype
     _write_dir(out_dir, {"model.safetensors": tensors, "config.json": json.dumps(adapter.hf_config(dtype), indent=2)})
     return {"dir": str(out_dir), "tensors": len(tensors),

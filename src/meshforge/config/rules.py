@@ -337,8 +337,7 @@ def hf_model_keys(cfg: Config, world_size: int) -> list[str]:
     given = set(m.overrides()) | {"init_from"} | ({"preset"} if m.preset != "tiny" else set())  # tiny: the default
     out = [f"model.{k} cannot be set {what} (its config.json gives the model): remove it"
            for k in sorted(m.model_fields_set & given)]
-    for key, value, on in (("data.packing", "true", cfg.data.packing),  # (fused_loss: `fused_loss_layout`)
-                           ("training.fp8.enabled", "true", t.fp8.enabled), ("peft", "(LoRA)", cfg.peft is not None),
+    for key, value, on in (("training.fp8.enabled", "true", t.fp8.enabled),  # (fused_loss: `fused_loss_layout`)
                            ("distributed.pp_size", d.pp_size, d.pp_size > 1),
                            ("distributed.cp_size", d.cp_size, d.cp_size > 1),
                            ("distributed.sequence_parallel", "true", d.sequence_parallel)):
@@ -353,13 +352,13 @@ def hf_model_keys(cfg: Config, world_size: int) -> list[str]:
 
 @rule
 def hf_model_builds(cfg: Config, world_size: int) -> list[str]:
-    """A `model.hf_model` transformers can build, that runs on token ids, is causal and can start from the seed
-    (checked by running it when it fits `models.hf_auto.PROBE_PARAMS_MAX`, else by the trainer before the first
-    collective) and has blocks."""
+    """A `model.hf_model` transformers can build, that runs on token ids, is causal, can start from the seed and,
+    with packing, keeps documents apart (checked by running it when it fits `models.hf_auto.PROBE_PARAMS_MAX`, else
+    by the trainer before the first collective) and has blocks."""
     args = _model_args(cfg)
     if not cfg.model.hf_model or args is None:
         return []
-    from meshforge.models import probe_model
+    from meshforge.models import packing_problem, probe_model
 
     try:
         model = probe_model(args)
@@ -367,6 +366,9 @@ def hf_model_builds(cfg: Config, world_size: int) -> list[str]:
             model.check_seeded_start(cfg.run.seed)  # (refused for a parameter with no seeded initialisation)
     except ValueError as err:
         return [str(err)]
+    problem = packing_problem(model) if cfg.data.packing else None  # (a larger model: distributed/build.py)
+    if problem:
+        return [problem]
     if not cfg.distributed.block_classes and not model.blocks():
         return [f"model.hf_model={cfg.model.hf_model}: {type(model.hf).__name__} declares no blocks (no "
                 "_no_split_modules, no ModuleList of layers): set distributed.block_classes to its layer class"]

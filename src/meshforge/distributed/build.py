@@ -15,7 +15,7 @@ from meshforge.distributed.parallelize import parallelize_model, set_fused_loss
 from meshforge.distributed.pipeline import build_pipeline_model
 from meshforge.distributed.runtime import ParallelModel
 from meshforge.errors import ConfigError
-from meshforge.models import blocks_of, build_model, init_weights, load_folder_weights
+from meshforge.models import blocks_of, build_model, init_weights, load_folder_weights, packing_problem
 from meshforge.models.lora import apply_lora
 
 
@@ -43,6 +43,9 @@ def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device, load_
     if mesh_ctx.pp_size > 1:
         return build_pipeline_model(cfg, mesh_ctx, device, meta=meta)
     model = meta_probe if meta else build_model(cfg.model)
+    problem = packing_problem(model) if cfg.data.packing else None  # (validation measured a smaller hf_model)
+    if problem:
+        raise ConfigError(problem)
     if cfg.peft is not None:  # before init and wrapping: adapters initialise by name, strategies see them frozen
         apply_lora(model, cfg.peft)
     fused = set_fused_loss(model, cfg)

@@ -200,6 +200,17 @@ def load_folder_weights(model) -> bool:
     return load(model)
 
 
+def packing_problem(model) -> str | None:
+    """Why (one line) a `model.hf_model` cannot train packed sequences (transformers keeps documents apart only in
+    models that build their mask from restarting position ids; measured, models/hf_auto.py); None for any other
+    model."""
+    from meshforge.models.hf_auto import HFCausalLM
+
+    problem = model.packing_problem() if isinstance(model, HFCausalLM) else None
+    return f"data.packing=true with model.hf_model={model.source}: {problem}: set data.packing false" if problem \
+        else None
+
+
 def args_from_hf_config(config: dict) -> dict:
     """A Hugging Face config.json -> the `model.*` values of the meshforge model that reads its weights."""
     from meshforge.models.hf_families import args_from_hf_config as read

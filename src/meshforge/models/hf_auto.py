@@ -8,8 +8,8 @@ parameters the plan leaves whole are found by `planning/tp_trace.py`), its MoE l
 experts behind transformers' experts interface, sharded by expert parallelism; the router's aux loss), FLOPs from
 the config, and the initialisation (`hf_auto_init.py`: transformers' own `_init_weights`, seeded per module) so a
 random start is the same on every rank and layout. Forward takes token ids and returns logits (`use_cache=False`,
-causal, no padding mask). The architecture-specific extensions a later change adds (LoRA layout, packing, more TP
-styles) belong on this class as further declarations of the same contract.
+causal, no padding mask). LoRA (`adapter_layout`): every `nn.Linear` but the output head, by its own name
+(`q_proj`, ...: PEFT's `target_modules`), exported in PEFT's format under transformers' names.
 
 Built in CPU memory, the model is run once on a few tokens (`_check_forward`): one that is not causal or does not
 run on token ids alone is refused there, before anything starts; validation does this on `probe_model`'s copy.
@@ -25,6 +25,7 @@ transformers is an optional extra (`meshforge[hf]`), imported only when `model.h
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 
 import torch
@@ -40,12 +41,14 @@ from meshforge.models.hf_auto_moe import (
     experts_modules,
 )
 from meshforge.models.args import ModelArgs
-from meshforge.models.protocol import ForeignModel, InitSpec, Undeclared
-from meshforge.models.shapes import pattern_matches
+from meshforge.models.protocol import AdapterLayout, ForeignModel, InitSpec, Undeclared
+from meshforge.models.shapes import is_adapter_param, pattern_matches
 
-# transformers' tp styles -> meshforge's (models/protocol.py); gather-output and embedding styles only where
-# the module is the output head / input embedding (meshforge's vocabulary-parallel loss and embedding)
-_TP_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "replicate": "replicate"}
+# transformers' tp styles -> meshforge's (distributed/tensor_parallel.py); on the output head the gather-output
+# styles become the vocabulary-parallel loss, on the input embedding the embedding styles its vocabulary sharding
+_TP_STYLES = {"colwise": "colwise", "rowwise": "rowwise", "replicate": "replicate",
+              "colwise_gather_output": "colwise_gather", "colwise_rep": "colwise_gather",
+              "rowwise_split_input": "rowwise_split", "replicated_with_grad_allreduce": "replicate_grad_sum"}
 _HEAD_STYLES = ("colwise_gather_output", "colwise_rep")
 _EMBEDDING_STYLES = ("embedding_rowwise", "rowwise_rep")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
@@ -235,6 +238,44 @@ def _check_forward(inner: nn.Module, args: ModelArgs) -> None:
                          "model (for an encoder that can decode, set is_decoder: true in its config.json)")
 
 
+_PACKING: dict = {}
+PACKING_RTOL = 1e-5  # relative to the logits' size, as `_check_forward`'s causality
+
+
+def _batched(positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return positions.expand(tokens.shape[0], -1) if positions.dim() == 1 else positions
+
+
+@torch.no_grad()
+def _packing_check(inner: nn.Module, source: str) -> str | None:
+    """Three documents of 5, 1 and 4 tokens packed in one row, their positions restarting at each (what meshforge
+    feeds a packed batch), against each document run alone: a model that keeps them apart (transformers 5 builds a
+    document mask from position ids that restart, `masking_utils.find_packed_sequence_indices`) gives each
+    document's own logits. One whose attention ignores them (ALiBi or recurrent state, a mask of its own) does not,
+    and packing is refused for it."""
+    docs = [torch.arange(5), torch.tensor([9]), torch.arange(4) + 3]
+    vocab = max(2, min(int(inner.get_input_embeddings().num_embeddings), 64))
+    docs = [d.remainder(vocab) for d in docs]
+    tokens = torch.cat(docs).unsqueeze(0)
+    positions = torch.cat([torch.arange(len(d)) for d in docs]).unsqueeze(0)
+    was_training = inner.training
+    name = type(inner).__name__
+    try:
+        with torch.random.fork_rng(devices=[]):
+            inner.eval()
+            packed = inner(input_ids=tokens, position_ids=positions, use_cache=False).logits[0]
+            alone = torch.cat([inner(input_ids=d.unsqueeze(0), use_cache=False).logits[0] for d in docs])
+    except Exception as err:  # a forward without position ids
+        return f"{name}'s forward does not take position ids ({type(err).__name__}: {_first_line(err)})"
+    finally:
+        inner.train(was_training)
+    diff = (packed - alone).abs().max().item()
+    if diff > PACKING_RTOL * alone.abs().max().item():
+        return (f"{name} does not keep packed documents apart through position ids (a document's logits change "
+                f"by {diff:.1e} when packed after another)")
+    return None
+
+
 def _from_config(config, source: str) -> nn.Module:
     """`AutoModelForCausalLM.from_config` with SDPA attention, or the model's eager attention where it has no SDPA
     path (e.g. Gemma 2's soft-capping, Bloom's ALiBi); whatever transformers raises is one line."""
@@ -255,7 +296,7 @@ def _from_config(config, source: str) -> nn.Module:
 
 class HFCausalLM(Undeclared, nn.Module):
     """A transformers `PreTrainedModel` (for causal LM) implementing the model contract: blocks, its own TP
-    plan, MoE layers (models/hf_auto_moe.py), initialisation and FLOPs declared; no pipeline split, CP, LoRA layout
+    plan, MoE layers (models/hf_auto_moe.py), LoRA layout, initialisation and FLOPs declared; no pipeline split, CP
     or fused loss."""
 
     def __init__(self, inner: nn.Module, source: str):
@@ -267,11 +308,25 @@ class HFCausalLM(Undeclared, nn.Module):
         self._aux_coef = aux_loss_coefficient(inner) if getattr(inner.config, "output_router_logits", False) else None
         self._init_served: tuple[int, set[str]] | None = None  # (seed, names handed out since the seeded init)
 
-    def forward(self, tokens: torch.Tensor):
-        """Logits; in training with `output_router_logits`, (logits, coefficient x transformers' aux loss)."""
-        out = self.hf(input_ids=tokens, use_cache=False)
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None):
+        """Logits; in training with `output_router_logits`, (logits, coefficient x transformers' aux loss).
+        Packed sequences: `positions` restart at each document (`document_ids` says the same), and transformers
+        builds its document mask from them (`packing_problem` measured that this model does)."""
+        out = self.hf(input_ids=tokens, use_cache=False, **({} if positions is None else
+                                                             {"position_ids": _batched(positions, tokens)}))
         aux = getattr(out, "aux_loss", None) if self._aux_coef is not None and self.training else None
         return out.logits if aux is None else (out.logits, self._aux_coef * aux)
+
+    def packing_problem(self) -> str | None:
+        """Why this model cannot train packed sequences, or None: measured once per config.json version (on CPU),
+        see `_packing_check`."""
+        if any(p.is_meta for p in self.parameters()):
+            return None  # (the trainer's CPU build measures it)
+        key = _file_version(self.source)
+        if key not in _PACKING:
+            _PACKING[key] = _packing_check(self.hf, self.source)
+        return _PACKING[key]
 
     # ------------------------------------------------------------ declared plans
     def blocks(self) -> list[nn.Module]:
@@ -293,17 +348,42 @@ class HFCausalLM(Undeclared, nn.Module):
         out = {}
         for pattern, style in plan.items():
             mods = [m for n, m in self.hf.named_modules() if n and pattern_matches(pattern, n)]
-            if style in _TP_STYLES:
-                out[PREFIX + pattern] = _TP_STYLES[style]
-            elif style in _HEAD_STYLES and mods and all(m is head for m in mods):
+            if style in _HEAD_STYLES and mods and all(m is head for m in mods):
                 out[PREFIX + pattern] = "vocab_output"
+            elif style in _TP_STYLES:
+                out[PREFIX + pattern] = _TP_STYLES[style]
             elif style in _EMBEDDING_STYLES and mods and all(m is emb for m in mods):
                 out[PREFIX + pattern] = "vocab_embedding"
             else:
                 raise ValueError(f"model.hf_model: {type(self.hf).__name__}'s tp plan gives {pattern!r} style "
-                                 f"{style!r}, which meshforge cannot map (it maps colwise, rowwise, replicate, "
-                                 "the output head's gather and the embedding's rowwise): set distributed.tp_size 1")
+                                 f"{style!r}, which meshforge cannot map (it maps {', '.join(_TP_STYLES)}, the "
+                                 "output head's gather and the embedding's rowwise): set distributed.tp_size 1")
         return out
+
+    def adapter_layout(self) -> AdapterLayout:
+        """LoRA's roles: the model's `nn.Linear` modules (not the output head) by their own name (`q_proj`), or by
+        the names above it where one name sits in differently-placed modules (`self_attn.q_proj`,
+        `cross_attn.q_proj`); embeddings and `*Norm*` modules for `peft.freeze`. Conv1D (GPT-2) is no Linear."""
+        head = self.hf.get_output_embeddings()
+        found: dict[str, str] = {}  # pattern -> role
+        norms: list[str] = []
+        for name, m in self.named_modules():
+            pattern = re.sub(r"\.\d+(?=\.|$)", ".*", name)
+            if isinstance(m, nn.Linear) and m is not head and not is_adapter_param(name + ".weight"):
+                found.setdefault(pattern, "")
+            elif "Norm" in type(m).__name__ and pattern not in norms:
+                norms.append(pattern)
+        parts = {p: p.split(".") for p in found}
+        for pattern, comps in parts.items():  # the shortest tail of names that tells the patterns apart
+            for k in range(1, len(comps) + 1):
+                tail = ".".join(comps[-k:])
+                if "*" not in comps[-k] and sum(".".join(c[-k:]) == tail for c in parts.values()) == 1:
+                    found[pattern] = tail
+                    break
+        embeddings = tuple(n for n, m in self.named_modules()
+                           if n and m is not None and m in (self.hf.get_input_embeddings(), head))
+        return AdapterLayout(linears={role: p for p, role in found.items() if role}, embeddings=embeddings,
+                             norms=tuple(norms))
 
     def init_spec(self, name: str) -> InitSpec:
         """transformers' own initialisation of the whole model, seeded per module (models/hf_auto_init.py)."""
@@ -352,9 +432,23 @@ class HFCausalLM(Undeclared, nn.Module):
         hd = int(_get(c, "head_dim") or (int(_get(c, "hidden_size") or 0) // max(heads, 1)))
         return 6 * matmul + 6 * int(_get(c, "num_hidden_layers") or 0) * heads * hd * seq_len
 
-    def state_dict_adapter(self):
-        raise ValueError(f"{type(self.hf).__name__} (model.hf_model) keeps transformers' own names: "
-                         "`meshforge checkpoint export` writes it with save_pretrained")
+    def state_dict_adapter(self) -> TransformersNames:
+        return TransformersNames()
+
+
+class TransformersNames:
+    """The state-dict adapter of an hf_model: its names are transformers' own behind `hf.`, its tensors as they are
+    (LoRA's PEFT export and import use it; the whole model is written by transformers' `save_pretrained`)."""
+
+    def hf_names(self, name: str) -> list[str]:
+        return [name[len(PREFIX):]] if name.startswith(PREFIX) else []
+
+    def to_hf(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {hf: tensor for hf in self.hf_names(name)}
+
+    def from_hf(self, name: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        (tensor,) = tensors.values()
+        return tensor
 
 
 @torch.no_grad()
@@ -376,5 +470,8 @@ def load_folder_weights(model: nn.Module) -> bool:
         if bad:
             raise ValueError(f"model.hf_model={path}: {key.replace('_', ' ')} loading its safetensors "
                              f"({len(bad)}: {', '.join(bad[:3])}); refusing a partly loaded model")
-    model.hf.load_state_dict(loaded.state_dict(), strict=True)
+    missing, unexpected = model.hf.load_state_dict(loaded.state_dict(), strict=False)
+    missing = [k for k in missing if not is_adapter_param(k)]  # LoRA's factors are not in the base's folder
+    if missing or unexpected:
+        raise ValueError(f"model.hf_model={path}: its weights do not fit the model ({(missing or unexpected)[0]})")
     return True

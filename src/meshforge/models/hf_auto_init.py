@@ -22,6 +22,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from meshforge.models.shapes import is_adapter_param
+
 
 def _module_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(("module:" + name).encode())) % (2**63)
@@ -44,7 +46,7 @@ def seeded_init(hf: nn.Module, seed: int, rebuild: Callable[[int], nn.Module], w
     a seeded initialisation is no reason to refuse."""
     from transformers import PreTrainedModel
 
-    params = dict(hf.named_parameters())
+    params = {n: p for n, p in hf.named_parameters() if not is_adapter_param(n)}  # (LoRA's: lora_init_spec)
     if any(p.is_meta for p in params.values()):
         raise ValueError("model.hf_model is initialised on CPU (it is never built on the meta device)")
     for p in params.values():
