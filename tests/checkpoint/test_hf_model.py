@@ -8,7 +8,7 @@
 - `pad_token_id` (HF's padding_idx) is honoured: the padding row gets no gradient, the gradients equal
   transformers' (with tensor parallelism: tests/parallel/test_hf_model_parity.py).
 - Refusals, one line each: the keys that do not apply with hf_model, a tp style meshforge cannot map, a missing
-  transformers.
+  transformers. (LoRA: tests/checkpoint/test_hf_model_lora.py; packing: test_hf_model_packing.py.)
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ def weights_dir(tmp_path_factory):
 @pytest.mark.parametrize("override, key", [
     ("model.dim=64", "model.dim"), ("model.preset=small", "model.preset"), ("model.init_from=/x", "model.init_from"),
     ("training.fused_loss=true", "training.fused_loss"), ("training.fp8.enabled=true", "training.fp8.enabled"),
-    ("peft.rank=4", "peft"), ("distributed.pp_size=2", "distributed.pp_size"),
+    ("distributed.pp_size=2", "distributed.pp_size"),
     ("distributed.cp_size=2", "distributed.cp_size"), ("distributed.ep_size=2", "distributed.ep_size"),
     ("distributed.sequence_parallel=true", "distributed.sequence_parallel"),
     ("model.init_device=meta", "model.init_device=meta"),

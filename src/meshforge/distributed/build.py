@@ -43,9 +43,6 @@ def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device, load_
     if mesh_ctx.pp_size > 1:
         return build_pipeline_model(cfg, mesh_ctx, device, meta=meta)
     model = meta_probe if meta else build_model(cfg.model)
-    problem = packing_problem(model) if cfg.data.packing else None  # (validation measured a smaller hf_model)
-    if problem:
-        raise ConfigError(problem)
     if cfg.peft is not None:  # before init and wrapping: adapters initialise by name, strategies see them frozen
         apply_lora(model, cfg.peft)
     fused = set_fused_loss(model, cfg)
@@ -55,6 +52,9 @@ def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device, load_
             load_folder_weights(model)  # a model.hf_model folder's own weights
         except ValueError as err:
             raise ConfigError(str(err)) from None
+        problem = packing_problem(model) if cfg.data.packing else None  # (validation measured a smaller hf_model)
+        if problem:
+            raise ConfigError(problem)
         if load_plain is not None:
             load_plain(model)
         model.to(device)

@@ -247,14 +247,14 @@ def _batched(positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _packing_check(inner: nn.Module, source: str) -> str | None:
+def _packing_check(inner: nn.Module) -> str | None:
     """Three documents of 5, 1 and 4 tokens packed in one row, their positions restarting at each (what meshforge
     feeds a packed batch), against each document run alone: a model that keeps them apart (transformers 5 builds a
     document mask from position ids that restart, `masking_utils.find_packed_sequence_indices`) gives each
     document's own logits. One whose attention ignores them (ALiBi or recurrent state, a mask of its own) does not,
     and packing is refused for it."""
     docs = [torch.arange(5), torch.tensor([9]), torch.arange(4) + 3]
-    vocab = max(2, min(int(inner.get_input_embeddings().num_embeddings), 64))
+    vocab = max(2, min(int(_get(_text_config(inner.config), "vocab_size") or 2), 64))
     docs = [d.remainder(vocab) for d in docs]
     tokens = torch.cat(docs).unsqueeze(0)
     positions = torch.cat([torch.arange(len(d)) for d in docs]).unsqueeze(0)
@@ -270,7 +270,7 @@ def _packing_check(inner: nn.Module, source: str) -> str | None:
     finally:
         inner.train(was_training)
     diff = (packed - alone).abs().max().item()
-    if diff > PACKING_RTOL * alone.abs().max().item():
+    if not diff <= PACKING_RTOL * alone.abs().max().item():  # (NaN logits prove nothing: refused too)
         return (f"{name} does not keep packed documents apart through position ids (a document's logits change "
                 f"by {diff:.1e} when packed after another)")
     return None
@@ -325,7 +325,7 @@ class HFCausalLM(Undeclared, nn.Module):
             return None  # (the trainer's CPU build measures it)
         key = _file_version(self.source)
         if key not in _PACKING:
-            _PACKING[key] = _packing_check(self.hf, self.source)
+            _PACKING[key] = _packing_check(self.hf)
         return _PACKING[key]
 
     # ------------------------------------------------------------ declared plans
@@ -369,7 +369,8 @@ class HFCausalLM(Undeclared, nn.Module):
         norms: list[str] = []
         for name, m in self.named_modules():
             pattern = re.sub(r"\.\d+(?=\.|$)", ".*", name)
-            if isinstance(m, nn.Linear) and m is not head and not is_adapter_param(name + ".weight"):
+            if isinstance(m, nn.Linear) and m is not head and not is_adapter_param(name + ".weight") \
+                    and not name.rpartition(".")[2].isdigit():  # (a ModuleList's items have no name PEFT can target)
                 found.setdefault(pattern, "")
             elif "Norm" in type(m).__name__ and pattern not in norms:
                 norms.append(pattern)
