@@ -24,16 +24,11 @@ from meshforge.models import build_model, resolve_model_args  # noqa: E402
 from meshforge.testing.parity import config, single_info  # noqa: E402
 from meshforge.training.trainer import Trainer  # noqa: E402
 from tests.checkpoint.test_hf_model import random_qwen2  # noqa: E402
+from tests.checkpoint.test_lora_checkpoint import _train  # noqa: E402
 
 LORA = ["peft.rank=4", "peft.alpha=8", "peft.target_modules=['*_proj']", "optimizer.lr=1e-2",
         "checkpoint.interval=2", "training.seq_len=16"]
 ATOL = 1e-5  # logits of size ~10: fp32 rounding of the adapted matmuls in another order
-
-
-def _train(overrides: list[str], steps: int = 4) -> Trainer:
-    tr = Trainer.build(config(overrides, steps=steps, world_size=1), single_info())
-    tr.result = tr.fit()
-    return tr
 
 
 @pytest.fixture(scope="module")
