@@ -29,6 +29,7 @@ from meshforge.errors import ConfigError  # noqa: E402
 from meshforge.models import build_model, init_weights, load_folder_weights, resolve_model_args  # noqa: E402
 from meshforge.testing.parity import config, single_info  # noqa: E402
 from meshforge.training.trainer import train  # noqa: E402
+from tests.checkpoint.hf_zoo import write_tiny  # noqa: E402
 
 SHAPE = dict(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)
@@ -291,3 +292,13 @@ def test_pickle_weights_are_refused(tmp_path):
     (tmp_path / "a" / "pytorch_model.bin").write_bytes(b"")
     problems = _problems([f"model.hf_model={tmp_path}/a"])
     assert any("its weights are pytorch_model.bin, not safetensors" in p for p in problems), problems
+
+
+def test_plan_reads_a_model_with_several_eos_tokens(tmp_path, capsys):
+    """transformers' GLM config gives eos_token_id as a list: the planner (which caches by the model's fields) read
+    it as an unhashable list and `meshforge plan` ended in a TypeError traceback."""
+    write_tiny("glm", tmp_path / "glm")
+    assert isinstance(transformers.AutoConfig.from_pretrained(tmp_path / "glm").eos_token_id, list)
+    assert cli_main(["plan", "examples/tiny_cpu.yaml", f"model.hf_model={tmp_path / 'glm'}", "training.seq_len=32",
+                     "peft.rank=4", "distributed.strategy=fsdp2", "distributed.tp_size=2", "--world-size", "2"]) == 0
+    assert "rank 0" in capsys.readouterr().out.lower()

@@ -132,7 +132,15 @@ def model_args_class(args: tuple[Arg, ...]) -> type:
     specs = [(a.name, a.type, dataclasses.field(default=a.default, metadata={"arg": a})) for a in args]
     return dataclasses.make_dataclass(
         "ModelArgs", specs, bases=(_ModelArgsMethods,), frozen=True,
-        namespace={"__module__": __name__, "__doc__": "A model's resolved fields (models/args.py declares them)."})
+        namespace={"__module__": __name__, "__doc__": "A model's resolved fields (models/args.py declares them).",
+                   "__hash__": _hash})
+
+
+def _hash(args) -> int:
+    """The planner caches by ModelArgs: a list field (several `eos_token_id`s, as transformers' GLM config gives)
+    hashes as a tuple (the generated hash raised TypeError: `meshforge plan` crashed on such a model)."""
+    values = (getattr(args, f.name) for f in dataclasses.fields(args))
+    return hash(tuple(tuple(v) if isinstance(v, list) else v for v in values))
 
 
 ModelArgs = model_args_class(_collect(SHARED, FAMILIES.values()))
