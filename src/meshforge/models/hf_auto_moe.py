@@ -101,8 +101,7 @@ class HFMoELayer:
             self.experts.forward = functools.partial(_dispatched_forward, self)
 
     def balance_load(self) -> None:
-        """None: transformers' routers keep no selection bias meshforge updates (no auxiliary-loss-free balancing;
-        `model.router_bias_update_rate` is a model field, refused with hf_model)."""
+        """Auxiliary-loss-free balancing is meshforge's router option; transformers' routers have no updated bias."""
         return None
 
 
