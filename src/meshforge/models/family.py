@@ -60,6 +60,11 @@ class Family:
     # module:function giving that model's torch-free description (models/shapes.py), which the planner reads
     model: str = "meshforge.models.moe:decoder_class"
     description: str = "meshforge.models.shapes:describe"
+    rope_types: tuple[str, ...] = ("default", "llama3")  # the `model.rope_type`s its model computes and exports
+    # its model masks sliding windows exactly (per layer, also under context parallelism and packing), so
+    # `training.seq_len` may exceed `model.sliding_window` (Mistral's model does not: a rule refuses that)
+    exact_windows: bool = False
+    packs_documents: bool | None = None  # its forward masks packed documents; None: unless it has experts
 
     def model_class(self, args: ModelArgs) -> type:
         return _resolve(self.model)(args)

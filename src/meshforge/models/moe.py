@@ -85,11 +85,11 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 class Router(nn.Module):
     """Scores every expert for every token and picks the top k."""
 
-    def __init__(self, dim: int, n_experts: int, top_k: int, score_func: str, route_norm: bool):
+    def __init__(self, dim: int, n_experts: int, top_k: int, score_func: str, route_norm: bool, bias: bool = False):
         super().__init__()
         if score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"model.score_func={score_func!r} must be softmax or sigmoid")
-        build_children(self, shapes.router(dim, n_experts, top_k, score_func, route_norm))  # gate
+        build_children(self, shapes.router(dim, n_experts, top_k, score_func, route_norm, bias))  # gate
         self.n_experts, self.top_k, self.score_func, self.route_norm = n_experts, top_k, score_func, route_norm
         self.replay_routing = False
         self._routing_fifo: list[torch.Tensor] = []

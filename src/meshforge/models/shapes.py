@@ -109,9 +109,11 @@ def attention(a: ModelArgs) -> ModuleShape:
     return ModuleShape("Attention", children=children, init=(a,))
 
 
-def router(dim: int, n_experts: int, top_k: int, score_func: str, route_norm: bool) -> ModuleShape:
-    return ModuleShape("Router", children={"gate": linear(dim, n_experts)},
-                       init=(dim, n_experts, top_k, score_func, route_norm))
+def router(dim: int, n_experts: int, top_k: int, score_func: str, route_norm: bool, bias: bool = False
+           ) -> ModuleShape:
+    """The gate scoring every expert (with a bias: GPT-OSS)."""
+    return ModuleShape("Router", children={"gate": linear(dim, n_experts, bias)},
+                       init=(dim, n_experts, top_k, score_func, route_norm) + ((True,) if bias else ()))
 
 
 def grouped_experts(n_experts: int, dim: int, hidden: int) -> ModuleShape:
@@ -154,7 +156,8 @@ def expert_lora(n_experts: int, in_features: int, out_features: int, rank: int) 
 
 class ModelShape(ModuleShape):
     """The whole model's description, with the contract methods the planner asks (same answers as the model's):
-    tok_embeddings, layers ("0", "1", ...), norm, output (the embedding's weight with tie_embeddings)."""
+    tok_embeddings, layers ("0", "1", ...), norm, output (the embedding's weight with tie_embeddings). A family
+    with other blocks subclasses it (`block`, `final_norm`, `model_kind` and the contract methods it changes)."""
 
     def __init__(self, args: ModelArgs):
         emb = ModuleShape("Embedding", {"weight": ParamShape((args.vocab_size, args.dim))},
@@ -162,11 +165,19 @@ class ModelShape(ModuleShape):
         output = ModuleShape("Linear", {"weight": emb.weight if args.tie_embeddings
                                         else ParamShape((args.vocab_size, args.dim))},
                              init=(args.dim, args.vocab_size, False))
-        layers = ModuleShape("ModuleDict", children={str(i): block(args) for i in range(args.n_layers)})
-        children = {"tok_embeddings": emb, "layers": layers, "norm": rms_norm(args.dim, args.norm_eps),
-                    "output": output}
-        super().__init__("MoETransformer" if args.is_moe else "Llama", children=children, init=(args,))
+        layers = ModuleShape("ModuleDict", children={str(i): self.block(args, i) for i in range(args.n_layers)})
+        children = {"tok_embeddings": emb, "layers": layers, "norm": self.final_norm(args), "output": output}
+        super().__init__(self.model_kind(args), children=children, init=(args,))
         self.args = args
+
+    def block(self, args: ModelArgs, layer: int) -> ModuleShape:
+        return block(args)
+
+    def final_norm(self, args: ModelArgs) -> ModuleShape:
+        return rms_norm(args.dim, args.norm_eps)
+
+    def model_kind(self, args: ModelArgs) -> str:
+        return "MoETransformer" if args.is_moe else "Llama"
 
     def tp_plan(self, sequence_parallel: bool = False) -> dict[str, str]:
         return tp_plan(self.args, sequence_parallel)
@@ -181,6 +192,10 @@ class ModelShape(ModuleShape):
     def flops_per_token(self, seq_len: int) -> float:
         return flops_per_token(self.args, seq_len)
 
+    def attention_forward_flops_per_token(self, seq_len: int) -> float:
+        """The attention part of one forward (context parallelism recomputes it in backward)."""
+        return attention_forward_flops_per_token(self.args, seq_len)
+
     def adapter_layout(self) -> AdapterLayout:
         return adapter_layout(self.args)
 
@@ -190,6 +205,20 @@ def _set_child(root: ModuleShape, name: str, mod: ModuleShape) -> None:
     owner = root.get_submodule(parent) if parent else root
     owner.children[child] = mod
     setattr(owner, child, mod)
+
+
+def expert_lora_shape(experts: ModuleShape, role: str) -> tuple[int, int, int]:
+    """(experts, in, out) of a per-expert adapter role on a grouped-experts description: stacked SwiGLU experts
+    (`w1`, `w3`, `w2`), or experts stored as transformers' fused (E, dim, 2 x hidden) `gate_up_proj` and
+    (E, hidden, dim) `down_proj` (GPT-OSS)."""
+    if "w1" in experts.params:
+        n, dim, hidden = experts.params["w1"].shape
+        return (n, *expert_lora_dims(role, dim, hidden))
+    n, dim, two_hidden = experts.params["gate_up_proj"].shape
+    dims = {"experts.gate_up_proj": (dim, two_hidden), "experts.down_proj": (two_hidden // 2, dim)}
+    if role not in dims:
+        raise ValueError(f"peft: grouped experts have no adapter role {role!r} (only {', '.join(dims)})")
+    return (n, *dims[role])
 
 
 def expert_lora_dims(role: str, dim: int, hidden: int) -> tuple[int, int]:
@@ -219,8 +248,7 @@ def apply_lora(model: ModelShape, pcfg: Any) -> list[str]:
         if role in layout.experts:
             for name, m in list(model.named_modules()):
                 if name and pattern_matches(layout.experts[role], name):
-                    n, dim, hidden = m.params["w1"].shape
-                    in_f, out_f = expert_lora_dims(role, dim, hidden)
+                    n, in_f, out_f = expert_lora_shape(m, role)
                     _set_child(m, f"adapters.{role.rpartition('.')[2]}", expert_lora(n, in_f, out_f, r))
                     names.append(f"{name}.{role}")
     apply_freeze(model, layout, pcfg)
