@@ -14,6 +14,10 @@ Styles (torch's `parallelize_module` styles, placed the way torchtitan places th
 - `vocab_output`: `ColwiseParallel` on the output projection with `use_local_output=False`: the logits stay a
   vocabulary-sharded DTensor and the loss runs under `loss_parallel()` (the returned loss context), so the
   full-vocabulary logits are never gathered.
+- `heads`: a module holding a per-head parameter (GPT-OSS's attention sinks, `weight` (heads,)): split on dim 0
+  with the heads, so each rank holds its own heads' values.
+- `head_norm`: a per-head norm (QK-norm) on (B, S, local heads, head_dim): `SequenceParallel` over the heads
+  dimension, so the weight is a replicated DTensor whose gradient (from this rank's heads) is summed over tp.
 - `replicate`: the module is left out of tensor parallelism (weights whole on every TP rank). With sequence
   parallelism a replicated vocabulary layer gets its input gathered / output re-sharded along the sequence.
 """
@@ -163,6 +167,18 @@ class EmbeddingParallel(RowwiseParallel):
         return out.clone() if isinstance(out, AsyncCollectiveTensor) else out
 
 
+class HeadsParallel(ParallelStyle):
+    """Every parameter of the module split on dim 0 (the heads) over tp; the module's forward takes its local
+    part (`to_local()`)."""
+
+    def _apply(self, module, mesh):
+        for name, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)],
+                                                                           src_data_rank=None),
+                                                         requires_grad=p.requires_grad))
+        return module
+
+
 def _styles(sequence_parallel: bool, save_shard: bool) -> dict[str, ParallelStyle]:
     seq = Shard(1) if sequence_parallel else Replicate()
     return {
@@ -172,6 +188,8 @@ def _styles(sequence_parallel: bool, save_shard: bool) -> dict[str, ParallelStyl
         "sequence_gather": SequenceGather(save_shard),
         "vocab_embedding": EmbeddingParallel(input_layouts=Replicate(), output_layouts=seq),
         "vocab_output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+        "heads": HeadsParallel(),
+        "head_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
     }
 
 

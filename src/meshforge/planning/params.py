@@ -35,7 +35,7 @@ def model_params(cfg) -> tuple[list[ParamRec], object]:
     from meshforge.models import plan_modules, resolve_model_args
     from meshforge.models.shapes import ADAPTER_PARTS, is_adapter_param
     from meshforge.models.shapes import model_contract
-    from meshforge.planning.tp_plan import resolve_plan, sharded_dim
+    from meshforge.planning.tp_plan import PARTIAL_GRAD_STYLES, resolve_plan, sharded_dim
 
     args = resolve_model_args(cfg.model)
     one, modules = plan_modules(cfg.model)  # torch-free for the built-in models (models/shapes.py)
@@ -66,7 +66,7 @@ def model_params(cfg) -> tuple[list[ParamRec], object]:
                 place = "first" if top in layout.first_stage else "last" if top in layout.last_stage else "other"
             style = styles.get(mname)
             tp_dim = sharded_dim(mod, style) if style else None
-            partial = style == "sequence_parallel"
+            partial = style in PARTIAL_GRAD_STYLES
             parent, _, part = mname.rpartition(".")
             if part in ADAPTER_PARTS and styles.get(parent):
                 # LoRA factors follow their base layer's style (distributed/tensor_parallel.py): under colwise B is

@@ -24,8 +24,11 @@ from typing import Any
 from meshforge.models import plan_modules
 from meshforge.models.shapes import ModuleShape, model_contract, pattern_matches
 
-SHARDED_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_output")
-ALL_STYLES = SHARDED_STYLES + ("sequence_parallel", "sequence_gather", "replicate")
+SHARDED_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_output", "heads")
+# `heads`: a per-head parameter (attention sinks) split with the heads; `head_norm`: a per-head norm (QK-norm) kept
+# whole, applied to this rank's heads, its gradient summed over tp
+ALL_STYLES = SHARDED_STYLES + ("sequence_parallel", "sequence_gather", "head_norm", "replicate")
+PARTIAL_GRAD_STYLES = ("sequence_parallel", "head_norm")  # whole on every tp rank, gradients arrive Partial
 
 
 def _kind(mod: Any) -> str | None:
@@ -97,6 +100,8 @@ def sharded_dim(mod: Any, style: str) -> int | None:
     weights (num, dim)."""
     if style not in SHARDED_STYLES:
         return None
+    if style == "heads":
+        return 0
     emb = _kind(mod) == "embedding"
     if style in ("colwise", "vocab_output"):
         return 1 if emb else 0
@@ -126,7 +131,7 @@ def plan_problems(model: Any, tp_size: int, sequence_parallel: bool, custom: dic
             continue
         if style not in SHARDED_STYLES:
             continue
-        if _kind(mod) is None:
+        if _kind(mod) is None and style != "heads":
             problems.append(f"tensor-parallel style {style!r} on module {name!r} ({_type_name(mod)}): only "
                             "nn.Linear and nn.Embedding can be sharded; point the pattern at the projections")
             continue
