@@ -255,10 +255,9 @@ class Llama(nn.Module):
         """The transformer blocks: the unit FSDP wraps, activation checkpointing recomputes."""
         return list(self.layers.values())
 
-    @staticmethod
-    def tp_plan(sequence_parallel: bool = False) -> dict[str, str]:
+    def tp_plan(self, sequence_parallel: bool = False) -> dict[str, str]:
         """Module-name patterns -> tensor-parallel style; interpreted by distributed/tensor_parallel.py."""
-        return shapes.dense_tp_plan(sequence_parallel)  # declared in models/shapes.py, which the planner reads
+        return shapes.tp_plan(self.args, sequence_parallel)  # declared in models/shapes.py, which the planner reads
 
     def pipeline_layout(self) -> PipelineLayout:
         """The blocks, in order, are the split points; the embedding goes with the first stage and the final

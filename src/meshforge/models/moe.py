@@ -274,10 +274,9 @@ class MoETransformer(Llama):
         return out
 
     # ------------------------------------------------------------ declared plans
-    @staticmethod
-    def tp_plan(sequence_parallel: bool = False) -> dict[str, str]:
+    def tp_plan(self, sequence_parallel: bool = False) -> dict[str, str]:
         """Attention and shared experts split as in Llama; router and routed experts stay whole (EP splits those)."""
-        return shapes.moe_tp_plan(sequence_parallel)  # declared in models/shapes.py, which the planner reads
+        return shapes.tp_plan(self.args, sequence_parallel)  # declared in models/shapes.py, which the planner reads
 
     def init_spec(self, name: str) -> InitSpec:
         if name.endswith("experts.w2"):  # stacked routed experts' down projection: a residual projection

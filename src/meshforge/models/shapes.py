@@ -351,7 +351,10 @@ def describe(args: ModelArgs) -> ModelShape:
 
 
 def tp_plan(args: ModelArgs, sequence_parallel: bool = False) -> dict[str, str]:
-    return moe_tp_plan(sequence_parallel) if args.is_moe else dense_tp_plan(sequence_parallel)
+    plan = moe_tp_plan(sequence_parallel) if args.is_moe else dense_tp_plan(sequence_parallel)
+    if args.qk_norm:  # the norms see this rank's heads only: their gradient is summed over tp
+        plan.update({"layers.*.attention.q_norm": "head_norm", "layers.*.attention.k_norm": "head_norm"})
+    return plan
 
 
 def dense_tp_plan(sequence_parallel: bool = False) -> dict[str, str]:
