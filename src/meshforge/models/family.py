@@ -64,7 +64,7 @@ class Family:
     # its model masks sliding windows exactly (per layer, also under context parallelism and packing), so
     # `training.seq_len` may exceed `model.sliding_window` (Mistral's model does not: a rule refuses that)
     exact_windows: bool = False
-    packs_documents: bool | None = None  # its forward masks packed documents; None: unless it has experts
+    packs_documents: bool = False  # its MoE model's forward masks packed documents (every dense model's does)
 
     def model_class(self, args: ModelArgs) -> type:
         return _resolve(self.model)(args)
