@@ -16,15 +16,23 @@ import meshforge.planning.estimate as estimate
 import meshforge.planning.tp_plan as tp_plan
 from meshforge.cli import main
 from meshforge.models import PRESETS, build_model, meta_modules, plan_modules
-from meshforge.models.shapes import describe
+from meshforge.models.hf_families import FAMILIES
 from meshforge.testing.parity import config
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_VARIANTS = [{}, {"tie_embeddings": True}, {"qkv_bias": True}, {"attention_bias": True},
                  {"qk_norm": True, "tie_embeddings": True}]
 MOE_VARIANTS = [{}, {"n_shared_experts": 0}, {"qk_norm": True, "tie_embeddings": True}]
+LAYERED_VARIANTS = [("tiny_gpt_oss", {"attention_bias": False, "tie_embeddings": True, "sliding_window": None,
+                                      "sliding_window_pattern": None}),
+                    ("tiny_gemma3", {"attention_bias": True, "tie_embeddings": False, "final_logit_softcap": None})]
 CASES = ([(name, {}) for name in PRESETS] + [("tiny", v) for v in TINY_VARIANTS[1:]]
-         + [("tiny_moe", v) for v in MOE_VARIANTS[1:]])
+         + [("tiny_moe", v) for v in MOE_VARIANTS[1:]] + LAYERED_VARIANTS)
+
+
+def describe(args):
+    """The description the family declares (models/hf_families.py)."""
+    return FAMILIES[args.family].describe(args)
 
 
 def _params(model) -> list[tuple[str, tuple[int, ...], int]]:
@@ -55,7 +63,10 @@ LORA = [("tiny", {}, ["*_proj"], ("embeddings", "norms"), 0.0),
         ("tiny", {"qkv_bias": True, "attention_bias": True}, ["o_proj", "down_proj"], ("norms",), 0.0),
         ("tiny_moe", {}, ["*"], ("embeddings", "norms"), 0.0),
         ("tiny_moe", {"tie_embeddings": True}, ["experts.down_proj", "k_proj"], (), 0.0),
-        ("tiny_moe", {"n_shared_experts": 0, "qk_norm": True}, ["experts.gate_up_proj"], ("norms",), 0.0)]
+        ("tiny_moe", {"n_shared_experts": 0, "qk_norm": True}, ["experts.gate_up_proj"], ("norms",), 0.0),
+        ("tiny_gpt_oss", {}, ["*"], ("embeddings", "norms"), 0.0),
+        ("tiny_gpt_oss", {}, ["experts.down_proj", "q_proj"], ("embeddings",), 0.0),
+        ("tiny_gemma3", {}, ["*_proj"], ("embeddings",), 0.0)]
 
 
 @pytest.mark.parametrize("preset,over,targets,freeze,dropout", LORA)
