@@ -261,6 +261,6 @@ def apply_cp(model: nn.Module, mesh_ctx, dcfg) -> CPBatchTransform:
     documents = _Documents()  # packed sequences: the transform sets the micro batch's ids, the attentions read them
     for name in slots:
         slot = model.get_submodule(name)  # its attention rule (window, scale) goes on with the drop-in
-        set_submodule(model, name, ContextParallelAttention(group, cp_size, cp_rank, documents,
-                                                            getattr(slot, "window", None), getattr(slot, "scale", None)))
+        rule = getattr(slot, "window", None), getattr(slot, "scale", None)
+        set_submodule(model, name, ContextParallelAttention(group, cp_size, cp_rank, documents, *rule))
     return CPBatchTransform(cp_size, cp_rank, documents)

@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING
 from meshforge.errors import CheckpointError
 from meshforge.models.family import Arg
 from meshforge.models.hf_dense import _NAMES, DenseStateDictAdapter, name_patterns
-from meshforge.models.hf_layered import SLIDING_PATTERN, read_layer_pattern, read_rope_table, write_layer_pattern, write_rope_table
+from meshforge.models.hf_layered import (
+    SLIDING_PATTERN,
+    read_layer_pattern,
+    read_rope_table,
+    write_layer_pattern,
+    write_rope_table,
+)
 from meshforge.models.hf_moe import MoEFamily
 
 if TYPE_CHECKING:
