@@ -8,6 +8,8 @@ Styles (torch's `parallelize_module` styles, placed the way torchtitan places th
 - `rowwise`: `RowwiseParallel`, weight columns sharded, output all-reduced (reduce-scattered along the
   sequence, `Shard(1)`, with sequence parallelism).
 - `sequence_parallel`: `SequenceParallel` (norms): activations sharded along the sequence on the TP group.
+- `sequence_parallel_residual`: the same for a norm whose output is added to the residual stream (Gemma 3's
+  post-norms): its output is the plain local sequence shard, as the residual stream is.
 - `sequence_gather` (model plans only, with sequence parallelism): the module's first input arrives sequence
   sharded and is all-gathered once for all the column-wise projections inside (attention, MLP).
 - `vocab_embedding`: `RowwiseParallel` on the embedding, vocabulary sharded.
@@ -185,6 +187,7 @@ def _styles(sequence_parallel: bool, save_shard: bool) -> dict[str, ParallelStyl
         "colwise": ColwiseParallel(),
         "rowwise": RowwiseParallel(output_layouts=seq),
         "sequence_parallel": SequenceParallel(),
+        "sequence_parallel_residual": SequenceParallel(use_local_output=True),
         "sequence_gather": SequenceGather(save_shard),
         "vocab_embedding": EmbeddingParallel(input_layouts=Replicate(), output_layouts=seq),
         "vocab_output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),

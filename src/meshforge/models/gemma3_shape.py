@@ -81,8 +81,8 @@ def tp_plan(sequence_parallel: bool = False) -> dict[str, str]:
     plan = {**shapes.dense_tp_plan(sequence_parallel), "layers.*.attention.q_norm": "head_norm",
             "layers.*.attention.k_norm": "head_norm"}
     if sequence_parallel:
-        plan.update({"layers.*.post_attention_norm": "sequence_parallel",
-                     "layers.*.post_ffn_norm": "sequence_parallel"})
+        plan.update({"layers.*.post_attention_norm": "sequence_parallel_residual",
+                     "layers.*.post_ffn_norm": "sequence_parallel_residual"})
     return plan
 
 

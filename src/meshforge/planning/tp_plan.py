@@ -26,9 +26,12 @@ from meshforge.models.shapes import ModuleShape, model_contract, pattern_matches
 
 SHARDED_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_output", "heads")
 # `heads`: a per-head parameter (attention sinks) split with the heads; `head_norm`: a per-head norm (QK-norm) kept
-# whole, applied to this rank's heads, its gradient summed over tp
-ALL_STYLES = SHARDED_STYLES + ("sequence_parallel", "sequence_gather", "head_norm", "replicate")
-PARTIAL_GRAD_STYLES = ("sequence_parallel", "head_norm")  # whole on every tp rank, gradients arrive Partial
+# whole, applied to this rank's heads, its gradient summed over tp; `sequence_parallel_residual`: a norm whose
+# output joins the residual stream (Gemma's post-norms), sequence-sharded like `sequence_parallel`
+ALL_STYLES = SHARDED_STYLES + ("sequence_parallel", "sequence_parallel_residual", "sequence_gather", "head_norm",
+                               "replicate")
+# whole on every tp rank, gradients arrive Partial
+PARTIAL_GRAD_STYLES = ("sequence_parallel", "sequence_parallel_residual", "head_norm")
 
 
 def _kind(mod: Any) -> str | None:
@@ -124,7 +127,7 @@ def plan_problems(model: Any, tp_size: int, sequence_parallel: bool, custom: dic
     for name, style in resolved.items():
         mod = modules[name]
         if style == "replicate":
-            if sequence_parallel and declared.get(name) == "sequence_parallel":
+            if sequence_parallel and declared.get(name) in ("sequence_parallel", "sequence_parallel_residual"):
                 problems.append(f"distributed.tp_plan: module {name!r} must stay sequence_parallel with "
                                 "sequence_parallel=true (a replicated norm would miss other ranks' gradients): "
                                 "remove the entry or set sequence_parallel false")
