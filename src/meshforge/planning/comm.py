@@ -70,8 +70,8 @@ def _grad_norm(mine: list[ParamRec], terms, cfg, layout: Layout, add: AddComm) -
             n_ep += 1
             continue
         n_dp += dtensor
-        # (without FSDP the vocab-parallel embedding's grad is Replicate)
-        n_tp += layout.tp > 1 and p.tp_dim is not None and (dtensor or p.place != "first")
+        # (without FSDP the vocab-parallel embedding's grad is Replicate, unless the sharded head shares it)
+        n_tp += layout.tp > 1 and p.tp_dim is not None and (dtensor or p.place != "first" or p.tied)
     add("ep", "all_reduce", n_ep * F32 * (1 + (dtensor and layout.size(MeshAxis.EP_SHARD) > 1)))
     add("dp_cp", "all_reduce", n_dp * F32)
     add("tp", "all_reduce", n_tp * F32)
@@ -96,11 +96,12 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
     act = tokens * args.dim * e
     mine = [p for p in mine_all if p.tp_dim is not None and not p.adapter]
     in_blocks = [p for p in mine if p.block is not None]
-    rows = sum(1 for p in in_blocks if p.tp_dim == 1)  # row-wise projections: one per sub-layer
-    cols = sum(1 for p in in_blocks if p.tp_dim == 0)
+    # projection weights (not their biases, nor per-head parameters such as attention sinks)
+    rows = sum(1 for p in in_blocks if p.tp_dim == 1 and len(p.shape) == 2)  # row-wise: one per sub-layer
+    cols = sum(1 for p in in_blocks if p.tp_dim == 0 and len(p.shape) == 2)
     n_blocks = len({p.block for p in in_blocks})
     first = any(p.place == "first" for p in mine)
-    head = any(p.place == "last" for p in mine)
+    head = any(p.place == "last" or p.tied for p in mine)
     # a frozen embedding (and frozen norms in the first block) needs no gradient of its output: backward skips the
     # embedding's mirror collective and the input gradients of the first sub-layer's column-wise projections
     # (those before the first block's first row-wise one)
@@ -108,7 +109,7 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
                                   (p.block == 0 and len(p.shape) == 1))
     skip = 0
     if frozen_in:
-        for p in (p for p in mine if p.block == 0):
+        for p in (p for p in mine if p.block == 0 and len(p.shape) == 2):
             if p.tp_dim == 1:
                 break
             skip += 1
@@ -122,7 +123,8 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
         # gathered input and gathers it again in backward, if a trainable parameter reads that input (anything in
         # the sub-layer but the row-wise projection and its adapters); compiled blocks, which keep the gathered
         # input, send as many gathers (measured with aot_eager, torch 2.13)
-        subs = {p.name.rsplit(".", 2)[0]: p.name.rsplit(".", 1)[0] for p in in_blocks if p.tp_dim == 1}
+        subs = {p.name.rsplit(".", 2)[0]: p.name.rsplit(".", 1)[0] for p in in_blocks
+                if p.tp_dim == 1 and len(p.shape) == 2}
         regather = 0 if recompute else sum(
             any(q.trainable and q.name.startswith(sub + ".") and not q.name.startswith(row + ".")
                 for q in mine_all) for sub, row in subs.items())
