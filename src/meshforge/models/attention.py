@@ -106,7 +106,8 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ok: torch
     scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
     scores = scores.masked_fill(~ok, float("-inf"))
     sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
-    logits = torch.cat([scores, sink], dim=-1).float()
+    logits = torch.cat([scores, sink], dim=-1)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # the softmax in fp32 at least
     probs = (logits - logits.amax(-1, keepdim=True)).softmax(-1)[..., :-1]
     return probs.to(v.dtype) @ v
 
