@@ -68,7 +68,7 @@ PRESETS: dict[str, ModelArgs] = {
                            query_pre_attn_scalar=256, norm_eps=1e-6, tie_embeddings=True, bos_token_id=2,
                            eos_token_id=1, pad_token_id=0),
     # tiny versions with every option on, windows shorter than the tests' sequences (32)
-    "tiny_gpt_oss": ModelArgs(family="gpt_oss", n_experts=4, top_k=2, moe_ffn_dim=64, attention_bias=True,
+    "tiny_gpt_oss": ModelArgs(family="gpt_oss", n_experts=4, top_k=2, moe_ffn_dim=64, ffn_dim=64, attention_bias=True,
                               sliding_window=16, sliding_window_pattern=2, rope_theta=150000.0, rope_type="yarn",
                               rope_factor=4.0, rope_original_max_seq_len=64, rope_truncate=False),
     "tiny_gemma3": ModelArgs(family="gemma3_text", qk_norm=True, sliding_window=16, sliding_window_pattern=2,
