@@ -17,8 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from meshforge.config.strategies import dp_size, either, strategy_specs
-from meshforge.models import resolve_model_args
-from meshforge.models.hf_families import FAMILIES
+from meshforge.models import family_of, resolve_model_args
 from meshforge.planning.layout import Layout
 from meshforge.planning.pipeline_plan import pipeline_problems
 
@@ -222,7 +221,7 @@ def model_fits_data(cfg: Config, world_size: int) -> list[str]:
     if cfg.training.seq_len > args.max_seq_len:
         out.append(f"training.seq_len={cfg.training.seq_len} exceeds model.max_seq_len={args.max_seq_len}: "
                    "shorten seq_len or raise model.max_seq_len")
-    exact_windows = not args.hf_model and FAMILIES[args.family].exact_windows  # masked per layer: any length
+    exact_windows = not args.hf_model and family_of(args).exact_windows  # masked per layer: any length
     if args.sliding_window is not None and cfg.training.seq_len > args.sliding_window and not exact_windows:
         out.append(f"training.seq_len={cfg.training.seq_len} exceeds model.sliding_window={args.sliding_window}: "
                    "sliding-window attention is exact only up to the window; shorten seq_len")
@@ -484,7 +483,7 @@ def packing_support(cfg: Config, world_size: int) -> list[str]:
     if d.pp_size > 1:
         out.append(f"data.packing=true with distributed.pp_size={d.pp_size} is not supported yet: set pp_size 1")
     args = _model_args(cfg)
-    packs = args is not None and not args.hf_model and FAMILIES[args.family].packs_documents
+    packs = args is not None and not args.hf_model and family_of(args).packs_documents
     if args is not None and args.is_moe and not packs:
         out.append(f"data.packing=true with a mixture-of-experts model (model.family={args.family}) is not supported "
                    "yet (gpt_oss is)")

@@ -62,9 +62,9 @@ def flops_per_token(args, seq_len: int) -> float:
 def model_description(args):
     """A built-in model's torch-free description (its family's; models/shapes.py), whose contract methods give
     the FLOPs."""
-    from meshforge.models.hf_families import FAMILIES
+    from meshforge.models import describe
 
-    return FAMILIES[args.family].describe(args)
+    return describe(args)
 
 
 def _head_flops(args) -> float:
