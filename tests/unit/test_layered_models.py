@@ -10,7 +10,7 @@ import torch
 
 from meshforge.models import PRESETS, build_model, init_weights
 from meshforge.models.attention import allowed, attend
-from meshforge.models.layer_types import FULL, SLIDING, RopeSpec, attention_forward_flops_per_token, layer_kinds
+from meshforge.models.layer_types import FULL, SLIDING, RopeSpec, layer_kinds
 from meshforge.models.rope import inverse_frequencies
 
 transformers = pytest.importorskip("transformers")
@@ -68,6 +68,7 @@ def test_flops_per_token_against_a_counted_forward_and_backward(preset, monkeypa
     from torch.utils.flop_counter import FlopCounterMode
 
     from meshforge.models.layer_types import window_of
+    from meshforge.models.shapes import attention_forward_flops_per_token
     from meshforge.models.loss import lm_loss
     from meshforge.models.moe import GroupedExperts
 

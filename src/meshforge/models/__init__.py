@@ -27,7 +27,7 @@ from meshforge.models.protocol import (
     submodule_or_none,
 )
 
-__all__ = ["HF_PREFIX", "PRESETS", "AdapterLayout", "describe", "family_of", "ForeignModel", "InitSpec", "ModelArgs", "ModelContract",
+__all__ = ["HF_PREFIX", "PRESETS", "AdapterLayout", "family_of", "ForeignModel", "InitSpec", "ModelArgs", "ModelContract",
            "PipelineLayout", "StateDictAdapter", "args_from_hf_config", "blocks_of", "build_model", "contract_of",
            "hf_config_dict", "init_weights", "load_folder_weights", "meta_modules", "plan_modules",
            "param_init_tensor", "resolve_model_args", "set_submodule", "submodule_or_none"]
@@ -104,12 +104,6 @@ def meta_modules(model_cfg: Any):
 def family_of(args: ModelArgs):
     """The registered `Family` of a built-in model (models/hf_families.py): what it computes and how it maps."""
     return FAMILIES[args.family]
-
-
-def describe(args: ModelArgs):
-    """A built-in model's torch-free description (its family's; models/shapes.py style), with the contract
-    methods the planner asks (FLOPs, plans)."""
-    return FAMILIES[args.family].describe(args)
 
 
 def plan_modules(model_cfg: Any):

@@ -89,9 +89,6 @@ class Gemma3(LayeredDecoder):
             return InitSpec("zeros")
         return super().init_spec(name)
 
-    def flops_per_token(self, seq_len: int) -> float:
-        return gemma3_shape.flops_per_token(self.args, seq_len)
-
     def adapter_layout(self):
         return gemma3_shape.adapter_layout(self.args)
 

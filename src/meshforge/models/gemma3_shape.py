@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from meshforge.models import shapes
 from meshforge.models.args import ModelArgs
-from meshforge.models.layer_types import attention_forward_flops_per_token, window_of
+from meshforge.models.layer_types import window_of
 from meshforge.models.protocol import AdapterLayout
 from meshforge.models.shapes import ModelShape, ModuleShape, ParamShape, linear
 
@@ -61,17 +61,13 @@ class Gemma3Shape(ModelShape):
     def tp_plan(self, sequence_parallel: bool = False) -> dict[str, str]:
         return tp_plan(sequence_parallel)
 
-    def flops_per_token(self, seq_len: int) -> float:
-        return flops_per_token(self.args, seq_len)
-
-    def attention_forward_flops_per_token(self, seq_len: int) -> float:
-        return attention_forward_flops_per_token(self.args, seq_len)
-
     def adapter_layout(self) -> AdapterLayout:
         return adapter_layout(self.args)
 
 
 def describe(args: ModelArgs) -> Gemma3Shape:
+    """The model's description; its FLOPs are Llama's (a GeGLU multiplies as a SwiGLU), each layer's attention
+    over the keys its window sees (models/shapes.py)."""
     return Gemma3Shape(args)
 
 
@@ -84,14 +80,6 @@ def tp_plan(sequence_parallel: bool = False) -> dict[str, str]:
         plan.update({"layers.*.post_attention_norm": "sequence_parallel_residual",
                      "layers.*.post_ffn_norm": "sequence_parallel_residual"})
     return plan
-
-
-def flops_per_token(a: ModelArgs, seq_len: int) -> float:
-    """6 x matmul parameters (attention projections, GeGLU, output head) plus 3 x the attention forward, each layer
-    over its own window."""
-    attn_proj = a.dim * a.hd * (2 * a.n_heads + 2 * a.n_kv_heads)
-    matmul = a.n_layers * (attn_proj + 3 * a.dim * a.ffn_dim) + a.dim * a.vocab_size
-    return 6 * matmul + 3 * attention_forward_flops_per_token(a, seq_len)
 
 
 def adapter_layout(a: ModelArgs) -> AdapterLayout:

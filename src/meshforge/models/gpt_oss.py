@@ -19,7 +19,7 @@ import math
 import torch
 from torch import nn
 
-from meshforge.models import gpt_oss_shape
+from meshforge.models import gpt_oss_shape, shapes
 from meshforge.models.args import ModelArgs
 from meshforge.models.layer_types import rope_of
 from meshforge.models.layered import LayeredDecoder
@@ -142,13 +142,7 @@ class GptOss(LayeredDecoder):
         return super().init_spec(name)
 
     def active_ffn_params_per_layer(self) -> int:
-        return gpt_oss_shape.active_ffn_params_per_layer(self.args)
-
-    def flops_per_token(self, seq_len: int) -> float:
-        return gpt_oss_shape.flops_per_token(self.args, seq_len)
-
-    def adapter_layout(self):
-        return gpt_oss_shape.adapter_layout(self.args)
+        return shapes.active_ffn_params_per_layer(self.args)
 
 
 def model_class(args: ModelArgs) -> type[GptOss]:

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from meshforge.models import shapes
 from meshforge.models.args import ModelArgs
-from meshforge.models.layer_types import attention_forward_flops_per_token, window_of
-from meshforge.models.protocol import AdapterLayout
+from meshforge.models.layer_types import window_of
 from meshforge.models.shapes import ModelShape, ModuleShape, ParamShape, linear, rms_norm
 
 
@@ -66,17 +65,10 @@ class GptOssShape(ModelShape):
     def moe_layers(self) -> list[ModuleShape]:
         return [m for _, m in self.named_modules() if m.kind == "GptOssMoE"]
 
-    def flops_per_token(self, seq_len: int) -> float:
-        return flops_per_token(self.args, seq_len)
-
-    def attention_forward_flops_per_token(self, seq_len: int) -> float:
-        return attention_forward_flops_per_token(self.args, seq_len)
-
-    def adapter_layout(self) -> AdapterLayout:
-        return adapter_layout(self.args)
-
 
 def describe(args: ModelArgs) -> GptOssShape:
+    """The model's description; its FLOPs, pipeline layout and LoRA layout are the MoE decoder's (the experts a
+    token visits, the router and, per layer, the keys its window sees: models/shapes.py)."""
     return GptOssShape(args)
 
 
@@ -84,26 +76,3 @@ def tp_plan(sequence_parallel: bool = False) -> dict[str, str]:
     """Attention split by heads as in Llama, the sinks with their heads; router and experts whole (EP splits
     the experts)."""
     return {**shapes.moe_tp_plan(sequence_parallel), "layers.*.attention.sinks": "heads"}
-
-
-def active_ffn_params_per_layer(a: ModelArgs) -> int:
-    """The top_k experts a token visits (gate, up, down) and the router."""
-    return 3 * a.dim * a.moe_ffn_dim * a.top_k + a.dim * a.n_experts
-
-
-def flops_per_token(a: ModelArgs, seq_len: int) -> float:
-    """6 x the matmul parameters a token multiplies by (attention projections, its experts, router, output head)
-    plus 3 x the attention forward, each layer over its own window (biases and sinks are negligible)."""
-    attn_proj = a.dim * a.hd * (2 * a.n_heads + 2 * a.n_kv_heads)
-    matmul = a.n_layers * (attn_proj + active_ffn_params_per_layer(a)) + a.dim * a.vocab_size
-    return 6 * matmul + 3 * attention_forward_flops_per_token(a, seq_len)
-
-
-def adapter_layout(a: ModelArgs) -> AdapterLayout:
-    """Attention projections by their HF names, the experts' two fused weights as grouped roles (PEFT's
-    `target_parameters`); the router and the sinks are not adapted."""
-    dense = shapes.adapter_layout(a)
-    experts = "layers.*.feed_forward.experts"
-    return AdapterLayout(linears={k: v for k, v in dense.linears.items() if ".feed_forward." not in v},
-                         embeddings=dense.embeddings, norms=dense.norms,
-                         experts={"experts.gate_up_proj": experts, "experts.down_proj": experts})

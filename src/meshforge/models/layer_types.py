@@ -74,8 +74,3 @@ def keys_per_query(window: int | None, seq_len: int) -> float:
         return seq_len / 2
     return window - window * window / (2 * seq_len)
 
-
-def attention_forward_flops_per_token(a: ModelArgs, seq_len: int) -> float:
-    """Scores and weighted sum, forward, per token: 4 * heads * head_dim * keys per query, summed over the layers
-    (each with its own window; `shapes.attention_forward_flops_per_token` when no layer has one)."""
-    return sum(4 * a.n_heads * a.hd * keys_per_query(window_of(a, i), seq_len) for i in range(a.n_layers))

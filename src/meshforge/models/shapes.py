@@ -192,10 +192,6 @@ class ModelShape(ModuleShape):
     def flops_per_token(self, seq_len: int) -> float:
         return flops_per_token(self.args, seq_len)
 
-    def attention_forward_flops_per_token(self, seq_len: int) -> float:
-        """The attention part of one forward (context parallelism recomputes it in backward)."""
-        return attention_forward_flops_per_token(self.args, seq_len)
-
     def adapter_layout(self) -> AdapterLayout:
         return adapter_layout(self.args)
 
@@ -406,5 +402,11 @@ def flops_per_token(a: ModelArgs, seq_len: int) -> float:
 
 def attention_forward_flops_per_token(a: ModelArgs, seq_len: int) -> float:
     """Scores and weighted sum, forward: 2 matmuls of S x S x head_dim per head and layer, 2*2*S*hd*H per token,
-    halved by the causal mask."""
-    return a.n_layers * 2 * a.n_heads * a.hd * seq_len
+    halved by the causal mask; a layer with a sliding window shorter than S over the keys it sees
+    (models/layer_types.py)."""
+    from meshforge.models.layer_types import keys_per_query, window_of
+
+    windows = [window_of(a, i) for i in range(a.n_layers)]
+    if all(w is None or w >= seq_len for w in windows):
+        return a.n_layers * 2 * a.n_heads * a.hd * seq_len
+    return sum(4 * a.n_heads * a.hd * keys_per_query(w, seq_len) for w in windows)

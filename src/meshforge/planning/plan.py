@@ -27,7 +27,7 @@ from meshforge.planning.layout import Layout, MeshAxis
 from meshforge.planning.params import ParamRec, model_params, n_params
 from meshforge.planning.precision import bf16_params, compiled
 from meshforge.planning.state import pipeline_plan_of, rank_state, spec_of, terms_of
-from meshforge.planning.step import bubble_fraction, comm_seconds, flops_per_token, model_description
+from meshforge.planning.step import bubble_fraction, comm_seconds, flops_per_token
 from meshforge.planning.terms import Parts
 
 
@@ -132,9 +132,7 @@ def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: floa
     if layout.cp > 1:  # context parallelism recomputes the local attention forward in backward
         from meshforge.models.shapes import attention_forward_flops_per_token
 
-        attention = (attention_forward_flops_per_token(args, t.seq_len) if args.hf_model else
-                     model_description(args).attention_forward_flops_per_token(t.seq_len))
-        flops += tokens * attention
+        flops += tokens * attention_forward_flops_per_token(args, t.seq_len)
     compute_s = flops / world_size / (device.peak_tflops * 1e12 * mfu)
     bubble = 0.0
     if pplan is not None:

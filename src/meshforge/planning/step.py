@@ -49,22 +49,15 @@ def flops_per_token(args, seq_len: int) -> float:
     """The model contract's FLOPs per token: a built-in model's closed form (models/shapes.py, what the model
     itself answers); an hf_model's from a one-block meta model scaled to the real depth (FLOPs are affine in the
     number of layers: the output head once, the rest per layer)."""
+    from meshforge.models import shapes
+
     if not args.hf_model:
-        return model_description(args).flops_per_token(seq_len)
+        return shapes.flops_per_token(args, seq_len)
     from meshforge.models import build_model, contract_of
 
     one = dataclasses.replace(args, n_layers=1)
     per_layer = contract_of(build_model(one, device="meta")).flops_per_token(seq_len) - _head_flops(one)
     return _head_flops(args) + args.n_layers * per_layer
-
-
-@functools.lru_cache(maxsize=64)
-def model_description(args):
-    """A built-in model's torch-free description (its family's; models/shapes.py), whose contract methods give
-    the FLOPs."""
-    from meshforge.models import describe
-
-    return describe(args)
 
 
 def _head_flops(args) -> float:
