@@ -114,16 +114,7 @@ def test_family_import_export_against_transformers(case, tmp_path):
         with torch.no_grad():
             assert (plain(tokens) - ref).abs().max().item() > 1e-3
 
-    ck = save_weights_only(ours, tmp_path / "ck")
-    export_checkpoint(ck, tmp_path / "out", shard_mb=1)
-    with transformers_messages() as said:
-        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").float().eval()
-    assert said.getvalue().strip() == "", said.getvalue()
-    assert type(back).__name__ == type(hf).__name__
-    exported, original = load_dir(tmp_path / "out"), load_dir(tmp_path / "hf")
-    assert exported.keys() == original.keys()
-    for k, v in original.items():  # bit-for-bit the tensors transformers saved, permutations and stacking undone
-        assert torch.equal(exported[k], v), k
+    back = export_and_reload(ours, tmp_path, type(hf).__name__)
     with torch.no_grad():
         assert (back(tokens).logits - got).abs().max().item() < 1e-4
     gen = json.loads((tmp_path / "out" / "generation_config.json").read_text())
@@ -131,6 +122,22 @@ def test_family_import_export_against_transformers(case, tmp_path):
     prompt = tokens[:, :6]
     theirs = back.generate(prompt, do_sample=False, max_new_tokens=10, eos_token_id=None, pad_token_id=0)
     assert torch.equal(theirs, greedy(ours, prompt, 10))
+
+
+def export_and_reload(ours, tmp_path: Path, architecture: str):
+    """`ours` (imported from tmp_path/hf) exported to tmp_path/out and loaded by transformers: no message, the same
+    class, bit-for-bit the tensors transformers saved (permutations and stacking undone)."""
+    ck = save_weights_only(ours, tmp_path / "ck")
+    export_checkpoint(ck, tmp_path / "out", shard_mb=1)
+    with transformers_messages() as said:
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").float().eval()
+    assert said.getvalue().strip() == "", said.getvalue()
+    assert type(back).__name__ == architecture
+    exported, original = load_dir(tmp_path / "out"), load_dir(tmp_path / "hf")
+    assert exported.keys() == original.keys()
+    for k, v in original.items():
+        assert torch.equal(exported[k], v), k
+    return back
 
 
 def _hf_dir(tmp_path: Path, cls="LlamaConfig", **extra) -> Path:

@@ -19,12 +19,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from meshforge.checkpoint.hf import export_checkpoint, hf_model_args, load_hf_into, save_weights_only  # noqa: E402
+from meshforge.checkpoint.hf import hf_model_args, load_hf_into  # noqa: E402
 from meshforge.cli import main as cli_main  # noqa: E402
 from meshforge.distributed.runtime import packed_positions  # noqa: E402
 from meshforge.models import PRESETS, build_model  # noqa: E402
 
-from test_hf_families import greedy, hf_random_model, load_dir, transformers_messages  # noqa: E402
+from test_hf_families import export_and_reload, greedy, hf_random_model  # noqa: E402
 
 VOCAB = 96
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -140,16 +140,7 @@ def test_import_export_against_transformers(case, tmp_path):
     print(f"  packed documents vs transformers per document: {packed_diff:.2e}")
     assert packed_diff < 1e-5
 
-    ck = save_weights_only(ours, tmp_path / "ck")
-    export_checkpoint(ck, tmp_path / "out", shard_mb=1)
-    with transformers_messages() as said:
-        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").float().eval()
-    assert said.getvalue().strip() == "", said.getvalue()
-    assert type(back).__name__ == type(hf).__name__
-    exported, original = load_dir(tmp_path / "out"), load_dir(tmp_path / "hf")
-    assert exported.keys() == original.keys()
-    for k, v in original.items():  # bit-for-bit the tensors transformers saved, permutations undone
-        assert torch.equal(exported[k], v), k
+    back = export_and_reload(ours, tmp_path, type(hf).__name__)
     assert hf_model_args(tmp_path / "out") == args  # config.json round trip
     with torch.no_grad():
         assert (back(tokens).logits - got).abs().max().item() < 1e-5

@@ -27,8 +27,9 @@ from meshforge.models.protocol import (
     submodule_or_none,
 )
 
-__all__ = ["HF_PREFIX", "PRESETS", "AdapterLayout", "family_of", "ForeignModel", "InitSpec", "ModelArgs", "ModelContract",
+__all__ = ["HF_PREFIX", "PRESETS", "AdapterLayout", "ForeignModel", "InitSpec", "ModelArgs", "ModelContract",
            "PipelineLayout", "StateDictAdapter", "args_from_hf_config", "blocks_of", "build_model", "contract_of",
+           "family_of",
            "hf_config_dict", "init_weights", "load_folder_weights", "meta_modules", "plan_modules",
            "param_init_tensor", "resolve_model_args", "set_submodule", "submodule_or_none"]
 
