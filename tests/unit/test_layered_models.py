@@ -102,3 +102,31 @@ def test_layer_kinds_are_transformers_defaults():
     oss = transformers.GptOssConfig(num_hidden_layers=5)
     assert layer_kinds(5, 128, 2) == oss.layer_types
     assert layer_kinds(3, None, 2) == [FULL] * 3 and layer_kinds(3, 8, None) == [SLIDING] * 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_flex_window_and_sinks_equal_the_dense_path_on_cuda(dtype, tol, packed):
+    """On CUDA a window (and a document mask) is a FlexAttention block mask and the sinks rescale its output by
+    the log-sum-exp: forward and the gradients of q, k, v and the sinks equal the dense CPU path."""
+    from meshforge.models.attention import dense_document_mask, document_mask
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    g = torch.Generator().manual_seed(3)
+    b, h, kvh, s, d, window = 2, 8, 2, 256, 64, 40
+    q, k, v = (torch.randn(b, n, s, d, generator=g) for n in (h, kvh, kvh))
+    sinks = torch.randn(h, generator=g)
+    docs = torch.cat([torch.zeros(b, 100, dtype=torch.long), torch.ones(b, s - 100, dtype=torch.long)], 1)
+    grads = []
+    for device, dt in (("cpu", torch.float32), ("cuda", dtype)):
+        ins = [t.to(device, dt).requires_grad_(True) for t in (q, k, v, sinks)]
+        mask = None
+        if packed:
+            mask = document_mask(docs.to(device)) if device == "cuda" else dense_document_mask(docs)
+        out = attend(*ins[:3], mask, window=window, sinks=ins[3])
+        out.float().pow(2).sum().backward()
+        grads.append([out.float().cpu()] + [t.grad.float().cpu() for t in ins])
+    for ref, got in zip(*grads):
+        assert (ref - got).abs().max().item() <= tol * max(1.0, ref.abs().max().item())
