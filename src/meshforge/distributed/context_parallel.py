@@ -147,7 +147,7 @@ class _CPGroup:
         `documents` is the FlexAttention block mask of this rank's query positions (CUDA; one call). A layer with
         its own `rule` (sliding window, softmax scale) or `sinks` takes the dense path: the window is one more
         mask condition, the sinks an extra logit column (models/attention.py `dense_attention`)."""
-        special = rule is not None and (rule.window is not None or rule.scale is not None) or sinks is not None
+        special = rule is not None or sinks is not None
         if documents is not None and is_block_mask(documents) and not special:
             return masked_attention(q, k, v, documents)
         if k.shape[1] != q.shape[1]:  # grouped-query attention: expand kv heads (transient)

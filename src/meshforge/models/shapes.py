@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshforge.models.args import ModelArgs
+from meshforge.models.layer_types import keys_per_query, window_of
 from meshforge.models.protocol import AdapterLayout, PipelineLayout, contract_of
 
 ADAPTER_PARTS = ("lora_A", "lora_B")  # LoRA's factor modules (models/lora.py)
@@ -404,8 +405,6 @@ def attention_forward_flops_per_token(a: ModelArgs, seq_len: int) -> float:
     """Scores and weighted sum, forward: 2 matmuls of S x S x head_dim per head and layer, 2*2*S*hd*H per token,
     halved by the causal mask; a layer with a sliding window shorter than S over the keys it sees
     (models/layer_types.py)."""
-    from meshforge.models.layer_types import keys_per_query, window_of
-
     windows = [window_of(a, i) for i in range(a.n_layers)]
     if all(w is None or w >= seq_len for w in windows):
         return a.n_layers * 2 * a.n_heads * a.hd * seq_len
