@@ -330,6 +330,10 @@ def fused_loss_conflict(cfg: Config) -> str | None:
     if d.tp_size > 1 or d.pp_size > 1:
         return (f"tp_size={d.tp_size}, pp_size={d.pp_size}: tensor parallelism computes a vocabulary-parallel loss "
                 "on sharded logits and pipeline stages keep the plain loss")
+    args = _model_args(cfg)
+    if args is not None and args.final_logit_softcap is not None:
+        return (f"model.final_logit_softcap={args.final_logit_softcap}: the chunked loss projects the head's input "
+                "without the soft-cap")
     freed = d.spec.head_freed_after_forward
     return freed(d.options) if freed is not None else None
 
