@@ -243,4 +243,4 @@ class DeepSeekV3StateDictAdapter(MoEStateDictAdapter):
 DEEPSEEK_V3 = DeepSeekV3Family("deepseek_v3", "DeepseekV3ForCausalLM", fields=FIELDS,
                                model="meshforge.models.deepseek_v3:model_class",
                                description="meshforge.models.deepseek_v3_shapes:describe",
-                               rope_types=("default", "yarn"), moe_packing=True)
+                               rope_types=("default", "yarn"), packs_documents=True)
