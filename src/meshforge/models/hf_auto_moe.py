@@ -78,7 +78,7 @@ class _RouterFlags:
 
 class HFMoELayer:
     """One transformers MoE layer as `distributed/expert_parallel.py` sees it: `experts` (the module it shards and
-    hands to the strategy), `n_experts`, `router`, and `dispatcher` (set: tokens go through it)."""
+    hands to the strategy), `n_experts`, `router`, `dispatcher` (set: tokens go through it) and `balance_load`."""
 
     def __init__(self, experts: nn.Module):
         self.experts = experts
@@ -86,6 +86,11 @@ class HFMoELayer:
         self.router = _RouterFlags()
         self.stats_reducer, self.aux_grad_scale = None, 1.0  # context parallelism (refused with hf_model)
         self._dispatcher = None
+
+    def balance_load(self) -> None:
+        """No auxiliary-loss-free balancing (`MoE.balance_load`): transformers' router keeps its own selection
+        bias, if any, as a trained or fixed tensor, and meshforge does not update it."""
+        return None
 
     @property
     def dispatcher(self):
