@@ -1,7 +1,8 @@
 """config.json pieces the families with per-layer attention rules share (Gemma 3, GPT-OSS): `layer_types` and
 `sliding_window` as a window and a period (models/layer_types.py), and one rotary table's parameters as transformers
-writes them (`rope_parameters`, or the older `rope_theta` + `rope_scaling`). Every key is read or refused with one
-line naming it, as in models/hf_dense.py. Torch-free.
+writes them (`rope_parameters`, or the older `rope_theta` + `rope_scaling`; DeepSeek-V3 reads its one table here
+too, YaRN through models/yarn.py). Every key is read or refused with one line naming it, as in models/hf_dense.py.
+Torch-free.
 """
 
 from __future__ import annotations
