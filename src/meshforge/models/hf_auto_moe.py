@@ -87,11 +87,6 @@ class HFMoELayer:
         self.stats_reducer, self.aux_grad_scale = None, 1.0  # context parallelism (refused with hf_model)
         self._dispatcher = None
 
-    def balance_load(self) -> None:
-        """No auxiliary-loss-free balancing (`MoE.balance_load`): transformers' router keeps its own selection
-        bias, if any, as a trained or fixed tensor, and meshforge does not update it."""
-        return None
-
     @property
     def dispatcher(self):
         return self._dispatcher
