@@ -222,7 +222,8 @@ def model_fits_data(cfg: Config, world_size: int) -> list[str]:
     if cfg.training.seq_len > args.max_seq_len:
         out.append(f"training.seq_len={cfg.training.seq_len} exceeds model.max_seq_len={args.max_seq_len}: "
                    "shorten seq_len or raise model.max_seq_len")
-    if args.sliding_window is not None and cfg.training.seq_len > args.sliding_window:
+    exact_windows = not args.hf_model and FAMILIES[args.family].exact_windows  # masked per layer: any length
+    if args.sliding_window is not None and cfg.training.seq_len > args.sliding_window and not exact_windows:
         out.append(f"training.seq_len={cfg.training.seq_len} exceeds model.sliding_window={args.sliding_window}: "
                    "sliding-window attention is exact only up to the window; shorten seq_len")
     if cfg.data.source == "text" and args.vocab_size < 256:
@@ -514,7 +515,9 @@ def packing_support(cfg: Config, world_size: int) -> list[str]:
     if d.pp_size > 1:
         out.append(f"data.packing=true with distributed.pp_size={d.pp_size} is not supported yet: set pp_size 1")
     args = _model_args(cfg)
-    if args is not None and args.is_moe and not FAMILIES[args.family].moe_packing:
-        out.append(f"data.packing=true with a mixture-of-experts model of model.family={args.family} is not "
-                   "supported yet")
+    packs = args is not None and not args.hf_model and FAMILIES[args.family].packs_documents
+    if args is not None and args.is_moe and not packs:
+        packing = [f.name for f in FAMILIES.values() if f.has_experts and f.packs_documents]
+        out.append(f"data.packing=true with a mixture-of-experts model (model.family={args.family}) is not supported "
+                   f"yet ({' and '.join(packing)} are)")
     return out

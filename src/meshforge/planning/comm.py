@@ -74,8 +74,8 @@ def _grad_norm(mine: list[ParamRec], terms, cfg, layout: Layout, add: AddComm) -
             n_ep += 1
             continue
         n_dp += dtensor
-        # (without FSDP the vocab-parallel embedding's grad is Replicate)
-        n_tp += layout.tp > 1 and p.tp_dim is not None and (dtensor or p.place != "first")
+        # (without FSDP the vocab-parallel embedding's grad is Replicate, unless the sharded head shares it)
+        n_tp += layout.tp > 1 and p.tp_dim is not None and (dtensor or p.place != "first" or p.tied)
     add("ep", "all_reduce", n_ep * F32 * (1 + (dtensor and layout.size(MeshAxis.EP_SHARD) > 1)))
     add("dp_cp", "all_reduce", n_dp * F32)
     add("tp", "all_reduce", n_tp * F32)
@@ -102,13 +102,15 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
     act = tokens * args.dim * e
     mine = [p for p in mine_all if p.tp_dim is not None and not p.adapter]
     in_blocks = [p for p in mine if p.block is not None]
-    rows = sum(1 for p in in_blocks if p.tp_dim == 1)  # row-wise projections: one per sub-layer
+    # projection weights (not their biases, nor per-head parameters such as attention sinks)
+    projections = [p for p in in_blocks if len(p.shape) == 2]
+    rows = sum(1 for p in projections if p.tp_dim == 1)  # row-wise: one per sub-layer
     n_blocks = len({p.block for p in in_blocks})
 
     def input_grad(p: ParamRec) -> int:  # a column-wise projection's input gradient (its weight's in-features)
-        return tokens * (p.shape[1] if len(p.shape) == 2 else args.dim) * e
+        return tokens * p.shape[1] * e
     first = any(p.place == "first" for p in mine)
-    head = any(p.place == "last" for p in mine)
+    head = any(p.place == "last" or p.tied for p in mine)
     # a frozen embedding (and frozen norms in the first block) needs no gradient of its output: backward skips the
     # embedding's mirror collective and the input gradients of the first sub-layer's column-wise projections
     # (those before the first block's first row-wise one)
@@ -116,12 +118,12 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
                                   (p.block == 0 and len(p.shape) == 1))
     skip = 0
     if frozen_in:
-        for p in (p for p in mine if p.block == 0):
+        for p in (p for p in projections if p.block == 0):
             if p.tp_dim == 1:
                 break
             skip += input_grad(p)
     # column-wise projections' input gradients, and the inputs the plan declares shared by the ranks' heads
-    cols = sum(input_grad(p) for p in in_blocks if p.tp_dim == 0) - skip + _shared_inputs(mine_all, cfg) * tokens * e
+    cols = sum(input_grad(p) for p in projections if p.tp_dim == 0) - skip + _shared_inputs(mine_all, cfg) * tokens * e
     recompute = d.ac_mode is not None
     fused = fused_loss_on(cfg)
     loss = 3 * tokens * F32 if head and not fused else 0
@@ -135,7 +137,7 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
         # gathered input and gathers it again in backward, if a trainable parameter reads that input (anything in
         # the sub-layer but the row-wise projection and its adapters); compiled blocks, which keep the gathered
         # input, send as many gathers (measured with aot_eager, torch 2.13)
-        subs = {p.name.rsplit(".", 2)[0]: p.name.rsplit(".", 1)[0] for p in in_blocks if p.tp_dim == 1}
+        subs = {p.name.rsplit(".", 2)[0]: p.name.rsplit(".", 1)[0] for p in projections if p.tp_dim == 1}
         regather = 0 if recompute else sum(
             any(q.trainable and q.name.startswith(sub + ".") and not q.name.startswith(row + ".")
                 for q in mine_all) for sub, row in subs.items())

@@ -148,9 +148,10 @@ class FSDP2Terms(StrategyPlanTerms):
             full_grad = None
             if not active:
                 stored = opt = math.prod(s)
-                if p.tp_dim is not None and p.place == "first":
+                if p.tp_dim is not None and p.place == "first" and not p.tied:
                     # without FSDP the vocabulary-parallel embedding's gradient arrives Replicate: each tp rank
-                    # holds the whole (vocab x dim) gradient (measured with torch 2.13)
+                    # holds the whole (vocab x dim) gradient (measured with torch 2.13); tied to the head, the
+                    # head's sharded gradient is what accumulates
                     full_grad = math.prod(p.shape)
             else:
                 dim, n, r = (1, ep_shard_n, ep_shard_r) if p.expert and layout.ep > 1 else (0, dense_n, dense_r)
