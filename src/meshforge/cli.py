@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "checkpoint": ("meshforge.checkpoint.cli", "inspect, export and import checkpoints"),
     "bench": ("meshforge.bench.cli", "measure throughput, memory and communication; compare configurations"),
     "plan": ("meshforge.planning.cli", "memory per rank, communication and step time of a config, process-free"),
+    "generate": ("meshforge.generation.cli", "generate text from a run's checkpoint or a Hugging Face folder"),
     "plot": ("meshforge.plot", "draw loss, lr, grad norm, tokens/s and memory of runs against step (overlaid)"),
 }
 

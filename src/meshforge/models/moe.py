@@ -44,7 +44,8 @@ from torch import nn
 from meshforge.models import shapes
 from meshforge.models.args import ModelArgs
 from meshforge.models.hf_families import dense_adapter
-from meshforge.models.llama import Llama, rope_cos_sin, swiglu
+from meshforge.models.kv_cache import KVCache
+from meshforge.models.llama import Llama, block_forward, cache_mask, rope_cos_sin, swiglu
 from meshforge.models.lora import ExpertLoRA
 from meshforge.models.materialize import buildable, build_children
 from meshforge.models.protocol import AdapterLayout, InitSpec, StateDictAdapter
@@ -331,14 +332,15 @@ class MoETransformer(Llama):
         """The MoE modules, in layer order (expert parallelism applies to these)."""
         return [m for m in self.modules() if isinstance(m, MoE)]
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None):
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None):
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin = rope_cos_sin(positions, self.args.hd, self.args.rope_theta, self.args)
+        mask = cache_mask(cache, tokens, None)
         aux = None
-        for block in self.layers.values():
-            h = block(h, cos, sin)
+        for i, block in enumerate(self.layers.values()):
+            h = block_forward(block, h, cos, sin, mask, cache, i)
             aux = take_aux_loss(block.feed_forward, aux)
         if self.norm is not None:
             h = self.norm(h)
