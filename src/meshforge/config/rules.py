@@ -502,6 +502,17 @@ def validation_data(cfg: Config, world_size: int) -> list[str]:
 
 
 @rule
+def samples_support(cfg: Config, world_size: int) -> list[str]:
+    """logging.samples runs the whole sequence through the model on every rank: not through pipeline stages (the
+    schedule drives their forwards) or context parallelism (it splits the sequence)."""
+    d = cfg.distributed
+    if cfg.logging.samples is None:
+        return []
+    return [f"logging.samples with distributed.{k}={v} is not supported yet: generate from a checkpoint with "
+            "`meshforge generate` instead" for k, v in (("pp_size", d.pp_size), ("cp_size", d.cp_size)) if v > 1]
+
+
+@rule
 def packing_support(cfg: Config, world_size: int) -> list[str]:
     """Packed sequences need the document mask in every attention: the dense model's or the context-parallel one
     (which masks its load-balanced chunks with the full document ids), not through pipeline stages (they do not

@@ -461,6 +461,29 @@ class CheckpointConfig(Section):
 
 # -------------------------------------------------------------------------- logging
 
+class SamplesConfig(Section):
+    """Text generated from the live model during training (training/samples.py): each prompt's continuation every
+    `every` steps (and at the last step), logged as a `samples` record to metrics.jsonl and every logger. It forks
+    the RNG and leaves the data order alone, so training and exact resume are unchanged."""
+
+    prompts: list[str] = Field(min_length=1)
+    every: int = Field(gt=0)
+    max_new_tokens: int = Field(32, gt=0)
+    temperature: float = Field(0.0, ge=0)  # 0: greedy
+    top_k: int = Field(0, ge=0)  # 0: off
+    top_p: float = Field(1.0, gt=0, le=1)  # 1: off
+    seed: int = Field(0, ge=0)
+    chat: bool | None = None  # wrap each prompt in the tokenizer's chat template; None: when it has one
+
+    @model_validator(mode="after")
+    def _sampling(self) -> SamplesConfig:
+        if self.temperature == 0 and (self.top_k or self.top_p < 1):
+            raise ValueError("logging.samples: top_k/top_p sample, but temperature is 0 (greedy): set a temperature")
+        if any(not p for p in self.prompts):
+            raise ValueError("logging.samples.prompts: a prompt is empty")
+        return self
+
+
 class LoggingConfig(Section):
     """Where metrics go (rank 0 only; see training/loggers.py). The old booleans `jsonl: BOOL` and
     `tensorboard: BOOL` are still read, mapped exactly onto `loggers` (true adds the name, false removes it;
@@ -473,6 +496,7 @@ class LoggingConfig(Section):
     project: str = "meshforge"  # the W&B project / MLflow experiment; the run is named run.name
     mlflow_tracking_uri: str | None = None  # None = $MLFLOW_TRACKING_URI, else file:<output_dir>/mlruns
     peak_tflops: float | None = Field(None, gt=0)  # override of the device table for MFU
+    samples: SamplesConfig | None = None  # text from the live model every N steps (None: never)
 
     @model_validator(mode="before")
     @classmethod

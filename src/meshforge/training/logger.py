@@ -46,6 +46,10 @@ class MetricsLogger:
             return
         for sink in self.sinks:
             sink.log(record)
+        if "samples" in record:  # generated text (training/samples.py)
+            for sample in record["samples"]:
+                self.info(f"step={record['step']} sample {sample['prompt']!r} -> {sample['completion']!r}")
+            return
         if "val_loss" in record:  # a validation record (training/validation.py)
             self.info(" ".join(f"{k}={_fmt(record.get(k))}" for k in ("step", "val_loss", "val_ppl")))
             return
