@@ -1,7 +1,8 @@
 """The decoding loop: token ids in, new token ids out, on a plain model or a live parallel one.
 
-- `Sampling`: greedy (temperature 0) or temperature, then top-k, then top-p (transformers' order), drawn from a
-  `torch.Generator` seeded with `seed`: the same seed gives the same text, and the global RNG is never touched.
+- `Sampling`: greedy (temperature 0) or temperature, then top-k, then top-p (transformers' order), each row drawn
+  from its own `torch.Generator` seeded with `seed`: the same seed gives a prompt the same text whatever else is in
+  its batch (and in training's samples, which run one prompt at a time), and the global RNG is never touched.
 - `generate_ids`: a batch of prompts, left-padded (each row's positions count from its first real token, pad keys
   hidden: models/kv_cache.py), each step feeding only the new token with the KV cache, or the whole sequence
   without it (`use_cache=False`, the same mask: a full recompute). A row stops at a stop id (kept) or at
@@ -44,8 +45,8 @@ class Sampling:
         return out
 
 
-def pick(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -> torch.Tensor:
-    """(B, V) float logits -> (B,) next token ids."""
+def pick(logits: torch.Tensor, s: Sampling, generators: list[torch.Generator] | None) -> torch.Tensor:
+    """(B, V) float logits -> (B,) next token ids (row i drawn with `generators[i]`)."""
     if s.temperature == 0:
         return logits.argmax(-1)
     logits = logits / s.temperature
@@ -57,7 +58,8 @@ def pick(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None) -
         probs = ordered.softmax(-1)
         drop = probs.cumsum(-1) - probs > s.top_p  # tokens after the first that reach top_p (the best one stays)
         logits = logits.masked_fill(drop.scatter(1, idx, drop), float("-inf"))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(1)
+    probs = logits.softmax(-1)
+    return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])
 
 
 def full_logits(out) -> torch.Tensor:
@@ -66,8 +68,8 @@ def full_logits(out) -> torch.Tensor:
     return out.full_tensor() if isinstance(out, DTensor) else out
 
 
-def _generator(device: torch.device, s: Sampling) -> torch.Generator | None:
-    return None if s.temperature == 0 else torch.Generator(device).manual_seed(s.seed)
+def _generators(device: torch.device, s: Sampling, rows: int) -> list[torch.Generator] | None:
+    return None if s.temperature == 0 else [torch.Generator(device).manual_seed(s.seed) for _ in range(rows)]
 
 
 @torch.no_grad()
@@ -81,7 +83,7 @@ def generate_ids(model: torch.nn.Module, prompts: list[list[int]], max_new_token
     for i, p in enumerate(prompts):
         tokens[i, longest - len(p):] = torch.tensor(p, dtype=torch.long)
         valid[i, longest - len(p):] = True
-    generator = _generator(device, sampling)
+    generators = _generators(device, sampling, len(prompts))
     stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     cache, new, new_valid, out = KVCache(), tokens, valid, []
@@ -90,7 +92,7 @@ def generate_ids(model: torch.nn.Module, prompts: list[list[int]], max_new_token
             cache, new, new_valid = KVCache(), tokens, valid
         cache.extend(new_valid)
         logits = full_logits(model(new, cache.positions(new.shape[1]), cache=cache))[:, -1].float()
-        nxt = pick(logits, sampling, generator).masked_fill(done, pad_id)
+        nxt = pick(logits, sampling, generators).masked_fill(done, pad_id)
         out.append(nxt)
         done |= torch.isin(nxt, stops)
         new, new_valid = nxt[:, None], ~done[:, None] | torch.isin(nxt, stops)[:, None]
@@ -112,13 +114,13 @@ def generate_live(forward: Callable[[torch.Tensor], object], prompt: list[int], 
                   sampling: Sampling, stop_ids: set[int], context: int, device: torch.device, pad_to: int = 1,
                   pad_id: int = 0) -> list[int]:
     """One prompt's new tokens through `forward(tokens) -> logits` on the whole (right-padded) sequence."""
-    generator = _generator(device, sampling)
+    generators = _generators(device, sampling, 1)
     seq, new = list(prompt), []
     for _ in range(min(max_new_tokens, context - len(prompt))):
         width = -(-len(seq) // pad_to) * pad_to
         x = torch.tensor([seq + [pad_id] * (width - len(seq))], dtype=torch.long, device=device)
         logits = full_logits(forward(x))[:, len(seq) - 1].float()
-        t = int(pick(logits, sampling, generator)[0])
+        t = int(pick(logits, sampling, generators)[0])
         seq.append(t)
         new.append(t)
         if t in stop_ids:
