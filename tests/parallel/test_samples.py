@@ -83,6 +83,12 @@ def test_samples_change_nothing_and_resume_is_bitwise(tmp_path, capsys):
     # the same text from the saved checkpoint, one process, KV cache, same sampling seed
     got = _generate(a, capsys, "--temperature", "0.9", "--top-p", "0.95", "--seed", "3")
     assert got == [s["completion"] for s in first.samples[-1]["samples"]]
+    # a checkpoint of another model than the config (the run's config.yaml + model.* overrides) says: refused as a
+    # resume refuses it, one line, exit 2
+    for override, needle in (("model.dim=128", "has shape"), ("model.rope_theta=1000.0", "saved from another model")):
+        assert cli_main(["generate", str(a), override, "-p", "x"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err
 
 
 def test_samples_are_the_same_at_any_parallelism(group, greedy_single, capsys):
