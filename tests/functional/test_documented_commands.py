@@ -144,7 +144,7 @@ for _n, (_where, _cmd) in enumerate(COMMANDS):
 
 def test_the_documents_show_commands():
     kinds = {_argv(c)[0] for _, c in COMMANDS}
-    assert {"train", "validate", "verify", "data", "bench"} <= kinds, kinds
+    assert {"train", "validate", "verify", "data", "bench", "generate"} <= kinds, kinds
     assert len([c for w, c in COMMANDS if w != "README.md"]) >= 8
 
 
@@ -164,6 +164,8 @@ def test_documented_command_runs(where, cmd, tmp_path, monkeypatch, capsys):
         (tmp_path / "docs" / "guide" / "a.txt").write_text("meshforge trains models.\n" * 50)
     if argv[0] == "train":
         argv = shortened_train(argv, tmp_path / "run")
+    if argv[0] == "generate":  # from the run the README's first command trains: a short one of it, where it names
+        assert cli.main(shortened_train(["train", str(ROOT / "examples" / "tiny_cpu.yaml")], tmp_path / argv[1])) == 0
     rc = cli.main(argv)
     err = capsys.readouterr().err
     assert rc == 0, f"{where}: `{cmd}` exited {rc}:\n{err[-3000:]}"
