@@ -124,3 +124,18 @@ def test_bad_input_is_one_line_exit_2(chat_folder, tmp_path, capsys):
     hf.save_pretrained(tmp_path / "no-tok")
     rc, _, err = _run(capsys, tmp_path / "no-tok", "-p", "hi")
     assert rc == 2 and "names no tokenizer: pass --tokenizer" in err
+
+
+def test_each_launched_rank_gets_the_same_command():
+    """`--nproc-per-node N` relaunches `meshforge generate` on every rank with every other flag as given."""
+    from meshforge.cli import build_parser
+    from meshforge.generation.cli import rank_argv
+
+    argv = ["generate", "run", "model.rope_theta=5.0", "-p", "a b", "--prompt", "c", "--prompts-file", "f.txt",
+            "--no-chat", "--max-new-tokens", "7", "--temperature", "0.5", "--top-k", "3", "--top-p", "0.9", "--seed",
+            "4", "--no-cache", "--tokenizer", "t.json", "--device", "cpu", "--dtype", "bf16", "--json",
+            "--nproc-per-node", "2"]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    again = parser.parse_args(rank_argv(args))
+    assert {**vars(again), "nproc_per_node": 2, "fn": None} == {**vars(args), "fn": None}

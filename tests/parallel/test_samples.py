@@ -2,7 +2,7 @@
 to the same run without them, sampled or greedy), exact resume still holds with them on, the text is the same at
 any parallelism (greedy, on weights whose logits are well separated: model.init_std=0.2) and the same as
 `meshforge generate` gives from the run's checkpoint, including one saved by a 2-process TP run (resharded on
-load).
+load), on one process and tensor-parallel over two (`--nproc-per-node 2`).
 """
 
 import json
@@ -45,7 +45,19 @@ def samples_job(spec, info) -> dict:
     return out
 
 
-GROUP_JOBS = [Job("samples n2", f"{Path(__file__).resolve()}:samples_job", N2, 2)]
+def generate_tp_job(spec, info) -> list[dict]:
+    """`meshforge generate --nproc-per-node 2` as each launched rank runs it: the TP run's checkpoint, resharded
+    into the whole model on every rank and tensor-parallel over both (KV cache per rank's heads)."""
+    from meshforge.cli import build_parser
+    from meshforge.generation.cli import complete
+
+    args = build_parser().parse_args(["generate", spec, *[a for p in PROMPTS for a in ("-p", p)],
+                                      "--max-new-tokens", "6"])
+    return complete(args, info)[0]
+
+
+GROUP_JOBS = [Job("samples n2", f"{Path(__file__).resolve()}:samples_job", N2, 2),
+              Job("generate tp2", f"{Path(__file__).resolve()}:generate_tp_job", str(SHARED / "samples-tp2"), 2)]
 
 
 def _train(extra, steps=STEPS):
@@ -104,8 +116,10 @@ def test_samples_are_the_same_at_any_parallelism(group, greedy_single, capsys):
         elif got["samples"] != want:
             bad.append(f"{name}: samples {got['samples']} != single process {want}")
     assert not bad, "\n".join(bad)
-    # the TP run's checkpoint, resharded into one process, generates the same text (greedy, KV cache)
+    # the TP run's checkpoint, resharded into one process, generates the same text (greedy, KV cache), and so does
+    # `meshforge generate --nproc-per-node 2` (tensor-parallel over the two ranks)
     assert _generate(SHARED / "samples-tp2", capsys) == [s["completion"] for s in want[0]["samples"]]
+    assert [r["completion"] for r in group("generate tp2")] == [s["completion"] for s in want[0]["samples"]]
 
 
 def test_samples_bad_input_is_one_line():

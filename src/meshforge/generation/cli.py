@@ -1,4 +1,5 @@
-"""`meshforge generate SOURCE`: text from a run's checkpoint or a Hugging Face folder (load.py), one process.
+"""`meshforge generate SOURCE`: text from a run's checkpoint or a Hugging Face folder (load.py), on one process, or
+with `--nproc-per-node N` tensor-parallel over N (parallel.py).
 
 Prompts come from `--prompt` (repeatable) and `--prompts-file` (one prompt a line; a .jsonl file: objects with
 `prompt` or chat `messages`). The tokenizer's chat template wraps each prompt as a user turn when it has one
@@ -34,9 +35,28 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:N")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--json", action="store_true", help="one JSON object a prompt: prompt, completion, token ids")
+    p.add_argument("--nproc-per-node", type=int, default=None, help="N local processes, the model tensor-parallel "
+                   "over them (it needs a TP plan)")
 
 
-def generate(args) -> int:
+_VALUE_FLAGS = ("prompts_file", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "tokenizer", "device",
+                "dtype")
+
+
+def rank_argv(args) -> list[str]:
+    """The command line each launched rank runs: these arguments without --nproc-per-node."""
+    argv = ["generate", args.source, *args.overrides, *[a for p in args.prompt for a in ("--prompt", p)]]
+    for key in _VALUE_FLAGS:
+        if getattr(args, key) is not None:
+            argv += ["--" + key.replace("_", "-"), str(getattr(args, key))]
+    if args.chat is not None:
+        argv.append("--chat" if args.chat else "--no-chat")
+    return argv + [f for f, on in (("--no-cache", args.no_cache), ("--json", args.json)) if on]
+
+
+def complete(args, info=None) -> tuple[list[dict], str]:
+    """Each prompt's completion ({prompt, completion, prompt_ids, ids}) and a line on the speed; with `info` (a
+    launched rank), tensor-parallel over all ranks."""
     import torch
 
     from meshforge.data.tokenizer import check_vocab
@@ -51,6 +71,8 @@ def generate(args) -> int:
         raise MeshforgeError(problems)
     prompts = read_prompts(args.prompt, args.prompts_file)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    if info is not None:
+        device = info.device
     loaded = load(args.source, args.overrides, args.tokenizer, device,
                   torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     tok = loaded.tokenizer
@@ -59,23 +81,51 @@ def generate(args) -> int:
     check_vocab(tok, loaded.args.vocab_size)
     ids = encode_prompts(prompts, tok, args.chat)
     check_prompts(ids, loaded.context)
+    if info is not None:
+        from meshforge.generation.parallel import shard_tp
+
+        shard_tp(loaded.model, info)
     t0 = time.perf_counter()
     new = generate_ids(loaded.model, ids, args.max_new_tokens, sampling, loaded.stop_ids(), loaded.context,
                        use_cache=not args.no_cache, pad_id=tok.pad_id)
     seconds = time.perf_counter() - t0
-    for prompt, p_ids, n_ids in zip(prompts, ids, new):
-        text = tok.decode([t for t in n_ids if t not in loaded.stop_ids()])
-        if args.json:
-            print(json.dumps({"prompt": prompt, "completion": text, "prompt_ids": p_ids, "ids": n_ids}))
-        else:
-            print(f"--- {prompt if isinstance(prompt, str) else prompt[-1]['content']}\n{text}")
+    records = [{"prompt": prompt, "completion": tok.decode([t for t in n_ids if t not in loaded.stop_ids()]),
+                "prompt_ids": p_ids, "ids": n_ids} for prompt, p_ids, n_ids in zip(prompts, ids, new)]
     n = sum(len(x) for x in new)
-    print(f"generated {n} tokens for {len(new)} prompt(s) in {seconds:.2f} s ({n / max(seconds, 1e-9):.1f} tokens/s, "
-          f"{'no KV cache' if args.no_cache else 'KV cache'}) from {loaded.where}", file=sys.stderr)
+    tp = f", tensor-parallel over {info.world_size}" if info is not None else ""
+    return records, (f"generated {n} tokens for {len(new)} prompt(s) in {seconds:.2f} s ({n / max(seconds, 1e-9):.1f} "
+                     f"tokens/s, {'no KV cache' if args.no_cache else 'KV cache'}{tp}) from {loaded.where}")
+
+
+def generate(args) -> int:
+    import os
+
+    info = None
+    if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", 1)) > 1:  # a launched rank
+        from meshforge.generation.parallel import join
+
+        info = join(args.device)
+    records, summary = complete(args, info)
+    if info is not None and info.rank != 0:
+        return 0
+    for r in records:
+        prompt = r["prompt"] if isinstance(r["prompt"], str) else r["prompt"][-1]["content"]
+        print(json.dumps(r) if args.json else f"--- {prompt}\n{r['completion']}")
+    print(summary, file=sys.stderr)
     return 0
 
 
 def run(args) -> int:
+    import os
+
+    n = args.nproc_per_node
+    if n is not None and n < 1:
+        print(f"error: --nproc-per-node={n} must be at least 1", file=sys.stderr)
+        return 2
+    if n and n > 1 and "RANK" not in os.environ:  # this process launches the ranks
+        from meshforge.launch import run_cli
+
+        return run_cli(n, rank_argv(args))
     try:
         return generate(args)
     except MeshforgeError as err:
