@@ -17,7 +17,8 @@ def read_prompts(given: list[str], prompts_file: str | None) -> list:
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as err:
-            raise MeshforgeError(f"--prompts-file {path}: cannot read it ({getattr(err, 'strerror', None) or err})")
+            raise MeshforgeError(f"--prompts-file {path}: cannot read it ({getattr(err, 'strerror', None) or err})") \
+                from None
         if path.suffix == ".jsonl":
             for n, line in enumerate(text.splitlines(), 1):
                 if not line.strip():
