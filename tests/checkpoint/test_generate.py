@@ -111,6 +111,8 @@ def test_bad_input_is_one_line_exit_2(chat_folder, tmp_path, capsys):
         "greedy with top-k": ([chat_folder, "-p", "hi", "--top-k", "5"], "temperature is 0 (greedy)"),
         "top-p out of range": ([chat_folder, "-p", "hi", "--temperature", "1", "--top-p", "0"], "--top-p=0.0 must be"),
         "jsonl shape": ([chat_folder, "--prompts-file", bad_jsonl], "line 1: not an object with a string `prompt`"),
+        "zero new tokens, before a launch": ([chat_folder, "-p", "hi", "--max-new-tokens", "0", "--nproc-per-node",
+                                              "2"], "--max-new-tokens=0 must be at least 1"),
         "missing": ([tmp_path / "nope", "-p", "hi"], "no such file or directory"),
         "not a model": ([tmp_path, "-p", "hi"], "not a checkpoint, a run directory with one"),
         "an override on a folder": ([chat_folder, "model.dim=8", "-p", "hi"], "a Hugging Face folder's model is"),

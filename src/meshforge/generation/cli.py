@@ -54,22 +54,30 @@ def rank_argv(args) -> list[str]:
     return argv + [f for f, on in (("--no-cache", args.no_cache), ("--json", args.json)) if on]
 
 
+def checked(args) -> tuple:
+    """(Sampling, prompts) of the flags, or one line per problem (before any process is launched)."""
+    from meshforge.generation.decode import Sampling
+    from meshforge.generation.prompts import read_prompts
+
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    problems = sampling.problems() + [f"--{k}={v} must be at least 1" for k, v in (
+        ("max-new-tokens", args.max_new_tokens), ("nproc-per-node", args.nproc_per_node)) if v is not None and v < 1]
+    if problems:
+        raise MeshforgeError(problems)
+    return sampling, read_prompts(args.prompt, args.prompts_file)
+
+
 def complete(args, info=None) -> tuple[list[dict], str]:
     """Each prompt's completion ({prompt, completion, prompt_ids, ids}) and a line on the speed; with `info` (a
     launched rank), tensor-parallel over all ranks."""
     import torch
 
     from meshforge.data.tokenizer import check_vocab
-    from meshforge.generation.decode import Sampling, generate_ids
+    from meshforge.generation.decode import generate_ids
     from meshforge.generation.load import load
-    from meshforge.generation.prompts import check_prompts, encode_prompts, read_prompts
+    from meshforge.generation.prompts import check_prompts, encode_prompts
 
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-    problems = sampling.problems() + ([f"--max-new-tokens={args.max_new_tokens} must be positive"]
-                                      if args.max_new_tokens < 1 else [])
-    if problems:
-        raise MeshforgeError(problems)
-    prompts = read_prompts(args.prompt, args.prompts_file)
+    sampling, prompts = checked(args)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     if info is not None:
         device = info.device
@@ -100,14 +108,15 @@ def complete(args, info=None) -> tuple[list[dict], str]:
 def generate(args) -> int:
     import os
 
-    info = None
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", 1)) > 1:  # a launched rank
-        from meshforge.generation.parallel import join
+        from meshforge.generation.parallel import launched_rank
 
-        info = join(args.device)
-    records, summary = complete(args, info)
-    if info is not None and info.rank != 0:
-        return 0
+        with launched_rank(args.device) as info:
+            records, summary = complete(args, info)
+        if info.rank != 0:
+            return 0
+    else:
+        records, summary = complete(args)
     for r in records:
         prompt = r["prompt"] if isinstance(r["prompt"], str) else r["prompt"][-1]["content"]
         print(json.dumps(r) if args.json else f"--- {prompt}\n{r['completion']}")
@@ -118,15 +127,12 @@ def generate(args) -> int:
 def run(args) -> int:
     import os
 
-    n = args.nproc_per_node
-    if n is not None and n < 1:
-        print(f"error: --nproc-per-node={n} must be at least 1", file=sys.stderr)
-        return 2
-    if n and n > 1 and "RANK" not in os.environ:  # this process launches the ranks
-        from meshforge.launch import run_cli
-
-        return run_cli(n, rank_argv(args))
     try:
+        checked(args)
+        if args.nproc_per_node and args.nproc_per_node > 1 and "RANK" not in os.environ:  # launch the ranks
+            from meshforge.launch import run_cli
+
+            return run_cli(args.nproc_per_node, rank_argv(args))
         return generate(args)
     except MeshforgeError as err:
         for line in err.problems:

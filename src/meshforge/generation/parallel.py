@@ -8,17 +8,29 @@ forwards (generation/decode.py). Rank 0 prints.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
+import torch.distributed as dist
 
 from meshforge.config.schema import DistributedConfig
-from meshforge.distributed.env import DistInfo, init_distributed
+from meshforge.distributed.env import DistInfo, destroy, init_distributed
 from meshforge.distributed.mesh import MeshContext
 from meshforge.distributed.tensor_parallel import apply_tp
 
 
-def join(device: str) -> DistInfo:
-    """This rank's place in the launch (the process group, made here unless the caller made it)."""
-    return init_distributed(device, timeout_minutes=10)
+@contextlib.contextmanager
+def launched_rank(device: str) -> Iterator[DistInfo]:
+    """This rank's place in the launch: the process group, made here (and destroyed after) unless the caller made
+    it."""
+    owns = not dist.is_initialized()
+    info = init_distributed(device, timeout_minutes=10)
+    try:
+        yield info
+    finally:
+        if owns:
+            destroy()
 
 
 def shard_tp(model: torch.nn.Module, info: DistInfo) -> None:
