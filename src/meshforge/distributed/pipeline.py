@@ -148,10 +148,23 @@ class PipelineParallelModel(ParallelModel):
         self._scale: torch.Tensor | None = None  # (dp*cp) / the step's global label count, set per step
         self._merged: nn.Module | None = None
         self._shell_factory = shell_factory
-        cls = schedule_class(plan.schedule)
-        kwargs = {"n_microbatches": plan.n_microbatches, "loss_fn": self._loss_fn,
-                  "scale_grads": scale_grads_in_schedule}
-        self.schedule = cls(self.stages[0], **kwargs) if plan.single_stage else cls(self.stages, **kwargs)
+        self.schedule = self._make_schedule()
+
+    def _make_schedule(self):
+        cls = schedule_class(self.plan.schedule)
+        kwargs = {"n_microbatches": self.plan.n_microbatches, "loss_fn": self._loss_fn,
+                  "scale_grads": self.scale_in_schedule}
+        return cls(self.stages[0], **kwargs) if self.plan.single_stage else cls(self.stages, **kwargs)
+
+    def set_stage_examples(self, examples: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Give every local stage an example input and output (stage id -> (input, output), tensors with the
+        shapes, dtypes and requires_grad of one micro batch's): torch's static stage metadata. The schedule then
+        runs no metadata-inference pass on its first step (an extra forward and backward per stage, and pickled
+        metadata sent between pp ranks), which a fake process group (the scale trace) cannot carry."""
+        self.stages = [PipelineStage(part, s, self.plan.num_stages, self.device, input_args=examples[s][0],
+                                     output_args=examples[s][1], group=self.pp_group)
+                       for part, s in zip(self.parts, self.stage_ids)]
+        self.schedule = self._make_schedule()
 
     def _loss_fn(self, output, target: torch.Tensor) -> torch.Tensor:
         parts = lm_loss(output, target)  # inside the loss context `forward_backward` opens
@@ -264,8 +277,8 @@ class PipelineParallelModel(ParallelModel):
         return clip_grad_norm_(params, max_norm, self.mesh_ctx)
 
 
-def build_pipeline_model(cfg, mesh_ctx: MeshContext, device: torch.device, meta: bool = False
-                         ) -> PipelineParallelModel:
+def build_pipeline_model(cfg, mesh_ctx: MeshContext, device: torch.device, meta: bool = False,
+                         shape_only: contextlib.AbstractContextManager | None = None) -> PipelineParallelModel:
     plan = plan_for(cfg, mesh_ctx)
     schedule_class(plan.schedule)  # fail before building anything if torch lacks it
     dcfg = cfg.distributed
@@ -278,8 +291,9 @@ def build_pipeline_model(cfg, mesh_ctx: MeshContext, device: torch.device, meta:
             _stage_positions(module, seq_shard, mesh_ctx.cp_size, mesh_ctx.cp_rank)
         part = parallelize_model(module, mesh_ctx, dcfg, device, compile=cfg.training.compile,
                                  compile_backend=cfg.training.compile_backend)
-        if meta:
-            part.strategy.materialize(part.model, cfg.run.seed)
+        if meta:  # shape_only: see `distributed.build.build_parallel_model`
+            with shape_only or contextlib.nullcontext():
+                part.model = part.strategy.materialize(part.model, cfg.run.seed, init=shape_only is None)
         parts.append(part)
 
     def shell():

@@ -93,7 +93,8 @@ class _ShardSaved:
     already active (a measurement, an outer checkpoint), so those see what is really kept."""
 
     def __init__(self, shard: torch.Tensor, full: torch.Tensor, mesh):
-        self.mesh, self.full_ptr = mesh, full.untyped_storage().data_ptr()
+        # the storage itself, not its address: fake tensors (the scale trace) all have address 0
+        self.mesh, self.full_storage = mesh, full.untyped_storage()._cdata
         self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         self.shard, self.packed_shard, self.regathered = shard, None, None
 
@@ -102,7 +103,7 @@ class _ShardSaved:
 
     def pack(self, t):
         local = t._local_tensor if isinstance(t, DTensor) else t
-        if local.untyped_storage().data_ptr() != self.full_ptr:
+        if local.untyped_storage()._cdata != self.full_storage:
             return self.outer[0](t) if self.outer else t
         if self.packed_shard is None:
             self.packed_shard = self.outer[0](self.shard) if self.outer else self.shard

@@ -28,6 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "printed MFU adds recomputation, the pipeline bubble and exposed communication")
     p.add_argument("--compare", action="append", default=[], metavar="KEY=V1,V2,...",
                    help="one plan per value (repeat the flag for all combinations); one table")
+    p.add_argument("--headroom", default=None, metavar="none|KEY=VALUE,...",
+                   help="margins the verdict adds to the tensors' peak (fragmentation=0.1, context_gib=1, "
+                   "nccl_mib=256 per communicator, compile_gib=0.5, fp8_gib=0.25; planning/headroom.py says why); "
+                   "none: the tensors alone")
     p.add_argument("--fit", action="store_true", help="search layouts that fit and print the fastest few")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
@@ -50,12 +54,14 @@ def run(args) -> int:
     from meshforge.config import ConfigError, load_config
     from meshforge.errors import MeshforgeError
     from meshforge.planning.hardware import device_from_arg, with_links
+    from meshforge.planning.headroom import headroom_from_arg
 
-    if args.world_size < 1 or args.gpus_per_node < 1 or not 0 < args.mfu <= 1:
-        return _fail(f"--world-size={args.world_size} and --gpus-per-node={args.gpus_per_node} must be >= 1 and "
-                     f"--mfu={args.mfu} in (0, 1]")
+    problem = arguments_problem(args)
+    if problem:
+        return _fail(problem)
     try:
         dev = with_links(device_from_arg(args.gpu), args.link)
+        args.headroom_margins = headroom_from_arg(args.headroom)
     except ValueError as err:
         return _fail(str(err))
     sweeps = []
@@ -86,10 +92,25 @@ def run(args) -> int:
     return 0
 
 
+MAX_WORLD = 2**20  # 1,048,576 devices: beyond any job built so far by two orders of magnitude
+
+
+def arguments_problem(args) -> str | None:
+    """One line when --world-size, --gpus-per-node or --mfu are out of range (None when they are fine)."""
+    if not 1 <= args.world_size <= MAX_WORLD:
+        return (f"--world-size={args.world_size}: give the number of devices, 1 to {MAX_WORLD:,}"
+                if args.world_size < 1 else
+                f"--world-size={args.world_size:,} is beyond any job meshforge plans (at most {MAX_WORLD:,} devices)")
+    if args.gpus_per_node < 1 or not 0 < args.mfu <= 1:
+        return f"--gpus-per-node={args.gpus_per_node} must be >= 1 and --mfu={args.mfu} in (0, 1]"
+    return None
+
+
 def _plan(cfg, args, dev):
     from meshforge.planning.plan import plan
 
-    return plan(cfg, args.world_size, dev, args.gpus_per_node, args.mfu)
+    return plan(cfg, args.world_size, dev, args.gpus_per_node, args.mfu,
+                headroom=getattr(args, "headroom_margins", None))
 
 
 def _print_plan(p, args) -> None:
@@ -115,8 +136,10 @@ def _print_plan(p, args) -> None:
               f"{_gb(r.activations['recompute']):>11} {_gb(r.peak):>11}")
     pr = p.peak_rank
     verdict = "fits" if p.fits else "DOES NOT FIT"
-    print(f"peak {_gb(pr.peak)} on rank {pr.rank} of {p.device.memory_gib:g} GiB: {verdict}"
-          + (f"; host (CPU offload) {_gb(pr.parts.host)}" if pr.parts.host else ""))
+    margins = ", ".join(f"{k} {_gb(v)}" for k, v in p.headroom.items() if v)
+    print(f"peak {_gb(pr.peak)} on rank {pr.rank}; with headroom ({margins or 'none'}) {_gb(p.required_bytes)} "
+          f"of {p.device.memory_gib:g} GiB: {verdict}" + (f"; host (CPU offload) {_gb(pr.parts.host)}"
+                                                          if pr.parts.host else ""))
     print("\ncommunication per step (rank 0, full-buffer bytes)")
     for (axis, kind), n in sorted(p.comm.items(), key=lambda kv: -kv[1]):
         print(f"  {axis:>12} {kind:<26} {_gb(n):>11}")

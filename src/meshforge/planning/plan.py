@@ -20,13 +20,14 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
-from meshforge.planning.activations import activation_bytes, alive_peak, lora_profile
+from meshforge.planning.activations import activation_bytes, alive_peak, lora_profile, loss_backward_bytes
 from meshforge.planning.comm import comm_per_step
 from meshforge.planning.hardware import Device
+from meshforge.planning.headroom import Headroom, communicators
 from meshforge.planning.layout import Layout, MeshAxis
 from meshforge.planning.params import ParamRec, model_params, n_params
 from meshforge.planning.precision import bf16_params, compiled
-from meshforge.planning.state import pipeline_plan_of, rank_state, spec_of, terms_of
+from meshforge.planning.state import pipeline_plan_of, rank_held, rank_state, spec_of, terms_of
 from meshforge.planning.step import bubble_fraction, comm_seconds, flops_per_token
 from meshforge.planning.terms import Parts
 
@@ -38,6 +39,7 @@ class RankPlan:
     activations: dict[str, int]
     in_flight: int  # micro batches whose activations are alive at once
     peak: int
+    moments: dict[str, int] = field(default_factory=dict)  # bytes live at each candidate moment of the peak
 
 
 @dataclass
@@ -59,10 +61,21 @@ class Plan:
     device: Device
     fits: bool
     notes: list[str] = field(default_factory=list)
+    # what the device needs beyond the peak rank's tensors (planning/headroom.py), by margin
+    headroom: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def required_bytes(self) -> int:
+        """The peak rank's tensors plus the headroom: what must be at most the device's memory to fit."""
+        return self.peak_rank.peak + sum(self.headroom.values())
 
     @property
     def peak_rank(self) -> RankPlan:
         return max(self.ranks, key=lambda r: r.peak)
+
+    def rank(self, rank: int) -> RankPlan:
+        """The plan of global rank `rank` (planned when `plan(..., ranks=)` asked for it)."""
+        return next(r for r in self.ranks if r.rank == rank)
 
     def to_dict(self) -> dict:
         pr = self.peak_rank
@@ -74,7 +87,8 @@ class Plan:
                                                                            "buffers")},
                        "activations": r.activations, "in_flight_microbatches": r.in_flight, "peak": r.peak}
                       for r in self.ranks],
-            "peak_bytes": pr.peak, "peak_rank": pr.rank, "fits": self.fits,
+            "peak_bytes": pr.peak, "peak_rank": pr.rank, "headroom": self.headroom,
+            "required_bytes": self.required_bytes, "fits": self.fits,
             "comm": [{"axis": a, "kind": k, "bytes": b} for (a, k), b in self.comm.items()],
             "comm_s": self.comm_s, "compute_s": self.compute_s, "pp_bubble": self.bubble, "step_s": self.step_s,
             "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "flops_per_token": self.flops_per_token,
@@ -105,9 +119,11 @@ def representative_ranks(layout: Layout, every: bool = False) -> list[int]:
 
 
 def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: float = 0.4,
-         params: list[ParamRec] | None = None, args=None, state_cache: dict | None = None) -> Plan:
+         params: list[ParamRec] | None = None, args=None, state_cache: dict | None = None,
+         ranks: list[int] | None = None, headroom: Headroom | None = None) -> Plan:
     """The plan of `cfg` on `world_size` devices like `device` (`params`/`args` from `model_params` and a
-    `state_cache` dict let a search share the work between candidates)."""
+    `state_cache` dict let a search share the work between candidates; `ranks`: plan these ranks too, beside
+    the representative ones; `headroom`: the margins the verdict adds to the peak, `Headroom()` by default)."""
     d, t = cfg.distributed, cfg.training
     layout = Layout.from_sizes(world_size, tp=d.tp_size, pp=d.pp_size, cp=d.cp_size, ep=d.ep_size,
                                dp=d.dp_size, dp_replicate=d.dp_replicate_size)
@@ -115,9 +131,9 @@ def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: floa
         params, args = model_params(cfg)
     pplan = pipeline_plan_of(cfg, layout, args.n_layers) if layout.pp > 1 else None
     key = (layout, d.strategy, d.options.model_dump_json(), t.device)
-    if state_cache is None or key not in state_cache:
-        states = _rank_states(params, cfg, layout, pplan)
-        if state_cache is not None:
+    if ranks or state_cache is None or key not in state_cache:
+        states = _rank_states(params, cfg, layout, pplan, ranks or [])
+        if state_cache is not None and not ranks:
             state_cache[key] = states
     else:
         states = state_cache[key]
@@ -144,35 +160,45 @@ def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: floa
     tps = tokens / step_s
     achieved = tokens * model_fpt / step_s / world_size / (device.peak_tflops * 1e12)
     peak = max(r.peak for r in ranks)
+    margins = (headroom or Headroom()).parts(peak, communicators(layout), compiled(cfg), cfg.training.fp8.enabled)
     return Plan(world_size, layout, d.strategy, terms_of(cfg).sharding(d.options), ranks, comm, comm_s, compute_s,
-                bubble, step_s, tps, achieved, model_fpt, n_params(params), device, peak <= device.memory_bytes,
-                _notes(cfg))
+                bubble, step_s, tps, achieved, model_fpt, n_params(params), device,
+                peak + sum(margins.values()) <= device.memory_bytes, _notes(cfg), margins)
 
 
-def _rank_states(params: list[ParamRec], cfg, layout: Layout, pplan) -> list[tuple[int, Parts]]:
-    """[(rank, its state)] of the representative ranks. Ranks whose pipeline stages hold the same number of blocks
-    (and the same ends of the model) at the same data-parallel coordinates hold the same bytes: each distinct one
-    is computed once."""
+def _rank_states(params: list[ParamRec], cfg, layout: Layout, pplan, extra: list[int]
+                 ) -> list[tuple[int, Parts, dict[str, int]]]:
+    """[(rank, its state after a step, what its strategy holds at each moment of the peak)] of the representative
+    ranks. Ranks whose pipeline stages hold the same number of blocks (and the same ends of the model) at the same
+    data-parallel coordinates hold the same bytes: each distinct one is computed once."""
+    t = cfg.training
+    accum = t.global_batch_size // layout.dp // t.micro_batch_size
     states, same = [], {}
-    for r in representative_ranks(layout, every=terms_of(cfg).every_rank):
+    for r in sorted(set(representative_ranks(layout, every=terms_of(cfg).every_rank)) | set(extra)):
         c = layout.coords(r)
         sig = (c[MeshAxis.DP_SHARD_CP], c[MeshAxis.DP_CP], c[MeshAxis.EP_SHARD], c[MeshAxis.PP] if pplan is None
                else _stage_signature(pplan, c[MeshAxis.PP]))
         if sig not in same:
-            same[sig] = rank_state(params, cfg, layout, r)
-        states.append((r, same[sig]))
+            same[sig] = (rank_state(params, cfg, layout, r), rank_held(params, cfg, layout, r, accum))
+        states.append((r, *same[sig]))
     return states
 
 
-def _rank_plans(states: list[tuple[int, Parts]], args, cfg, layout: Layout, pplan) -> list[RankPlan]:
-    """Each rank's state beside the activations its stages keep alive at the peak."""
+def _rank_plans(states: list[tuple[int, Parts, dict]], args, cfg, layout: Layout, pplan) -> list[RankPlan]:
+    """Each rank's peak: the larger of its moments (what was measured to be live, with the scale trace):
+      head   the loss's backward on the last micro batch: optimizer state, what the strategy holds then
+             (`StrategyPlanTerms.held`), every activation alive (a pipeline rank's in-flight micro batches) and,
+             on the rank with the last stage, the loss backward's own tensors (`loss_backward_bytes`);
+      block  a block's recomputation under activation checkpointing, the head's activations freed;
+      end    the last reductions, activations gone."""
 
     @functools.cache
     def acts_of(blocks: int, first: bool, last: bool) -> dict:
         return activation_bytes(args, cfg, layout, blocks, first, last, pplan.microbatch_size if pplan else None)
 
+    loss_bw = loss_backward_bytes(args, cfg, layout, pplan.microbatch_size if pplan else None)
     ranks = []
-    for r, parts in states:
+    for r, parts, held in states:
         c = layout.coords(r)
         if pplan is not None:
             here = pplan.rank_stages(c[MeshAxis.PP])
@@ -185,8 +211,12 @@ def _rank_plans(states: list[tuple[int, Parts]], args, cfg, layout: Layout, ppla
         else:
             acts = dict(acts_of(args.n_layers, True, True))
             in_flight, alive = 1, acts["total"]
-        peak = parts.total + parts.buffers + alive + acts["recompute"]
-        ranks.append(RankPlan(r, parts, acts, in_flight, peak))
+            first = last = True
+        moments = {"head": parts.optimizer + held["head"] + alive + (loss_bw if last else 0),
+                   "block": parts.optimizer + held["head"] + alive - acts["head"] + acts["recompute"],
+                   "end": parts.optimizer + held["end"] + (acts["embedding"] if first else 0)}
+        peak = max(moments.values())
+        ranks.append(RankPlan(r, parts, acts, in_flight, peak, moments))
     return ranks
 
 

@@ -31,3 +31,14 @@ def gather_bytes(cfg) -> int:
     """Element size of sharded parameters gathered for compute: the sharding strategies gather bf16 on CUDA, and
     under bf16_params on CPU too."""
     return 2 if (on_cuda(cfg) or bf16_params(cfg)) else F32
+
+
+def residual_bytes(cfg, layout) -> int:
+    """Element size of the hidden states a block hands on: the dtype its parameters are computed in (bf16 when a
+    sharding strategy gathers bf16 or keeps bf16 compute buffers, and under bf16_params), fp32 when autocast
+    runs over fp32 parameters (the residual additions stay fp32)."""
+    if bf16_params(cfg):
+        return 2
+    spec = cfg.distributed.spec
+    sharded = getattr(spec, "flat_buffers", False) or (spec.shards_parameters and layout.size("dp_cp") > 1)
+    return 2 if on_cuda(cfg) and sharded else F32

@@ -94,3 +94,15 @@ def rank_state(params: list[ParamRec], cfg, layout: Layout, rank: int) -> Parts:
     for stage in stage_params(params, cfg, layout, c[MeshAxis.PP]):
         terms.state(stage, cfg, layout, c, out)
     return out
+
+
+MOMENTS = ("head", "end")
+
+
+def rank_held(params: list[ParamRec], cfg, layout: Layout, rank: int, accum: int) -> dict[str, int]:
+    """{moment: bytes of parameters and gradients the strategy holds then} for global rank `rank` (its terms'
+    `held`, over its pipeline stages); `accum`: micro batches per step without pipeline parallelism."""
+    c = layout.coords(rank)
+    terms = terms_of(cfg)
+    stages = stage_params(params, cfg, layout, c[MeshAxis.PP])
+    return {m: sum(terms.held(st, cfg, layout, c, m, accum, layout.pp > 1) for st in stages) for m in MOMENTS}

@@ -13,6 +13,12 @@ side of each collective):
   dtensor_grads(cfg, layout)              gradients are DTensors sharded over the data-parallel mesh: clipping
                                           all-reduces 4 bytes per gradient and mesh dimension
   norm_comm(cfg, layout, add)             the gradient norm's collectives of its own
+  held(stage, cfg, layout, coords, moment, accum, pipelined)
+                                          parameters and gradients (sharded, gathered, accumulated, in
+                                          reduction buffers) it holds at a moment of a step's last micro batch:
+                                          "head" (the loss's backward, every activation alive) or "end" (the
+                                          last reductions); the peak is the larger (planning/plan.py). Default:
+                                          what `state` holds after the step
   sharding(options)                       a mode the plan names beside the strategy, or None
   every_rank                              its bytes differ across data-parallel ranks beyond the first and last
                                           shard (a large world's plan then counts every rank)
@@ -64,6 +70,12 @@ class StrategyPlanTerms:
 
     def dtensor_grads(self, cfg, layout: Layout) -> bool:
         return False
+
+    def held(self, stage: list[ParamRec], cfg, layout: Layout, coords: dict[MeshAxis, int], moment: str,
+             accum: int, pipelined: bool) -> int:
+        out = Parts()
+        self.state(stage, cfg, layout, coords, out)
+        return out.params + out.grads + out.buffers
 
     def norm_comm(self, cfg, layout: Layout, add: AddComm) -> None:
         pass

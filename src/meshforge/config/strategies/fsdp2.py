@@ -22,7 +22,7 @@ from meshforge.config.strategies import AXES, StrategyOptions, StrategySpec, Str
 from meshforge.planning.layout import MeshAxis
 from meshforge.planning.params import F32, STEP_BYTES, alike, chunk_rows, local_shape, memo
 from meshforge.planning.precision import bf16_params, gather_bytes
-from meshforge.planning.terms import StrategyPlanTerms, replicas
+from meshforge.planning.terms import Parts, StrategyPlanTerms, replicas
 
 if TYPE_CHECKING:
     from meshforge.config.schema import Config
@@ -191,6 +191,54 @@ class FSDP2Terms(StrategyPlanTerms):
 
     def dtensor_grads(self, cfg, layout) -> bool:
         return self._active(layout)
+
+    def held(self, stage, cfg, layout, c, moment, accum, pipelined) -> int:
+        """What fully_shard holds at `moment` (measured with the scale trace, meshforge.scale):
+        - the sharded parameters always; the units gathered (bf16 on CUDA): the root (embedding, final norm,
+          head: kept after forward) and the last block (not resharded after forward) at the loss's backward;
+          every unit under pipeline parallelism (none is resharded: a stage's parameters stay gathered across
+          the schedule), or with `reshard_after_forward: false`;
+        - accumulated gradients: with gradient sync deferred over several micro batches (and always under
+          pipeline parallelism, whose schedule reduces once, at its end) every unit keeps its unsharded
+          gradient in the reduce dtype (fp32) from its first backward to the step's reduction; without
+          deferring, the sharded gradients of the earlier micro batches;
+        - at the end of backward the root's reduction: its unsharded gradients (compute dtype, or the
+          accumulated fp32 ones) beside the fp32 reduce-scatter input."""
+        rest = Parts()
+        self.state(stage, cfg, layout, c, rest)
+        if not self._active(layout) or cfg.distributed.options.offload_policy:
+            return rest.params + rest.grads + rest.buffers
+        reshard = cfg.distributed.options.reshard_after_forward
+        defer = cfg.distributed.options.defer_fsdp_grad_sync is not False
+        accumulating = pipelined or (accum > 1 and defer)
+        gathered, train, blocks = {}, {}, set()
+        for group, dim, n in self._groups(stage, layout):
+            units, grads = _fsdp_units(group, layout, dim, n)
+            for unit, numel in units.items():
+                gathered[unit] = gathered.get(unit, 0) + numel
+                train[unit] = train.get(unit, 0) + grads[unit]
+                blocks.add(unit)
+        gb = gather_bytes(cfg)
+        ordered = sorted(b for b in blocks if b is not None)
+        if moment == "end":
+            root = train.get(None, 0)
+            grads = rest.grads + root * (F32 if accumulating else gb) + root * F32
+            return rest.params + grads
+        if pipelined or reshard is False:
+            kept = sum(gathered.values())
+        else:
+            kept = gathered.get(None, 0) + (gathered[ordered[-1]] if ordered and reshard is None else 0)
+        grads = sum(train.values()) * F32 if accumulating else (rest.grads if accum > 1 else 0)
+        return rest.params + kept * gb + grads
+
+    @staticmethod
+    def _groups(stage, layout):
+        """(parameters, sharded dim, ranks) of the dense units and of the experts' units under EP."""
+        dense = stage if layout.ep == 1 else [p for p in stage if not p.expert]
+        out = [(dense, 0, layout.dp_shard * layout.cp)]
+        if layout.ep > 1:
+            out.append(([p for p in stage if p.expert], 1, layout.size(MeshAxis.EP_SHARD)))
+        return [(g, d, n) for g, d, n in out if g]
 
 
 SPEC = register_strategy(StrategySpec(

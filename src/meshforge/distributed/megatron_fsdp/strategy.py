@@ -54,6 +54,7 @@ from meshforge.distributed.megatron_fsdp.buffers import (
     storage_bytes,
 )
 from meshforge.distributed.megatron_fsdp.comm import CommCounter
+from meshforge.distributed.env import policy_device_type
 from meshforge.distributed.strategy import Strategy
 from meshforge.models import blocks_of, param_init_tensor
 
@@ -61,7 +62,7 @@ from meshforge.models import blocks_of, param_init_tensor
 class MegatronFSDPStrategy(Strategy):
     def __init__(self, dcfg, mesh_ctx, device: torch.device, compute_dtype: torch.dtype | None = None):
         super().__init__(dcfg, mesh_ctx, device)
-        cuda, o = device.type == "cuda", self.options
+        cuda, o = policy_device_type(device) == "cuda", self.options
         self.mode = o.sharding_strategy
         self.avg_in_collective = bool(o.average_in_collective)
         self.compute_dtype = compute_dtype or (torch.bfloat16 if cuda else torch.float32)
@@ -408,18 +409,19 @@ class MegatronFSDPStrategy(Strategy):
                 w.wait()
 
     # ================================================================== init
-    def materialize(self, model: nn.Module, seed: int) -> None:
+    def materialize(self, model: nn.Module, seed: int, init: bool = True) -> nn.Module:
         for m in model.modules():
             for k, b in list(m._buffers.items()):
                 if b is not None and b.is_meta:
                     m._buffers[k] = torch.zeros_like(b, device=self.device)
         for u in self.units:
             flat = torch.zeros(u.padded, dtype=torch.float32, device=self.device)
-            for s in u.slots:
+            for s in u.slots if init else ():
                 shape = tuple(s.global_shape if s.global_shape is not None else s.shape)
                 full = s.local_of(param_init_tensor(model, s.fqn, shape, seed).to(self.device))
                 flat[s.offset:s.offset + s.numel].copy_(full.reshape(-1))
             u.set_full_flat(flat)
+        return model
 
     # ================================================================== state dicts (fsdp_dtensor)
     def _gather_flat(self, u: FlatUnit, local: torch.Tensor) -> torch.Tensor:
@@ -477,7 +479,7 @@ class MegatronFSDPStrategy(Strategy):
             if u.frozen and not any(s.fqn in sd for s in u.slots):
                 continue
             flat = torch.zeros(u.padded, dtype=torch.float32, device=self.device)
-            for s in u.slots:
+            for s in u.slots if init else ():
                 if s.fqn not in sd:
                     raise KeyError(f"model state dict has no entry {s.fqn!r}")
                 full = self._full(sd[s.fqn]).to(self.device, torch.float32)
