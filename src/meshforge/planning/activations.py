@@ -137,8 +137,8 @@ def loss_backward_bytes(args, cfg, layout: Layout, micro_batch: int | None = Non
     to the compute dtype, and the chunk's contribution to the weight's gradient (vocab x dim, compute dtype)
     before it is added (the hidden chunk's cast too when the hidden states are in another dtype). Measured with
     the scale trace at Llama 3 8B shapes: exact.
-    Plain loss (`F.cross_entropy` on fp32 logits, vocabulary-parallel under TP): the gradients of the fp32 logits
-    through nll_loss and log_softmax, two tokens x vocab/tp fp32 tensors at once."""
+    Plain loss (`F.cross_entropy` on fp32 logits, vocabulary-parallel under TP): the logits and the gradients of
+    their fp32 copy (measured with the scale trace: exact)."""
     from meshforge.planning.precision import residual_bytes
 
     t = cfg.training
@@ -147,12 +147,44 @@ def loss_backward_bytes(args, cfg, layout: Layout, micro_batch: int | None = Non
     lora = lora_profile(cfg, args)
     head_trains = lora is None or lora[2]
     if not fused_loss_on(cfg):
-        return 2 * tokens * (args.vocab_size // layout.tp) * F32
+        # the logits (compute dtype, held by the step until the backward ends) and the fp32 gradients: through
+        # nll_loss and log_softmax (two at once), or loss_parallel's fused backward under TP (three: its zeros, the
+        # exponentials, their sum)
+        return tokens * (args.vocab_size // layout.tp) * (e + (3 if layout.tp > 1 else 2) * F32)
     v, d = args.vocab_size, args.dim
     eh = residual_bytes(cfg, layout)
     chunk = min(tokens, max(1, 2**28 // v))
     out = tokens * d * eh + chunk * v * (F32 + e) + (chunk * d * e if eh != e else 0)
     return out + (v * d * (F32 + e) if head_trains else 0)
+
+
+@functools.lru_cache(maxsize=4096)
+def rank_passes(schedule: str, p: int, r: int, m: int, v: int) -> tuple[tuple[str, int], ...] | None:
+    """The forwards ("F") and backwards ("B") pp rank `r` runs in one schedule step, in order, each with the local
+    stage it runs (torch's schedules, as `alive_peak` replays them); None for v_schedule (not replayed)."""
+    if schedule == "gpipe":
+        return (("F", 0),) * m + (("B", 0),) * m
+    if schedule == "looped_bfs":  # every micro batch through a stage before the next stage; backward in reverse
+        return tuple(("F", s) for s in range(v) for _ in range(m)) + \
+            tuple(("B", s) for s in reversed(range(v)) for _ in range(m))
+    if schedule == "v_schedule":
+        return None
+    total = m * v
+    if v == 1:
+        warmup = min(m, p - 1 - r)
+        per_round = m
+    else:
+        per_round = m // max(1, m // p)
+        warmup = min(total, (v - 1) * per_round + (1 if schedule == "zero_bubble" else 2) * (p - 1 - r))
+    out, f, b = [], 0, 0
+    for op in ["F"] * warmup + ["F", "B"] * (total - warmup) + ["B"] * warmup:
+        if op == "F":
+            out.append(("F", (f // per_round) % v))
+            f += 1
+        else:
+            out.append(("B", v - 1 - ((b // per_round) % v)))
+            b += 1
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -8,8 +8,10 @@ side of each collective):
   state(stage, cfg, layout, coords, out)  parameters, gradients, optimizer state (and host memory, gathered
                                           buffers) that the rank at `coords` holds for one pipeline stage's
                                           parameters (`ParamRec`s), added to `out`
-  comm(stage, cfg, layout, accum, add)    its data-parallel collectives of one optimizer step for that stage
-                                          (`accum` micro batches per step): add(axis, kind, bytes)
+  comm(stage, cfg, layout, accum, add, passes)
+                                          its data-parallel collectives of one optimizer step for that stage
+                                          (`accum` micro batches per step; under PP `passes`, the stage's
+                                          forwards "F" and backwards "B" in schedule order): add(axis, kind, bytes)
   dtensor_grads(cfg, layout)              gradients are DTensors sharded over the data-parallel mesh: clipping
                                           all-reduces 4 bytes per gradient and mesh dimension
   norm_comm(cfg, layout, add)             the gradient norm's collectives of its own
@@ -65,7 +67,8 @@ class StrategyPlanTerms:
     def state(self, stage: list[ParamRec], cfg, layout: Layout, coords: dict[MeshAxis, int], out: Parts) -> None:
         raise NotImplementedError
 
-    def comm(self, stage: list[ParamRec], cfg, layout: Layout, accum: int, add: AddComm) -> None:
+    def comm(self, stage: list[ParamRec], cfg, layout: Layout, accum: int, add: AddComm,
+             passes: list[str] | None = None) -> None:
         raise NotImplementedError
 
     def dtensor_grads(self, cfg, layout: Layout) -> bool:
@@ -168,7 +171,7 @@ class DeclaredSharding(StrategyPlanTerms):
             kept = {"replicated": whole, "dim0": piece, "owner": whole if owned else 0}[self.optimizer]
             out.optimizer += 2 * kept * F32 + STEP_BYTES if kept or self.optimizer == "dim0" else 0
 
-    def comm(self, stage, cfg, layout, accum, add) -> None:
+    def comm(self, stage, cfg, layout, accum, add, passes=None) -> None:
         n = self._ranks(layout)
         if n == 1:
             return

@@ -52,7 +52,10 @@ class StepMemory(MemTracker):
     def _pre_fw_hook(self, module, inputs) -> None:
         if module not in self._seen:  # parameters, buffers and gradient hooks, as MemTracker registers them
             self._seen[module] = True
-            self._track_module_params_and_buffers(module, install_grad_hooks=True)
+            # MemTracker hooks every parameter of the module (and its children), which fails on a frozen one
+            # (LoRA's base weights): a module holding any gets none; its trainable children get theirs when they run
+            hooks = all(p.requires_grad for p in module.parameters())
+            self._track_module_params_and_buffers(module, install_grad_hooks=hooks)
         if self._mod_tracker.is_bw and self._ac_mod is None:  # a checkpointed module recomputed in backward
             self._ac_mod = weakref.ref(module)
             self._in_ac = True

@@ -114,7 +114,11 @@ def trace_rank(cfg, world_size: int, rank: int, fold: bool = True) -> RankTrace:
             batch = [batch[0], batch[1], batch[-1]]
         comm = CommRecorder(mesh_ctx.layout, rank)
         memory = StepMemory(comm)
+        # what the rank holds before the step: parameters (and gradients), optimizer state, and every other fake
+        # tensor alive (a strategy's flat buffers, pipeline buffers): MemTracker counts only storages it is told of
+        # or sees an op make; a C++-held buffer (DDP's reducer buckets) it sees from its first use only
         memory.track_external(*pm.parts, trainer.optimizer)
+        memory.track_external(*(t for t in _fake_tensors(fake) if t.untyped_storage() not in memory._WINFO))
         held: dict = {}
         mb = [0]
 
@@ -146,6 +150,16 @@ def trace_rank(cfg, world_size: int, rank: int, fold: bool = True) -> RankTrace:
                      comm.totals({"mb1": n - 2} if folded else None), n if not piped else pm.plan.n_microbatches,
                      len(batch) if not piped else pm.plan.n_microbatches, build_s, step_s,
                      time.process_time() - cpu0, _peak_rss(), notes)
+
+
+def _fake_tensors(fake) -> list:
+    """Every tensor of the fake mode `fake` the Python heap holds."""
+    import gc
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    gc.collect()  # what only cycles keep (the probe of a pipeline's stage 0) is not the rank's
+    return [o for o in gc.get_objects() if isinstance(o, FakeTensor) and o.fake_mode is fake]
 
 
 def _reset_peak_rss() -> None:

@@ -8,7 +8,8 @@ moments the unpadded torch.chunk piece); experts under EP: dim 0 over ep, dim 1 
 when dp*cp > 1. `offload_policy` moves the shards and optimizer state to host memory.
 What it sends per step: every unit's parameters all-gathered per micro batch, again in backward for the units
 resharded after forward (every block but the last by default, none under PP), gradients reduce-scattered once
-(accumulation defers the reduction) and, under HSDP, all-reduced over dp_replicate.
+(accumulation defers the reduction; `defer_fsdp_grad_sync: false` reduces after every micro batch) and, under
+HSDP, all-reduced over dp_replicate.
 """
 
 from __future__ import annotations
@@ -99,6 +100,17 @@ def _head_freed(options: FSDP2Options) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------ planner terms
+def pipeline_gathers(passes: list[str]) -> int:
+    """All-gathers of a pipeline stage's units per step with `reshard_after_forward: true`: a forward frees the
+    parameters after it, a backward keeps them (torch's schedule reshards after the last backward only), so a
+    forward or backward finding them freed gathers them."""
+    gathers, gathered = 0, False
+    for op in passes:
+        gathers += not gathered
+        gathered = op == "B"
+    return gathers
+
+
 def _fsdp_units(group: list, layout, dim: int, n: int) -> tuple[dict, dict]:
     """({unit: padded elements}, {unit: padded trainable elements}) of FSDP's units (each block, the rest)
     sharded on `dim` over `n` ranks; memoised per parameter list (the search asks again for every candidate)."""
@@ -114,6 +126,13 @@ def _fsdp_units(group: list, layout, dim: int, n: int) -> tuple[dict, dict]:
         return units, grads
 
     return memo("units", group, (layout.tp, layout.ep, dim, n), compute)
+
+
+def _replicated_embedding_grad(stage, layout) -> int:
+    """Elements a vocabulary-parallel embedding's gradient has beyond its TP shard: it arrives Replicate, the whole
+    (vocab x dim) on every tp rank, and is accumulated so (measured with the scale trace, torch 2.13)."""
+    return sum(math.prod(p.shape) - math.prod(local_shape(p, layout)) for p in stage
+               if p.place == "first" and p.tp_dim is not None and p.trainable and layout.tp > 1)
 
 
 def _largest_block(stage, layout) -> int:
@@ -165,10 +184,11 @@ class FSDP2Terms(StrategyPlanTerms):
             out.optimizer += k * (2 * opt * F32 + STEP_BYTES)
         out.buffers = max(out.buffers, _largest_block(stage, layout) * gather_bytes(cfg))
 
-    def comm(self, stage, cfg, layout, accum, add) -> None:
+    def comm(self, stage, cfg, layout, accum, add, passes=None) -> None:
         if not self._active(layout):
             return
         reshard = cfg.distributed.options.reshard_after_forward
+        per_step = pipeline_gathers(passes) if layout.pp > 1 and reshard is True and passes else 1
         dense = stage if layout.ep == 1 else [p for p in stage if not p.expert]
         experts = [p for p in stage if p.expert and layout.ep > 1]
         n, ne = layout.dp_shard * layout.cp, layout.size(MeshAxis.EP_SHARD)
@@ -178,16 +198,19 @@ class FSDP2Terms(StrategyPlanTerms):
             units, grads = _fsdp_units(group, layout, dim, nn_)
             blocks = sorted(k for k in units if k is not None)
             regather = [b for b in blocks if (b != blocks[-1] if reshard is None else reshard)]
-            if reshard is None and layout.pp > 1:
-                regather = []
             total = sum(units.values())
-            gathers = total + sum(units[b] for b in regather) + (units.get(None, 0) if reshard else 0)
+            if layout.pp > 1:  # the stage's units, gathered once per step or as often as resharding makes it
+                gathers = total * per_step
+            else:
+                gathers = total + sum(units[b] for b in regather) + (units.get(None, 0) if reshard else 0)
             reps = accum if (layout.pp == 1) else 1
+            # gradients are reduced once per step, or after every micro batch when the sync is not deferred
+            reduces = reps if cfg.distributed.options.defer_fsdp_grad_sync is False else 1
             ax = ("dp_shard_cp" if layout.cp > 1 else "dp_shard") if dim == 0 else "ep_shard"
             add(ax, "all_gather", gathers * reps * gather_bytes(cfg))
-            add(ax, "reduce_scatter", sum(grads.values()) * F32)
+            add(ax, "reduce_scatter", sum(grads.values()) * F32 * reduces)
             if dim == 0 and layout.dp_replicate > 1:
-                add("dp_replicate", "all_reduce", sum(grads.values()) // nn_ * F32)
+                add("dp_replicate", "all_reduce", sum(grads.values()) // nn_ * F32 * reduces)
 
     def dtensor_grads(self, cfg, layout) -> bool:
         return self._active(layout)
@@ -211,25 +234,38 @@ class FSDP2Terms(StrategyPlanTerms):
         reshard = cfg.distributed.options.reshard_after_forward
         defer = cfg.distributed.options.defer_fsdp_grad_sync is not False
         accumulating = pipelined or (accum > 1 and defer)
-        gathered, train, blocks = {}, {}, set()
+        gathered, train, blocks, root_shard = {}, {}, set(), 0
         for group, dim, n in self._groups(stage, layout):
             units, grads = _fsdp_units(group, layout, dim, n)
+            root_shard += grads.get(None, 0) // n
             for unit, numel in units.items():
                 gathered[unit] = gathered.get(unit, 0) + numel
                 train[unit] = train.get(unit, 0) + grads[unit]
                 blocks.add(unit)
         gb = gather_bytes(cfg)
         ordered = sorted(b for b in blocks if b is not None)
-        if moment == "end":
+        if moment == "end":  # the blocks' sharded gradients; the root's unsharded ones beside its fp32 reduce input
             root = train.get(None, 0)
-            grads = rest.grads + root * (F32 if accumulating else gb) + root * F32
+            grads = rest.grads - root_shard * F32 + root * (F32 if accumulating else gb) + root * F32
             return rest.params + grads
         if pipelined or reshard is False:
             kept = sum(gathered.values())
         else:
             kept = gathered.get(None, 0) + (gathered[ordered[-1]] if ordered and reshard is None else 0)
-        grads = sum(train.values()) * F32 if accumulating else (rest.grads if accum > 1 else 0)
+            if not cfg.distributed.moe_or_default.reshard_after_forward:  # experts kept after forward
+                kept += sum(self._expert_units(stage, layout).values()) - \
+                    (self._expert_units(stage, layout).get(ordered[-1], 0) if ordered and reshard is None else 0)
+        grads = (sum(train.values()) + _replicated_embedding_grad(stage, layout)) * F32 if accumulating \
+            else (rest.grads if accum > 1 else 0)
         return rest.params + kept * gb + grads
+
+    @staticmethod
+    def _expert_units(stage, layout) -> dict:
+        """{block: padded expert elements} of the experts' own units (EP), {} without them."""
+        experts = [p for p in stage if p.expert]
+        if not experts or layout.ep == 1:
+            return {}
+        return _fsdp_units(experts, layout, 1, layout.size(MeshAxis.EP_SHARD))[0]
 
     @staticmethod
     def _groups(stage, layout):

@@ -118,7 +118,7 @@ class MegatronFSDPTerms(StrategyPlanTerms):
                     out.optimizer += 2 * (b - a) * F32 + STEP_BYTES
                 off += n
 
-    def comm(self, stage, cfg, layout, accum, add) -> None:
+    def comm(self, stage, cfg, layout, accum, add, passes=None) -> None:
         dp_cp = layout.size("dp_cp")
         if dp_cp == 1:
             return
