@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from meshforge.planning.activations import rank_passes
+from meshforge.planning.activations import lowered_passes
 from meshforge.planning.layout import Layout, MeshAxis
 from meshforge.planning.params import F32, ParamRec
 from meshforge.planning.precision import bf16_compute, residual_bytes
@@ -52,7 +52,10 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
         e = residual_bytes(cfg, layout)  # the hidden states a stage hands on
         act = (pplan.microbatch_size * t.seq_len // layout.cp * args.dim
                // (layout.tp if cfg.distributed.sequence_parallel else 1))
-        add("pp", "send_recv", 2 * pplan.n_microbatches * act * e * len(pplan.rank_stages(c[MeshAxis.PP])))
+        # per micro batch a stage receives its input and sends its gradient back (all but the first), sends its
+        # output and receives its gradient (all but the last); each send and each receive counted
+        ends = sum((s > 0) + (s < pplan.num_stages - 1) for s in pplan.rank_stages(c[MeshAxis.PP]))
+        add("pp", "send_recv", 2 * pplan.n_microbatches * act * e * ends)
         add("pp", "broadcast", F32)  # the last stage's loss to the other stages
         add("pp", "all_reduce", F32)  # the stages' squared gradient norms
     if layout.ep > 1 and args.is_moe:
@@ -63,11 +66,12 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
 
 
 def _stage_passes(cfg, layout: Layout, pp_rank: int, n_layers: int, n_stages: int) -> list[list[str] | None]:
-    """Each local stage's forwards and backwards in the schedule's order (None without PP or not replayed)."""
+    """Each local stage's forwards ("F"), backwards ("B"), unshards ("U") and reshards ("R") in the schedule's order
+    (None without PP or where not replayed)."""
     if layout.pp == 1:
         return [None] * n_stages
     pplan = pipeline_plan_of(cfg, layout, n_layers)
-    seq = rank_passes(pplan.schedule, layout.pp, pp_rank, pplan.n_microbatches, pplan.stages_per_rank)
+    seq = lowered_passes(pplan.schedule, layout.pp, pp_rank, pplan.n_microbatches, pplan.stages_per_rank)
     if seq is None:
         return [None] * n_stages
     return [[op for op, s in seq if s == i] for i in range(n_stages)]

@@ -20,13 +20,19 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
-from meshforge.planning.activations import activation_bytes, alive_peak, lora_profile, loss_backward_bytes
+from meshforge.planning.activations import (
+    activation_bytes,
+    alive_peak,
+    embedding_backward_bytes,
+    lora_profile,
+    loss_backward_bytes,
+)
 from meshforge.planning.comm import comm_per_step
 from meshforge.planning.hardware import Device
 from meshforge.planning.headroom import Headroom, communicators
 from meshforge.planning.layout import Layout, MeshAxis
 from meshforge.planning.params import ParamRec, model_params, n_params
-from meshforge.planning.precision import bf16_params, compiled
+from meshforge.planning.precision import bf16_params, compiled, residual_bytes
 from meshforge.planning.state import pipeline_plan_of, rank_held, rank_state, spec_of, terms_of
 from meshforge.planning.step import bubble_fraction, comm_seconds, flops_per_token
 from meshforge.planning.terms import Parts
@@ -190,13 +196,19 @@ def _rank_plans(states: list[tuple[int, Parts, dict]], args, cfg, layout: Layout
              (`StrategyPlanTerms.held`), every activation alive (a pipeline rank's in-flight micro batches) and,
              on the rank with the last stage, the loss backward's own tensors (`loss_backward_bytes`);
       block  a block's recomputation under activation checkpointing, the head's activations freed;
-      end    the last reductions, activations gone."""
+      end    the last reductions, activations gone;
+      embedding  (a pipeline's first stage) the embedding's backward in the schedule's steady state."""
 
     @functools.cache
     def acts_of(blocks: int, first: bool, last: bool) -> dict:
         return activation_bytes(args, cfg, layout, blocks, first, last, pplan.microbatch_size if pplan else None)
 
     loss_bw = loss_backward_bytes(args, cfg, layout, pplan.microbatch_size if pplan else None)
+    emb_bw = embedding_backward_bytes(args, cfg, layout, pplan.microbatch_size) if pplan else 0
+    # a pipeline stage's receive buffers, one per micro batch, kept across steps (torch's PipelineStage makes them
+    # at its first step): the activations a stage receives and the gradients it receives back
+    hidden = 0 if pplan is None else (pplan.microbatch_size * cfg.training.seq_len // layout.cp // (
+        layout.tp if cfg.distributed.sequence_parallel else 1) * args.dim * residual_bytes(cfg, layout))
     ranks = []
     for r, parts, held in states:
         c = layout.coords(r)
@@ -208,13 +220,18 @@ def _rank_plans(states: list[tuple[int, Parts, dict]], args, cfg, layout: Layout
             weights = tuple(acts_of(len(pplan.stage_layers[s]), s == 0, s == pplan.num_stages - 1)["total"]
                             for s in here)
             alive, in_flight = alive_peak(pplan.schedule, layout.pp, c[MeshAxis.PP], pplan.n_microbatches, weights)
+            recv = pplan.n_microbatches * hidden * sum((s > 0) + (s < pplan.num_stages - 1) for s in here)
         else:
             acts = dict(acts_of(args.n_layers, True, True))
             in_flight, alive = 1, acts["total"]
             first = last = True
-        moments = {"head": parts.optimizer + held["head"] + alive + (loss_bw if last else 0),
-                   "block": parts.optimizer + held["head"] + alive - acts["head"] + acts["recompute"],
-                   "end": parts.optimizer + held["end"] + (acts["embedding"] if first else 0)}
+            recv = 0
+        base = parts.optimizer + recv
+        moments = {"head": base + held["head"] + alive + (loss_bw if last else 0),
+                   "block": base + held["head"] + alive - acts["head"] + acts["recompute"],
+                   "end": base + held["end"] + (acts["embedding"] if first else 0)}
+        if pplan is not None and first:  # a first stage's embedding backward, in the schedule's steady state
+            moments["embedding"] = base + held["head"] + alive + emb_bw
         peak = max(moments.values())
         ranks.append(RankPlan(r, parts, acts, in_flight, peak, moments))
     return ranks
@@ -228,6 +245,10 @@ def _notes(cfg) -> list[str]:
         out.append("training.compile: activations are counted as measured with torch.compile on CPU (eager's "
                    "tensors, and under sequence parallelism without checkpointing each sub-layer's gathered input "
                    "whole, where eager keeps the shard); inductor's partitioner on CUDA may keep less")
+    if cfg.training.fp8.enabled:
+        out.append("training.fp8: counted as the same run without float8: torchao's float8 all-gathers (1 byte per "
+                   "converted weight instead of 2), its amax reductions and the float8 copies its matmuls make are "
+                   "not (`meshforge plan ... --trace` measures them)")
     if cfg.peft is not None and d.tp_size * d.cp_size > 1:
         out.append("LoRA: activations are exact on one process; under tensor/context parallelism they were "
                    "measured within 0.4% (TP2 + sequence parallelism +0.2%, CP2 +0.4%), not exact")

@@ -105,4 +105,14 @@ def rank_held(params: list[ParamRec], cfg, layout: Layout, rank: int, accum: int
     c = layout.coords(rank)
     terms = terms_of(cfg)
     stages = stage_params(params, cfg, layout, c[MeshAxis.PP])
-    return {m: sum(terms.held(st, cfg, layout, c, m, accum, layout.pp > 1) for st in stages) for m in MOMENTS}
+    out = {m: sum(terms.held(st, cfg, layout, c, m, accum, layout.pp > 1) for st in stages) for m in MOMENTS}
+    if layout.pp > 1:  # the stages the schedule holds unsharded at once, the largest such set
+        from meshforge.planning.activations import gathered_sets, lowered_passes
+
+        pplan = pipeline_plan_of(cfg, layout)
+        sizes = [terms.stage_gathered(st, cfg, layout) for st in stages]
+        lowered = lowered_passes(pplan.schedule, layout.pp, c[MeshAxis.PP], pplan.n_microbatches,
+                                 pplan.stages_per_rank)
+        sets = gathered_sets(lowered, len(stages)) if lowered is not None else [frozenset(range(len(stages)))]
+        out["head"] += max(sum(sizes[i] for i in group) for group in sets)
+    return out

@@ -21,6 +21,8 @@ side of each collective):
                                           "head" (the loss's backward, every activation alive) or "end" (the
                                           last reductions); the peak is the larger (planning/plan.py). Default:
                                           what `state` holds after the step
+  stage_gathered(stage, cfg, layout)      under PP, a stage's gathered parameters while the schedule keeps it
+                                          unsharded (torch's multi-stage schedules: at most 3 stages at once)
   sharding(options)                       a mode the plan names beside the strategy, or None
   every_rank                              its bytes differ across data-parallel ranks beyond the first and last
                                           shard (a large world's plan then counts every rank)
@@ -79,6 +81,10 @@ class StrategyPlanTerms:
         out = Parts()
         self.state(stage, cfg, layout, coords, out)
         return out.params + out.grads + out.buffers
+
+    def stage_gathered(self, stage: list[ParamRec], cfg, layout: Layout) -> int:
+        """Bytes of a pipeline stage's parameters while the schedule holds the stage unsharded (beyond `held`)."""
+        return 0
 
     def norm_comm(self, cfg, layout: Layout, add: AddComm) -> None:
         pass

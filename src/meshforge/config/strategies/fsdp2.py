@@ -100,14 +100,18 @@ def _head_freed(options: FSDP2Options) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------ planner terms
-def pipeline_gathers(passes: list[str]) -> int:
-    """All-gathers of a pipeline stage's units per step with `reshard_after_forward: true`: a forward frees the
-    parameters after it, a backward keeps them (torch's schedule reshards after the last backward only), so a
-    forward or backward finding them freed gathers them."""
+def pipeline_gathers(passes: list[str], reshard: bool) -> int:
+    """All-gathers of a pipeline stage's units per step, from its forwards (F), backwards (B) and the schedule's
+    unshards (U) and reshards (R) (`planning.activations.lowered_passes`): anything finding the parameters freed
+    gathers them; a forward frees them after it under `reshard_after_forward: true`, a backward keeps them
+    (torch's schedule reshards after the last backward only)."""
     gathers, gathered = 0, False
     for op in passes:
+        if op == "R":
+            gathered = False
+            continue
         gathers += not gathered
-        gathered = op == "B"
+        gathered = not (op == "F" and reshard)
     return gathers
 
 
@@ -188,7 +192,7 @@ class FSDP2Terms(StrategyPlanTerms):
         if not self._active(layout):
             return
         reshard = cfg.distributed.options.reshard_after_forward
-        per_step = pipeline_gathers(passes) if layout.pp > 1 and reshard is True and passes else 1
+        per_step = pipeline_gathers(passes, reshard is True) if layout.pp > 1 and passes else 1
         dense = stage if layout.ep == 1 else [p for p in stage if not p.expert]
         experts = [p for p in stage if p.expert and layout.ep > 1]
         n, ne = layout.dp_shard * layout.cp, layout.size(MeshAxis.EP_SHARD)
@@ -248,7 +252,9 @@ class FSDP2Terms(StrategyPlanTerms):
             root = train.get(None, 0)
             grads = rest.grads - root_shard * F32 + root * (F32 if accumulating else gb) + root * F32
             return rest.params + grads
-        if pipelined or reshard is False:
+        if pipelined:  # which stages are gathered at once is the schedule's (`stage_gathered`)
+            kept = 0
+        elif reshard is False:
             kept = sum(gathered.values())
         else:
             kept = gathered.get(None, 0) + (gathered[ordered[-1]] if ordered and reshard is None else 0)
@@ -258,6 +264,12 @@ class FSDP2Terms(StrategyPlanTerms):
         grads = (sum(train.values()) + _replicated_embedding_grad(stage, layout)) * F32 if accumulating \
             else (rest.grads if accum > 1 else 0)
         return rest.params + kept * gb + grads
+
+    def stage_gathered(self, stage, cfg, layout) -> int:
+        if not self._active(layout) or cfg.distributed.options.offload_policy:
+            return 0
+        units = sum(sum(_fsdp_units(g, layout, d, n)[0].values()) for g, d, n in self._groups(stage, layout))
+        return units * gather_bytes(cfg)
 
     @staticmethod
     def _expert_units(stage, layout) -> dict:
