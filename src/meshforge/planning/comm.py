@@ -89,7 +89,8 @@ def _grad_norm(mine: list[ParamRec], terms, cfg, layout: Layout, add: AddComm) -
         n_dp += dtensor
         # (without FSDP the vocab-parallel embedding's grad is Replicate)
         n_tp += layout.tp > 1 and p.tp_dim is not None and (dtensor or p.place != "first")
-    add("ep", "all_reduce", n_ep * F32 * (1 + (dtensor and layout.size(MeshAxis.EP_SHARD) > 1)))
+    add("ep", "all_reduce", n_ep * F32)
+    add("ep_shard", "all_reduce", n_ep * F32 * (dtensor and layout.size(MeshAxis.EP_SHARD) > 1))
     add("dp_shard_cp", "all_reduce", n_dp * F32)  # the sharded mesh dimension (HSDP's replicas hold the same)
     add("tp", "all_reduce", n_tp * F32)
     terms.norm_comm(cfg, layout, add)

@@ -91,7 +91,8 @@ class Plan:
             "device": dataclasses.asdict(self.device),
             "ranks": [{"rank": r.rank, **{k: getattr(r.parts, k) for k in ("params", "grads", "optimizer", "host",
                                                                            "buffers")},
-                       "activations": r.activations, "in_flight_microbatches": r.in_flight, "peak": r.peak}
+                       "activations": r.activations, "in_flight_microbatches": r.in_flight, "peak": r.peak,
+                       "moments": r.moments}
                       for r in self.ranks],
             "peak_bytes": pr.peak, "peak_rank": pr.rank, "headroom": self.headroom,
             "required_bytes": self.required_bytes, "fits": self.fits,
@@ -197,6 +198,7 @@ def _rank_plans(states: list[tuple[int, Parts, dict]], args, cfg, layout: Layout
              on the rank with the last stage, the loss backward's own tensors (`loss_backward_bytes`);
       block  a block's recomputation under activation checkpointing, the head's activations freed;
       end    the last reductions, activations gone;
+      forward    the strategy's own gathers in forward (fsdp2: a block's unshard beside the root), no activations;
       embedding  (a pipeline's first stage) the embedding's backward in the schedule's steady state."""
 
     @functools.cache
@@ -230,6 +232,8 @@ def _rank_plans(states: list[tuple[int, Parts, dict]], args, cfg, layout: Layout
         moments = {"head": base + held["head"] + alive + (loss_bw if last else 0),
                    "block": base + held["head"] + alive - acts["head"] + acts["recompute"],
                    "end": base + held["end"] + (acts["embedding"] if first else 0)}
+        if held["forward"]:  # the strategy's gathers in forward, the embedding's output the activation then
+            moments["forward"] = parts.optimizer + held["forward"] + acts["embedding"]
         if pplan is not None and first:  # a first stage's embedding backward, in the schedule's steady state
             moments["embedding"] = base + held["head"] + alive + emb_bw
         peak = max(moments.values())

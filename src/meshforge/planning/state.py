@@ -96,7 +96,7 @@ def rank_state(params: list[ParamRec], cfg, layout: Layout, rank: int) -> Parts:
     return out
 
 
-MOMENTS = ("head", "end")
+MOMENTS = ("head", "end", "forward")
 
 
 def rank_held(params: list[ParamRec], cfg, layout: Layout, rank: int, accum: int) -> dict[str, int]:

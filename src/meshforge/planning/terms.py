@@ -18,9 +18,10 @@ side of each collective):
   held(stage, cfg, layout, coords, moment, accum, pipelined)
                                           parameters and gradients (sharded, gathered, accumulated, in
                                           reduction buffers) it holds at a moment of a step's last micro batch:
-                                          "head" (the loss's backward, every activation alive) or "end" (the
-                                          last reductions); the peak is the larger (planning/plan.py). Default:
-                                          what `state` holds after the step
+                                          "head" (the loss's backward, every activation alive), "end" (the
+                                          last reductions) or "forward" (its gathers in forward; 0: no moment of
+                                          its own); the peak is the largest (planning/plan.py). Default: what
+                                          `state` holds after the step
   stage_gathered(stage, cfg, layout)      under PP, a stage's gathered parameters while the schedule keeps it
                                           unsharded (torch's multi-stage schedules: at most 3 stages at once)
   sharding(options)                       a mode the plan names beside the strategy, or None
@@ -78,6 +79,8 @@ class StrategyPlanTerms:
 
     def held(self, stage: list[ParamRec], cfg, layout: Layout, coords: dict[MeshAxis, int], moment: str,
              accum: int, pipelined: bool) -> int:
+        if moment == "forward":
+            return 0
         out = Parts()
         self.state(stage, cfg, layout, coords, out)
         return out.params + out.grads + out.buffers
@@ -199,3 +202,15 @@ class DeclaredSharding(StrategyPlanTerms):
     def norm_comm(self, cfg, layout, add) -> None:
         if self.grads != "replicated" and self._ranks(layout) > 1:
             add(self.axis, "all_reduce", F32)
+
+    def held(self, stage, cfg, layout, coords, moment, accum, pipelined) -> int:
+        """Replicated gradients appear in backward (set to None after every step): at the loss's backward only
+        the earlier micro batches' (accumulated), all at the end; the reducer's buckets are there throughout."""
+        out = Parts()
+        self.state(stage, cfg, layout, coords, out)
+        if moment == "forward":
+            return 0  # nothing beyond the loss's backward: the plan takes the larger moment
+        if self.grads != "replicated" or moment == "end" or accum > 1 or pipelined:
+            return out.params + out.grads + out.buffers
+        buckets = self.grad_buckets and self._ranks(layout) > 1 and layout.dp * layout.cp > 1
+        return out.params + (out.grads // 2 if buckets else 0) + out.buffers

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-BLOCK_MB_S = 0.26  # CPU seconds per block and micro batch (forward, backward, FSDP hooks; fsdp2 at 8B shapes)
-TP_FACTOR = 1.6  # tensor parallelism: DTensor's per-op sharding propagation
+BLOCK_MB_S = 0.15  # CPU seconds per block and micro batch (forward, backward, FSDP hooks, memory tracking)
+TP_FACTOR = 1.3  # tensor parallelism: DTensor's per-op sharding propagation
 AC_FACTOR = {None: 1.0, "selective": 1.1, "full": 1.35}  # the forward again in backward
 MOE_FACTOR = 2.0  # routing, dispatch and the expert computation of every MoE block
-START_S = 8.0  # import torch and meshforge, build and materialise the rank, one warm-up update
+START_S = 4.0  # import torch and meshforge, build and materialise the rank, one warm-up update
 MESH_S_PER_RANK = 6e-5  # building the device meshes' process groups (1 s at 16,384 ranks)
 BASE_BYTES = 450 * 2**20
 BYTES_PER_BLOCK = 4 * 2**20

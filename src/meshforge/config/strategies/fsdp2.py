@@ -202,6 +202,8 @@ class FSDP2Terms(StrategyPlanTerms):
             units, grads = _fsdp_units(group, layout, dim, nn_)
             blocks = sorted(k for k in units if k is not None)
             regather = [b for b in blocks if (b != blocks[-1] if reshard is None else reshard)]
+            if dim == 1 and not cfg.distributed.moe_or_default.reshard_after_forward:
+                regather = []  # the experts' units stay gathered from forward to backward
             total = sum(units.values())
             if layout.pp > 1:  # the stage's units, gathered once per step or as often as resharding makes it
                 gathers = total * per_step
@@ -248,6 +250,13 @@ class FSDP2Terms(StrategyPlanTerms):
                 blocks.add(unit)
         gb = gather_bytes(cfg)
         ordered = sorted(b for b in blocks if b is not None)
+        if moment == "forward" and not pipelined:
+            # a block's unshard in forward: the root kept, the all-gather output of the unit before it not yet freed
+            # (fully_shard frees an all-gather's output at the next one), the block's own output and its copies
+            # into the parameters
+            big = max((gathered[b] for b in ordered), default=0)
+            grads = sum(train.values()) * F32 if accumulating else (rest.grads if accum > 1 else 0)
+            return rest.params + (2 * gathered.get(None, 0) + 2 * big) * gb + grads
         if moment == "end":  # the blocks' sharded gradients; the root's unsharded ones beside its fp32 reduce input
             root = train.get(None, 0)
             grads = rest.grads - root_shard * F32 + root * (F32 if accumulating else gb) + root * F32

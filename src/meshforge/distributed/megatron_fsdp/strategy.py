@@ -491,7 +491,7 @@ class MegatronFSDPStrategy(Strategy):
             if u.frozen and not any(s.fqn in sd for s in u.slots):
                 continue
             flat = torch.zeros(u.padded, dtype=torch.float32, device=self.device)
-            for s in u.slots if init else ():
+            for s in u.slots:
                 if s.fqn not in sd:
                     raise KeyError(f"model state dict has no entry {s.fqn!r}")
                 full = self._full(sd[s.fqn]).to(self.device, torch.float32)
