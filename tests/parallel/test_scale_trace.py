@@ -25,7 +25,9 @@ ROOT = Path(__file__).resolve().parents[2]
 WORLD = 4
 PATH = str(ROOT / "examples" / "llama3_8b.yaml")
 # Llama 3 8B's widths (vocab, dim, heads, ffn) with two blocks and 2,048-token sequences: what dominates a real
-# rank's memory dominates here too, and a step is a few hundred ops
+# rank's memory dominates here too, and a step is a few hundred ops. Not here, with why (docs/scale.md): HSDP
+# (-3.0%), megatron_fsdp, a single-stage schedule's first rank, FP8 (the plan counts no float8), MoE without
+# checkpointing (its routed copies), pure TP+PP without FSDP (fp32 residual traffic).
 SHAPE = ["model.n_layers=2", "training.seq_len=2048", "training.global_batch_size=4", "training.micro_batch_size=1",
          "training.compile=false"]
 MATRIX = {
@@ -37,6 +39,19 @@ MATRIX = {
     "fsdp2_accum_nodefer": ["training.global_batch_size=16", "distributed.defer_fsdp_grad_sync=false"],
     # micro batches folded: the same step traced whole (fold=False below) must give the same numbers
     "fsdp2_accum_unfolded": ["training.global_batch_size=16"],
+    "ddp": ["distributed.strategy=ddp", "distributed.defer_fsdp_grad_sync=null"],
+    "tp2": ["distributed.tp_size=2"],
+    "tp2_sp": ["distributed.tp_size=2", "distributed.sequence_parallel=true"],
+    "cp2": ["distributed.cp_size=2"],
+    # interleaved 1F1B, two stages a rank: FSDP2 keeps the stages gathered and their gradients unsharded
+    "pp2_interleaved": ["distributed.pp_size=2", "training.global_batch_size=8", "model.n_layers=4",
+                        "distributed.pipeline.pp_schedule=interleaved_1f1b",
+                        "distributed.pipeline.virtual_stages_per_rank=2"],
+    "ep2_moe": ["model.preset=qwen3_30b_a3b", "model.n_layers=2", "distributed.ep_size=2",
+                "distributed.activation_checkpointing=full"],
+    "lora": ["peft.rank=16", "peft.target_modules=[q_proj,v_proj]"],
+    "bf16_params": ["training.precision=bf16_params"],
+    "compile": ["training.compile=true"],
 }
 UNFOLDED = {"fsdp2_accum_unfolded"}
 

@@ -114,5 +114,7 @@ def rank_held(params: list[ParamRec], cfg, layout: Layout, rank: int, accum: int
         lowered = lowered_passes(pplan.schedule, layout.pp, c[MeshAxis.PP], pplan.n_microbatches,
                                  pplan.stages_per_rank)
         sets = gathered_sets(lowered, len(stages)) if lowered is not None else [frozenset(range(len(stages)))]
+        if getattr(cfg.distributed.options, "reshard_after_forward", None) is True:
+            sets = [frozenset([i]) for i in range(len(stages))]  # freed after every forward: the running stage
         out["head"] += max(sum(sizes[i] for i in group) for group in sets)
     return out

@@ -110,8 +110,8 @@ def trace_rank(cfg, world_size: int, rank: int, fold: bool = True) -> RankTrace:
         n = len(batch)
         piped = isinstance(pm, PipelineParallelModel)
         folded = fold and not piped and n > FOLDED
-        if folded:
-            batch = [batch[0], batch[1], batch[-1]]
+        # the skipped micro batches' data stays alive (in `batch`), as in a real step that holds the whole batch
+        run = [batch[0], batch[1], batch[-1]] if folded else batch
         comm = CommRecorder(mesh_ctx.layout, rank)
         memory = StepMemory(comm)
         # what the rank holds before the step: parameters (and gradients), optimizer state, and every other fake
@@ -136,7 +136,7 @@ def trace_rank(cfg, world_size: int, rank: int, fold: bool = True) -> RankTrace:
         step0 = time.perf_counter()
         try:
             with fake, memory:
-                trainer.train_step(clock=clock, batch=batch)
+                trainer.train_step(clock=clock, batch=run)
         finally:
             if hook is not None:
                 hook.remove()
@@ -148,7 +148,7 @@ def trace_rank(cfg, world_size: int, rank: int, fold: bool = True) -> RankTrace:
     return RankTrace(rank, world_size, mesh_ctx.layout, peak,
                      {k: int(held[k]) for k in ("params", "grads", "optimizer")},
                      comm.totals({"mb1": n - 2} if folded else None), n if not piped else pm.plan.n_microbatches,
-                     len(batch) if not piped else pm.plan.n_microbatches, build_s, step_s,
+                     len(run) if not piped else pm.plan.n_microbatches, build_s, step_s,
                      time.process_time() - cpu0, _peak_rss(), notes)
 
 
