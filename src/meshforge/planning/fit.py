@@ -46,7 +46,8 @@ def _configure(cfg, args, tp, pp, cp, strategy, ac, mbs):
     return c
 
 
-def search(cfg, world_size: int, device, gpus_per_node: int = 8, mfu: float = 0.4, top: int = 5):
+def search(cfg, world_size: int, device, gpus_per_node: int = 8, mfu: float | None = None, top: int = 5,
+           efficiency=None):
     """([(choice, Plan)] that fit and pass the rules, fastest first, at most `top`; [(choice, why)] rejected;
     the number of fitting candidates slower than those shown, whose rules were not checked)."""
     from meshforge.config.rules import check
@@ -64,7 +65,8 @@ def search(cfg, world_size: int, device, gpus_per_node: int = 8, mfu: float = 0.
             continue
         try:
             c = _configure(cfg, args, tp, pp, cp, strategy, ac, mbs)
-            p = plan(c, world_size, device, gpus_per_node, mfu, params=params, args=args, state_cache=cache)
+            p = plan(c, world_size, device, gpus_per_node, mfu, params=params, args=args, state_cache=cache,
+                     efficiency=efficiency)
         except Exception as err:  # noqa: BLE001 - a layout the config or planner refuses is a rejected layout
             problems = getattr(err, "problems", None) or [str(err)]
             rejected.append((choice, problems[0].split(":")[0]))

@@ -1,14 +1,55 @@
-"""The step time's parts: compute from the model contract's FLOPs per token, the pipeline bubble of a schedule,
-and the seconds a collective takes on a ring over NVLink or the fabric."""
+"""The step time: each rank's compute from the shapes of its matmuls, attention and elementwise work priced with
+the device's efficiencies (`hardware.Efficiency`), the pipeline bubble of its schedule, and the seconds its
+collectives take on a ring over NVLink or the fabric (`step_time`).
+
+Compute of one micro batch through one stage, forward and backward (per rank, after TP/CP/EP splits):
+  matmuls       every block weight is one matmul of (tokens, out, in) (a routed expert: tokens*top_k/experts
+                rows each), the output head (tokens, vocab/tp, dim) on the last stage. Forward once, backward
+                twice (input and weight gradients; a frozen weight only the input's). Each is priced on a
+                roofline with a size curve: max(FLOPs / (peak x gemm), bytes / (bandwidth x memory)) plus a fixed
+                time per kernel, so small and split matmuls run below the large ones' rate. Under training.fp8 the
+                blocks' linears that torchao converts run `fp8_gemm_speedup` times faster.
+  attention     the causal attention's FLOPs (forward x 3 for forward and backward) at the device's attention
+                fraction of the peak at this sequence length.
+  elementwise   norms, RoPE, SwiGLU, residuals, the loss' softmax and the embedding as memory traffic, forward
+                and backward: per token and block 73*dim + 23*(q + k width) + 16*ffn width elements, the head
+                and loss 20*dim + 10*vocab (15*vocab with the fused loss, which recomputes the logits), the
+                embedding 10*dim (measured: the inputs and outputs of every non-matmul kernel of meshforge's
+                blocks counted with a dispatch mode, CPU fp32; tensor parallelism splits the widths, sequence
+                parallelism the dim terms too; a MoE block's routed width is top_k experts' plus 8*top_k*dim of
+                dispatch copies, not measured), at the device's memory bandwidth; a third of it is forward.
+  recompute     full checkpointing runs the blocks' forward again (matmuls, attention, elementwise), selective
+                only the elementwise part (matmul and attention outputs are cached); context parallelism runs the
+                local attention forward again.
+A rank's step: its stages x micro batches, then the optimizer (AdamW streams parameters, gradients and both moments:
+2 x params + grads + 2 x optimizer bytes), all x the calibrated `compute_scale`; and the framework's host time,
+`host_s_per_call` per block call (each block's, the embedding's and the head's forward and backward, and the
+recomputed forward, per micro batch), which adds on a CPU core and on a GPU only where it exceeds the device's
+compute (the host runs ahead). The slowest pipeline rank sets the pace; the schedule's bubble adds idle time. Tensor/context/expert/pipeline traffic is on the critical path
+(meshforge's eager TP collectives do not overlap compute); data-parallel traffic adds only what compute does not
+hide, on a device that overlaps (a CPU core does not: there every collective adds).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+from dataclasses import dataclass, field
 
-from meshforge.planning.hardware import Device
-from meshforge.planning.layout import Layout
+from meshforge.config.rules import fused_loss_on
+from meshforge.planning.hardware import Device, Efficiency
+from meshforge.planning.layout import Layout, MeshAxis
+from meshforge.planning.params import F32, ParamRec, memo
+from meshforge.planning.precision import bf16_compute, gather_bytes
 from meshforge.planning.theory import textbook_bubble
+
+# torchao's `_auto_filter_for_recipe` (training.fp8.filter=auto), on the weight's (out N, in K): which linears it
+# converts (tests/unit/test_step_time.py checks these against torchao's own filter)
+FP8_AUTO = {
+    "tensorwise": lambda n, k: not (k <= 4096 and n <= 1024),
+    "rowwise": lambda n, k: not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)),
+}
 
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int) -> float:
@@ -16,6 +57,223 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int) -> float:
     schedules fill most of it with the weight half of backward (counted as a third of it)."""
     frac = textbook_bubble(schedule, p, m, v)
     return frac / 3 if schedule in ("zero_bubble", "v_schedule") else frac
+
+
+@dataclass
+class StepTime:
+    compute_s: float  # the slowest pipeline rank's compute per step (its micro batches and its optimizer step)
+    parts: dict[str, float]  # that rank's compute by kind (seconds, compute_scale applied), and its host time
+    comm: dict[tuple[str, str], float]  # seconds per (axis, kind), one collective after another
+    exposed_s: float  # communication that adds to the step
+    bubble: float
+    idle_s: float  # pipeline idle time (the bubble)
+    step_s: float
+    per_pp_rank: list[float] = field(default_factory=list)  # compute of each pipeline rank
+
+    @property
+    def comm_s(self) -> float:
+        return sum(self.comm.values())
+
+    @property
+    def busy_s(self) -> float:
+        """The step less the pipeline's idle time: what the device is busy for (on CPU, the CPU time)."""
+        return self.step_s - self.idle_s
+
+
+def step_time(params: list[ParamRec], args, cfg, layout: Layout, pplan, device: Device, eff: Efficiency,
+              comm: dict[tuple[str, str], int], gpus_per_node: int, rank_parts: dict[int, object]) -> StepTime:
+    """The step time of `cfg` (see the module docstring); `rank_parts` maps each pipeline rank to the largest
+    state (`terms.Parts`) one of its ranks holds, for the optimizer's traffic."""
+    from meshforge.planning.state import stage_params
+
+    t, d = cfg.training, cfg.distributed
+    if pplan is not None:
+        mbs, n_mb = pplan.microbatch_size, pplan.n_microbatches
+    else:
+        mbs = t.micro_batch_size
+        n_mb = t.global_batch_size // layout.dp // mbs
+    tokens = mbs * t.seq_len // layout.cp
+    key = _Key(bf16_compute(cfg), d.ac_mode, d.sequence_parallel, layout.tp, layout.cp, layout.ep,
+               t.seq_len, tokens, t.fp8.enabled, t.fp8.recipe, t.fp8.filter, fused_loss_on(cfg))
+    per_rank, parts_of = [], []
+    gathered = sum(n for (axis, kind), n in comm.items() if kind == "all_gather" and axis in DP_AXES) / \
+        gather_bytes(cfg)  # parameter elements the data-parallel all-gathers bring per step
+    for pp_rank in range(layout.pp):
+        here = pplan.rank_stages(pp_rank) if pplan is not None else [0]
+        stages = stage_params(params, cfg, layout, pp_rank, args.n_layers)
+        total: dict[str, float] = {}
+        for s, stage in zip(here, stages):
+            first = s == 0
+            last = pplan is None or s == pplan.num_stages - 1
+            for kind, sec in _stage_seconds(stage, args, key, device, eff, first, last).items():
+                total[kind] = total.get(kind, 0.0) + n_mb * sec
+        calls = _unit_gathers(stages, layout, gathered) + (2 * n_mb * len(stages) if pplan is not None else 0)
+        state = rank_parts.get(pp_rank)
+        opt_bytes = 0 if state is None else 2 * state.params + state.grads + 2 * state.optimizer
+        total["optimizer"] = opt_bytes / _mem_rate(device, eff)
+        total = {k: v * eff.compute_scale for k, v in total.items()}
+        device_s = sum(total.values())
+        total["host"] = calls * eff.host_s_per_call
+        per_rank.append(max(device_s, total["host"]) if eff.overlap else device_s + total["host"])
+        parts_of.append(total)
+    slow = max(range(layout.pp), key=lambda r: per_rank[r])
+    opt = [parts_of[r]["optimizer"] for r in range(layout.pp)]
+    sched = max(c - o for c, o in zip(per_rank, opt))
+    bubble = 0.0
+    if pplan is not None:
+        bubble = bubble_fraction(pplan.schedule, layout.pp, pplan.n_microbatches, pplan.stages_per_rank)
+    idle = sched * bubble / (1 - bubble)
+    compute_s = sched + max(opt)
+    secs = {k: comm_seconds(k, n, layout, device, eff, gpus_per_node, _calls(k, pplan, layout))
+            for k, n in comm.items()}
+    critical = sum(sec for (a, _k), sec in secs.items() if a in ("tp", "cp", "ep", "pp"))
+    hidden = sum(secs.values()) - critical
+    exposed = critical + (max(0.0, hidden - compute_s) if eff.overlap else hidden)
+    return StepTime(compute_s, parts_of[slow], secs, exposed, bubble, idle, compute_s + idle + exposed, per_rank)
+
+
+DP_AXES = ("dp", "dp_shard", "dp_shard_cp", "dp_replicate", "dp_cp", "ep_shard")
+
+
+def _unit_gathers(stages: list[list[ParamRec]], layout: Layout, gathered: float) -> float:
+    """Units (each block, and the rest of a stage as one) whose parameters the data-parallel all-gathers bring per
+    step: the gathered elements over the stages' elements, times their units."""
+    from meshforge.planning.params import local_numel
+
+    numel = sum(local_numel(p, layout) for stage in stages for p in stage)
+    units = sum(len({p.block for p in stage if p.block is not None}) + 1 for stage in stages)
+    return gathered / numel * units if numel else 0.0
+
+
+def _calls(key: tuple[str, str], pplan, layout: Layout) -> int:
+    """Collective calls behind one (axis, kind) entry where the planner knows them (the pipeline's sends: one per
+    micro batch, stage and direction); others are priced by their bytes alone."""
+    if key == ("pp", "send_recv") and pplan is not None:
+        return 2 * pplan.n_microbatches * pplan.stages_per_rank
+    return 0
+
+
+@dataclass(frozen=True)
+class _Key:
+    bf16: bool
+    ac: str | None
+    sp: bool
+    tp: int
+    cp: int
+    ep: int
+    seq_len: int
+    tokens: int  # per micro batch on one rank (after CP)
+    fp8: bool
+    fp8_recipe: str
+    fp8_filter: str
+    fused_loss: bool
+
+
+def _stage_seconds(stage: list[ParamRec], args, key: _Key, device: Device, eff: Efficiency, first: bool,
+                   last: bool) -> dict[str, float]:
+    """Seconds of one micro batch through one stage on one rank, forward and backward, by kind (memoised per
+    stage list: the search prices hundreds of candidates over the same lists)."""
+    return memo("stage_s", stage, (args, key, device, eff, first, last),
+                lambda: _stage_seconds_of(stage, args, key, device, eff, first, last))
+
+
+def _stage_seconds_of(stage: list[ParamRec], args, key: _Key, device: Device, eff: Efficiency, first: bool,
+                      last: bool) -> dict[str, float]:
+    e = 2 if key.bf16 else F32
+    m = key.tokens
+    gemm_fwd = gemm_bwd = 0.0
+    for p in stage:
+        if p.block is None or len(p.shape) < 2:
+            continue
+        for rows, n, k, count in _matmuls(p, args, key, m):
+            speed = eff.fp8_gemm_speedup if _fp8(p, key) else 1.0
+            sec = count * gemm_seconds(rows, n, k, e, device, eff, speed)
+            gemm_fwd += sec
+            gemm_bwd += sec * (2 if p.trainable else 1)
+    if last:  # the output head (vocabulary-parallel under TP)
+        head = gemm_seconds(m, math.ceil(args.vocab_size / key.tp), args.dim, e, device, eff)
+        gemm_fwd += head
+        gemm_bwd += 2 * head
+    blocks = len({p.block for p in stage if p.block is not None})
+    peak = device.peak_tflops * 1e12
+    attn_fwd = blocks * m * _attention_forward_flops(args, key) / (peak * eff.attention_fraction(key.seq_len))
+    elem = blocks * m * _elementwise_elements(args, key) * e
+    if first:
+        elem += m * 10 * args.dim * e
+    if last:
+        elem += m * (20 * args.dim + (15 if key.fused_loss else 10) * math.ceil(args.vocab_size / key.tp)) * e
+    elem_fwd = elem / _mem_rate(device, eff) / 3
+    recompute = 0.0
+    if key.ac == "full":
+        block_gemm = gemm_fwd - (head if last else 0.0)
+        recompute = block_gemm + attn_fwd + elem_fwd
+    elif key.ac == "selective":
+        recompute = elem_fwd
+    if key.cp > 1:
+        recompute += attn_fwd  # context parallelism recomputes the local attention forward in backward
+    return {"matmul": gemm_fwd + gemm_bwd, "attention": 3 * attn_fwd, "elementwise": 3 * elem_fwd,
+            "recompute": recompute}
+
+
+def _matmuls(p: ParamRec, args, key: _Key, m: int) -> list[tuple[int, int, int, int]]:
+    """(rows, out, in, how many) of the matmuls one weight takes part in per micro batch, forward."""
+    s = list(p.shape)
+    if p.tp_dim is not None:
+        s[p.tp_dim] = math.ceil(s[p.tp_dim] / key.tp)
+    if p.expert:  # stacked routed experts [experts, a, b]: each local expert takes its share of the routed tokens
+        local = max(1, s[0] // key.ep)
+        rows = max(1, round(m * key.ep * args.top_k / max(1, args.n_experts)))
+        return [(rows, s[1], math.prod(s[2:]), local)]
+    return [(m, s[0], math.prod(s[1:]), 1)]
+
+
+def _fp8(p: ParamRec, key: _Key) -> bool:
+    """Does training.fp8 convert this weight's linear (the blocks' linears, never experts or adapters)?"""
+    if not key.fp8 or p.expert or p.adapter or len(p.shape) != 2:
+        return False
+    n, k = p.shape
+    if n % 16 or k % 16:
+        return False
+    return key.fp8_filter == "all" or FP8_AUTO[key.fp8_recipe](n, k)
+
+
+def gemm_seconds(m: int, n: int, k: int, elem: int, device: Device, eff: Efficiency, speedup: float = 1.0) -> float:
+    """One (m x k) @ (k x n) matmul on the roofline with a fixed time per kernel."""
+    flops = 2 * m * n * k / (device.peak_tflops * 1e12 * eff.gemm * speedup)
+    traffic = elem * (m * k + k * n + m * n) / _mem_rate(device, eff)
+    return eff.gemm_overhead_s + max(flops, traffic)
+
+
+def _mem_rate(device: Device, eff: Efficiency) -> float:
+    return device.mem_gbps * 1e9 * eff.memory
+
+
+def _attention_forward_flops(args, key: _Key) -> float:
+    """Per token and block, forward: scores and weighted sum over the causal half, heads split over tp."""
+    return 2 * 2 * (args.n_heads / key.tp) * args.hd * key.seq_len / 2
+
+
+def _elementwise_elements(args, key: _Key) -> float:
+    """Elements read and written per token and block by the elementwise kernels, forward and backward (see the
+    module docstring)."""
+    dim = args.dim / (key.tp if key.sp else 1)
+    qk = (args.n_heads + args.n_kv_heads) * args.hd / key.tp
+    if args.is_moe:
+        return 73 * dim + 23 * qk + 16 * (args.top_k + args.n_shared_experts) * args.moe_ffn_dim / key.tp + \
+            8 * args.top_k * args.dim
+    return 73 * dim + 23 * qk + 16 * args.ffn_dim / key.tp
+
+
+def comm_seconds(key: tuple[str, str], n: int, layout: Layout, dev: Device, eff: Efficiency, gpus_per_node: int,
+                 calls: int = 0) -> float:
+    """Time of `n` full-buffer bytes of one collective kind on a ring: each rank sends (size-1)/size of the buffer
+    for an all-gather, reduce-scatter or all-to-all, twice that for an all-reduce (a reduce-scatter followed by
+    an all-gather); plus the per-call latency where the calls are known."""
+    axis, kind = key
+    size = _axis_size(axis, layout)
+    passes = 2 if kind == "all_reduce" else 1
+    link = _link_bytes_per_s(axis, layout, dev, gpus_per_node) * eff.comm
+    return passes * n * (size - 1) / max(size, 1) / link + calls * eff.comm_latency_s
 
 
 def _link_bytes_per_s(axis: str, layout: Layout, dev: Device, gpus_per_node: int) -> float:
@@ -28,20 +286,20 @@ def _link_bytes_per_s(axis: str, layout: Layout, dev: Device, gpus_per_node: int
     return (dev.nvlink_gbps if span <= gpus_per_node else dev.fabric_gbps) * 1e9
 
 
-def comm_seconds(key: tuple[str, str], n: int, layout: Layout, dev: Device, gpus_per_node: int) -> float:
-    """Time of `n` full-buffer bytes of one collective kind on a ring: each rank sends (size-1)/size of the buffer
-    for an all-gather, reduce-scatter or all-to-all, twice that for an all-reduce (a reduce-scatter followed by
-    an all-gather)."""
-    axis, kind = key
-    size = _axis_size(axis, layout)
-    passes = 2 if kind == "all_reduce" else 1
-    return passes * n * (size - 1) / max(size, 1) / _link_bytes_per_s(axis, layout, dev, gpus_per_node)
-
-
 def _axis_size(axis: str, layout: Layout) -> int:
     if axis == "pp":
         return 2
     return layout.size(axis)
+
+
+def largest_state_per_pp_rank(ranks, layout: Layout) -> dict[int, object]:
+    """{pp rank: the largest state one of its planned ranks holds} (ranks: [(rank, Parts)])."""
+    out: dict[int, object] = {}
+    for r, parts in ranks:
+        pp = layout.coords(r)[MeshAxis.PP]
+        if pp not in out or parts.total > out[pp].total:
+            out[pp] = parts
+    return out
 
 
 @functools.lru_cache(maxsize=64)
