@@ -77,7 +77,10 @@ def measure_interleaved(cfgs: list, info, steps: int, warmup: int, peak_override
                         profile: bool = False) -> list[dict]:
     """Several configurations of one world size in this process group, built side by side and stepped in turn
     (round r times step r of each), so that a machine whose load changes affects them alike; then each one's
-    counting step. All their trainers are alive at once (their memory adds up)."""
+    counting step. All their trainers are alive at once (their memory adds up). With `profile`, each round also
+    runs the device profile's block probe and one untimed step of the first configuration under a kernel timer
+    (on CPU: its time in kernels by kind, the median over rounds, is what `plan --calibrate` splits its busy time
+    with)."""
     runs = [_Timed(cfg, info) for cfg in cfgs]
     probe = BlockProbe(cfgs[0], resolve_model_args(cfgs[0].model), info.device) if profile else None
     probe_s = []
@@ -85,13 +88,21 @@ def measure_interleaved(cfgs: list, info, steps: int, warmup: int, peak_override
         for one in runs:
             one.trainer.train_step()
     _start_timing(info)
+    kernels = []
     for _ in range(steps):
         for one in runs:
             one.step()
-        if probe is not None:  # the profile's reference workload, under this round's load
-            probe_s.append(probe.seconds())
-    return [_result(one, steps, warmup, peak_override, (probe, probe_s) if profile and i == 0 else None)
+        if probe is not None:  # the profile's reference workload, and the first configuration's kernels, under
+            probe_s.append(probe.seconds())  # this round's load
+            timer = KernelTimer(Clock(info.device))
+            with timer:
+                runs[0].trainer.train_step()
+            kernels.append(timer.s)
+    rows = [_result(one, steps, warmup, peak_override, (probe, probe_s) if profile and i == 0 else None)
             for i, one in enumerate(runs)]
+    if kernels:  # per kind, the median over the rounds: beside the median busy time of the same rounds
+        rows[0]["step_kernels_s"] = {k: statistics.median(t[k] for t in kernels) for k in kernels[0]}
+    return rows
 
 
 def _start_timing(info) -> None:

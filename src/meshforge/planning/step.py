@@ -22,7 +22,8 @@ Compute of one micro batch through one stage, forward and backward (per rank, af
                 only the elementwise part (matmul and attention outputs are cached); context parallelism runs the
                 local attention forward again.
 A rank's step: its stages x micro batches, then the optimizer (AdamW streams parameters, gradients and both moments:
-2 x params + grads + 2 x optimizer bytes), all x the calibrated `compute_scale`; and the framework's host time,
+2 x params + grads + 2 x optimizer bytes), the staging of the data-parallel collectives' buffers (each copied in
+and out once: FSDP's copy-in/out, DDP's buckets; read and write, 2 x their bytes), all x the calibrated `compute_scale`; and the framework's host time,
 `host_s_per_call` per block call (each block's, the embedding's and the head's forward and backward, and the
 recomputed forward, per micro batch), which adds on a CPU core and on a GPU only where it exceeds the device's
 compute (the host runs ahead). The slowest pipeline rank sets the pace; the schedule's bubble adds idle time. Tensor/context/expert/pipeline traffic is on the critical path
@@ -41,7 +42,7 @@ from meshforge.config.rules import fused_loss_on
 from meshforge.planning.hardware import Device, Efficiency
 from meshforge.planning.layout import Layout, MeshAxis
 from meshforge.planning.params import F32, ParamRec, memo
-from meshforge.planning.precision import bf16_compute, gather_bytes
+from meshforge.planning.precision import bf16_compute
 from meshforge.planning.theory import textbook_bubble
 
 # torchao's `_auto_filter_for_recipe` (training.fp8.filter=auto), on the weight's (out N, in K): which linears it
@@ -96,8 +97,9 @@ def step_time(params: list[ParamRec], args, cfg, layout: Layout, pplan, device: 
     key = _Key(bf16_compute(cfg), d.ac_mode, d.sequence_parallel, layout.tp, layout.cp, layout.ep,
                t.seq_len, tokens, t.fp8.enabled, t.fp8.recipe, t.fp8.filter, fused_loss_on(cfg))
     per_rank, parts_of = [], []
-    gathered = sum(n for (axis, kind), n in comm.items() if kind == "all_gather" and axis in DP_AXES) / \
-        gather_bytes(cfg)  # parameter elements the data-parallel all-gathers bring per step
+    gathered = any(kind == "all_gather" and axis in DP_AXES for (axis, kind) in comm)  # parameters gathered
+    # the data-parallel collectives' buffers are copied in and out once each (FSDP's copy-in/out, DDP's buckets)
+    staged = sum(n for (axis, kind), n in comm.items() if axis in DP_AXES and kind != "broadcast")
     for pp_rank in range(layout.pp):
         here = pplan.rank_stages(pp_rank) if pplan is not None else [0]
         stages = stage_params(params, cfg, layout, pp_rank, args.n_layers)
@@ -107,10 +109,12 @@ def step_time(params: list[ParamRec], args, cfg, layout: Layout, pplan, device: 
             last = pplan is None or s == pplan.num_stages - 1
             for kind, sec in _stage_seconds(stage, args, key, device, eff, first, last).items():
                 total[kind] = total.get(kind, 0.0) + n_mb * sec
-        calls = _unit_gathers(stages, layout, gathered) + (2 * n_mb * len(stages) if pplan is not None else 0)
+        units = sum(len({p.block for p in stage if p.block is not None}) + 1 for stage in stages)
+        calls = 2 * n_mb * (units if gathered else 0) + (2 * n_mb * len(stages) if pplan is not None else 0)
         state = rank_parts.get(pp_rank)
         opt_bytes = 0 if state is None else 2 * state.params + state.grads + 2 * state.optimizer
         total["optimizer"] = opt_bytes / _mem_rate(device, eff)
+        total["staging"] = 2 * staged / _mem_rate(device, eff)
         total = {k: v * eff.compute_scale for k, v in total.items()}
         device_s = sum(total.values())
         total["host"] = calls * eff.host_s_per_call
@@ -133,16 +137,6 @@ def step_time(params: list[ParamRec], args, cfg, layout: Layout, pplan, device: 
 
 
 DP_AXES = ("dp", "dp_shard", "dp_shard_cp", "dp_replicate", "dp_cp", "ep_shard")
-
-
-def _unit_gathers(stages: list[list[ParamRec]], layout: Layout, gathered: float) -> float:
-    """Units (each block, and the rest of a stage as one) whose parameters the data-parallel all-gathers bring per
-    step: the gathered elements over the stages' elements, times their units."""
-    from meshforge.planning.params import local_numel
-
-    numel = sum(local_numel(p, layout) for stage in stages for p in stage)
-    units = sum(len({p.block for p in stage if p.block is not None}) + 1 for stage in stages)
-    return gathered / numel * units if numel else 0.0
 
 
 def _calls(key: tuple[str, str], pplan, layout: Layout) -> int:
