@@ -215,20 +215,26 @@ def _fit(cfg, args, dev, eff) -> int:
 
     fits, rejected, slower = search(cfg, args.world_size, dev, args.gpus_per_node, efficiency=eff)
     if args.json:
-        print(json.dumps({"fits": [dict(p.to_dict(), choice=c) for c, p in fits],
+        print(json.dumps({"fits": [dict(f.plan.to_dict(), choice=f.choice.label(args.world_size), reason=f.reason)
+                                   for f in fits],
                           "rejected": [{"choice": c, "why": w} for c, w in rejected], "slower_fitting": slower},
                          indent=1))
         return 0 if fits else 1
     print(f"efficiencies: {eff.describe()}")
-    print(f"{'layout':58s} {'peak':>11} {'step s':>8} {'tokens/s':>12} {'MFU %':>6}")
-    for c, p in fits:
-        print(f"{c:58s} {_gb(p.peak_rank.peak):>11} {p.step_s:>8.3f} {p.tokens_per_s:>12,.0f} {100 * p.mfu:>6.1f}")
+    print(f"{'#':>2} {'layout':64s} {'peak':>10} {'step s':>8} {'tokens/s':>12} {'MFU %':>6}")
+    for i, f in enumerate(fits):
+        p = f.plan
+        print(f"{i + 1:>2} {f.choice.label(args.world_size):64s} {_gb(p.peak_rank.peak):>10} {p.step_s:>8.3f} "
+              f"{p.tokens_per_s:>12,.0f} {100 * p.mfu:>6.1f}")
+        print(f"   {f.reason}")
     reasons: dict[str, int] = {}
     for _c, why in rejected:
         reasons[why] = reasons.get(why, 0) + 1
     print(f"\nthe {len(fits)} fastest layouts that fit; {slower} more fit but are slower; {len(rejected)} rejected:")
     for why, n in sorted(reasons.items(), key=lambda kv: -kv[1])[:8]:
         print(f"  {n:4d} x {why}")
+    for note in dict.fromkeys(n for f in fits for n in f.plan.notes):
+        print(f"note: {note}")
     if not fits:
         print("error: no searched layout fits the device memory", file=sys.stderr)
         return 1

@@ -131,8 +131,9 @@ def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: floa
         states = state_cache[key]
     ranks = _rank_plans(states, args, cfg, layout, pplan)
     comm = comm_per_step(params, args, cfg, layout)
-    timing = step_time(params, args, cfg, layout, pplan, device, eff, comm, gpus_per_node,
-                       largest_state_per_pp_rank(states, layout))
+    timing = step_time(params, args, cfg, layout, pplan, device, eff, _comm_of_pp_rank(params, args, cfg, layout,
+                                                                                      pplan, comm),
+                       gpus_per_node, largest_state_per_pp_rank(states, layout))
     model_fpt = flops_per_token(args, t.seq_len)
     tokens = t.global_batch_size * t.seq_len
     step_s = timing.step_s
@@ -141,6 +142,21 @@ def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: floa
     return Plan(world_size, layout, d.strategy, terms_of(cfg).sharding(d.options), ranks, comm, timing.comm_s,
                 timing.compute_s, timing.bubble, step_s, tokens / step_s, achieved, model_fpt, n_params(params),
                 device, peak <= device.memory_bytes, _notes(cfg, eff), eff, timing)
+
+
+def _comm_of_pp_rank(params: list[ParamRec], args, cfg, layout: Layout, pplan, rank0: dict):
+    """pp rank -> the bytes the first rank of that pipeline rank hands to collectives (pipeline ranks whose stages
+    hold alike blocks and ends send alike: each distinct one is counted once, when asked)."""
+    same = {_stage_signature(pplan, 0) if pplan is not None else None: rank0}
+
+    def comm_of(r: int) -> dict:
+        sig = _stage_signature(pplan, r) if pplan is not None else None
+        if sig not in same:
+            same[sig] = comm_per_step(params, args, cfg, layout, layout.rank_of(
+                {MeshAxis.PP: r, MeshAxis.DP_REPLICATE: 0, MeshAxis.DP_SHARD: 0, MeshAxis.CP: 0, MeshAxis.TP: 0}))
+        return same[sig]
+
+    return comm_of
 
 
 def _rank_states(params: list[ParamRec], cfg, layout: Layout, pplan) -> list[tuple[int, Parts]]:

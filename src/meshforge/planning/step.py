@@ -64,8 +64,8 @@ def bubble_fraction(schedule: str, p: int, m: int, v: int) -> float:
 class StepTime:
     compute_s: float  # the slowest pipeline rank's compute per step (its micro batches and its optimizer step)
     parts: dict[str, float]  # that rank's compute by kind (seconds, compute_scale applied), and its host time
-    comm: dict[tuple[str, str], float]  # seconds per (axis, kind), one collective after another
-    exposed_s: float  # communication that adds to the step
+    comm: dict[tuple[str, str], float]  # seconds per (axis, kind) of rank 0, one collective after another
+    exposed_s: float  # communication that adds to the step (of the slowest pipeline rank)
     bubble: float
     idle_s: float  # pipeline idle time (the bubble)
     step_s: float
@@ -82,11 +82,12 @@ class StepTime:
 
 
 def step_time(params: list[ParamRec], args, cfg, layout: Layout, pplan, device: Device, eff: Efficiency,
-              comm: dict[tuple[str, str], int], gpus_per_node: int, rank_parts: dict[int, object]) -> StepTime:
-    """The step time of `cfg` (see the module docstring); `rank_parts` maps each pipeline rank to the largest
-    state (`terms.Parts`) one of its ranks holds, for the optimizer's traffic."""
-    from meshforge.planning.state import stage_params
-
+              comm_of, gpus_per_node: int, rank_parts: dict[int, object]) -> StepTime:
+    """The step time of `cfg` (see the module docstring); `comm_of(pp_rank)` gives the bytes one rank of that
+    pipeline rank hands to collectives (asked of the first and the busiest pipeline rank; the others are taken to
+    send as the first does), `rank_parts` maps each pipeline rank to the largest state (`terms.Parts`) one
+    of its ranks holds, for the optimizer's traffic. Every block has one block's shapes
+    (the planner's model description), so a stage costs its block count times one block, plus its ends."""
     t, d = cfg.training, cfg.distributed
     if pplan is not None:
         mbs, n_mb = pplan.microbatch_size, pplan.n_microbatches
@@ -97,20 +98,22 @@ def step_time(params: list[ParamRec], args, cfg, layout: Layout, pplan, device: 
     key = _Key(bf16_compute(cfg), d.ac_mode, d.sequence_parallel, layout.tp, layout.cp, layout.ep,
                t.seq_len, tokens, t.fp8.enabled, t.fp8.recipe, t.fp8.filter, fused_loss_on(cfg))
     per_rank, parts_of = [], []
-    gathered = any(kind == "all_gather" and axis in DP_AXES for (axis, kind) in comm)  # parameters gathered
+    block = _block_seconds(params, args, key, device, eff)
+    first = comm_of(0)
+    gathered = any(kind == "all_gather" and axis in DP_AXES for (axis, kind) in first)  # parameters gathered
     # the data-parallel collectives' buffers are copied in and out once each (FSDP's copy-in/out, DDP's buckets)
-    staged = sum(n for (axis, kind), n in comm.items() if axis in DP_AXES and kind != "broadcast")
+    staged = sum(n for (axis, kind), n in first.items() if axis in DP_AXES and kind != "broadcast")
     for pp_rank in range(layout.pp):
         here = pplan.rank_stages(pp_rank) if pplan is not None else [0]
-        stages = stage_params(params, cfg, layout, pp_rank, args.n_layers)
         total: dict[str, float] = {}
-        for s, stage in zip(here, stages):
-            first = s == 0
-            last = pplan is None or s == pplan.num_stages - 1
-            for kind, sec in _stage_seconds(stage, args, key, device, eff, first, last).items():
-                total[kind] = total.get(kind, 0.0) + n_mb * sec
-        units = sum(len({p.block for p in stage if p.block is not None}) + 1 for stage in stages)
-        calls = 2 * n_mb * (units if gathered else 0) + (2 * n_mb * len(stages) if pplan is not None else 0)
+        units = 0
+        for s in here:
+            blocks = len(pplan.stage_layers[s]) if pplan is not None else args.n_layers
+            ends = _end_seconds(args, key, device, eff, s == 0, pplan is None or s == pplan.num_stages - 1)
+            for kind in block.keys() | ends.keys():
+                total[kind] = total.get(kind, 0.0) + n_mb * (blocks * block.get(kind, 0.0) + ends.get(kind, 0.0))
+            units += blocks + 1
+        calls = 2 * n_mb * (units if gathered else 0) + (2 * n_mb * len(here) if pplan is not None else 0)
         state = rank_parts.get(pp_rank)
         opt_bytes = 0 if state is None else 2 * state.params + state.grads + 2 * state.optimizer
         total["optimizer"] = opt_bytes / _mem_rate(device, eff)
@@ -120,20 +123,26 @@ def step_time(params: list[ParamRec], args, cfg, layout: Layout, pplan, device: 
         total["host"] = calls * eff.host_s_per_call
         per_rank.append(max(device_s, total["host"]) if eff.overlap else device_s + total["host"])
         parts_of.append(total)
-    slow = max(range(layout.pp), key=lambda r: per_rank[r])
-    opt = [parts_of[r]["optimizer"] for r in range(layout.pp)]
-    sched = max(c - o for c, o in zip(per_rank, opt))
+    asked = {0, max(range(layout.pp), key=lambda r: per_rank[r])}
+    secs_of = {r: {k: comm_seconds(k, n, layout, device, eff, gpus_per_node, _calls(k, pplan, layout))
+                   for k, n in comm_of(r).items()} for r in asked}
+    exposed = [_exposed(secs_of.get(r, secs_of[0]), c, eff) for r, c in enumerate(per_rank)]
+    slow = max(range(layout.pp), key=lambda r: per_rank[r] + exposed[r])
+    sched = max(c - parts["optimizer"] for c, parts in zip(per_rank, parts_of))
     bubble = 0.0
     if pplan is not None:
         bubble = bubble_fraction(pplan.schedule, layout.pp, pplan.n_microbatches, pplan.stages_per_rank)
     idle = sched * bubble / (1 - bubble)
-    compute_s = sched + max(opt)
-    secs = {k: comm_seconds(k, n, layout, device, eff, gpus_per_node, _calls(k, pplan, layout))
-            for k, n in comm.items()}
+    return StepTime(per_rank[slow], parts_of[slow], secs_of[0], exposed[slow], bubble, idle,
+                    per_rank[slow] + exposed[slow] + idle, per_rank)
+
+
+def _exposed(secs: dict[tuple[str, str], float], compute_s: float, eff: Efficiency) -> float:
+    """Communication that adds to a rank's step: tensor/context/expert/pipeline traffic always, data-parallel
+    traffic where compute does not hide it (all of it on a device that does not overlap them)."""
     critical = sum(sec for (a, _k), sec in secs.items() if a in ("tp", "cp", "ep", "pp"))
     hidden = sum(secs.values()) - critical
-    exposed = critical + (max(0.0, hidden - compute_s) if eff.overlap else hidden)
-    return StepTime(compute_s, parts_of[slow], secs, exposed, bubble, idle, compute_s + idle + exposed, per_rank)
+    return critical + (max(0.0, hidden - compute_s) if eff.overlap else hidden)
 
 
 DP_AXES = ("dp", "dp_shard", "dp_shard_cp", "dp_replicate", "dp_cp", "ep_shard")
@@ -163,50 +172,65 @@ class _Key:
     fused_loss: bool
 
 
-def _stage_seconds(stage: list[ParamRec], args, key: _Key, device: Device, eff: Efficiency, first: bool,
-                   last: bool) -> dict[str, float]:
-    """Seconds of one micro batch through one stage on one rank, forward and backward, by kind (memoised per
-    stage list: the search prices hundreds of candidates over the same lists)."""
-    return memo("stage_s", stage, (args, key, device, eff, first, last),
-                lambda: _stage_seconds_of(stage, args, key, device, eff, first, last))
+def _block_seconds(params: list[ParamRec], args, key: _Key, device: Device, eff: Efficiency) -> dict[str, float]:
+    """Seconds of one micro batch through one block on one rank, forward and backward, by kind (memoised: the
+    search prices hundreds of candidates over one parameter list)."""
+    return memo("block_s", params, (args, key, device, eff), lambda: _block_seconds_of(params, args, key, device, eff))
 
 
-def _stage_seconds_of(stage: list[ParamRec], args, key: _Key, device: Device, eff: Efficiency, first: bool,
-                      last: bool) -> dict[str, float]:
+def _block_seconds_of(params: list[ParamRec], args, key: _Key, device: Device, eff: Efficiency) -> dict[str, float]:
     e = 2 if key.bf16 else F32
     m = key.tokens
     gemm_fwd = gemm_bwd = 0.0
-    for p in stage:
-        if p.block is None or len(p.shape) < 2:
-            continue
-        for rows, n, k, count in _matmuls(p, args, key, m):
+    for p, count in _weights(params):
+        for rows, n, k, times in _matmuls(p, args, key, m):
             speed = eff.fp8_gemm_speedup if _fp8(p, key) else 1.0
-            sec = count * gemm_seconds(rows, n, k, e, device, eff, speed)
+            sec = count * times * gemm_seconds(rows, n, k, e, device, eff, speed)
             gemm_fwd += sec
             gemm_bwd += sec * (2 if p.trainable else 1)
-    if last:  # the output head (vocabulary-parallel under TP)
-        head = gemm_seconds(m, math.ceil(args.vocab_size / key.tp), args.dim, e, device, eff)
-        gemm_fwd += head
-        gemm_bwd += 2 * head
-    blocks = len({p.block for p in stage if p.block is not None})
-    peak = device.peak_tflops * 1e12
-    attn_fwd = blocks * m * _attention_forward_flops(args, key) / (peak * eff.attention_fraction(key.seq_len))
-    elem = blocks * m * _elementwise_elements(args, key) * e
-    if first:
-        elem += m * 10 * args.dim * e
-    if last:
-        elem += m * (20 * args.dim + (15 if key.fused_loss else 10) * math.ceil(args.vocab_size / key.tp)) * e
-    elem_fwd = elem / _mem_rate(device, eff) / 3
+    attn_fwd = m * _attention_forward_flops(args, key) / (device.peak_tflops * 1e12 *
+                                                          eff.attention_fraction(key.seq_len))
+    elem_fwd = m * _elementwise_elements(args, key) * e / _mem_rate(device, eff) / 3
     recompute = 0.0
     if key.ac == "full":
-        block_gemm = gemm_fwd - (head if last else 0.0)
-        recompute = block_gemm + attn_fwd + elem_fwd
+        recompute = gemm_fwd + attn_fwd + elem_fwd
     elif key.ac == "selective":
         recompute = elem_fwd
     if key.cp > 1:
         recompute += attn_fwd  # context parallelism recomputes the local attention forward in backward
     return {"matmul": gemm_fwd + gemm_bwd, "attention": 3 * attn_fwd, "elementwise": 3 * elem_fwd,
             "recompute": recompute}
+
+
+@functools.lru_cache(maxsize=4096)
+def _end_seconds(args, key: _Key, device: Device, eff: Efficiency, first: bool, last: bool) -> dict[str, float]:
+    """Seconds of one micro batch through the model's ends a stage holds: the embedding (first), the final norm,
+    the output head (vocabulary-parallel under TP) and the loss (last)."""
+    e = 2 if key.bf16 else F32
+    m = key.tokens
+    out = {"matmul": 0.0, "elementwise": 0.0}
+    if first:
+        out["elementwise"] += m * 10 * args.dim * e / _mem_rate(device, eff)
+    if last:
+        out["matmul"] += 3 * gemm_seconds(m, math.ceil(args.vocab_size / key.tp), args.dim, e, device, eff)
+        vocab = (15 if key.fused_loss else 10) * math.ceil(args.vocab_size / key.tp)
+        out["elementwise"] += m * (20 * args.dim + vocab) * e / _mem_rate(device, eff)
+    return out
+
+
+def _weights(params: list[ParamRec]) -> list[tuple[ParamRec, int]]:
+    """[(a weight of block 0, how many of its weights are alike)]."""
+    def compute():
+        kinds: dict = {}
+        for p in params:
+            if p.block != 0 or len(p.shape) < 2:
+                continue
+            k = (p.shape, p.tp_dim, p.expert, p.trainable, p.adapter)
+            rep, n = kinds.get(k, (p, 0))
+            kinds[k] = (rep, n + 1)
+        return list(kinds.values())
+
+    return memo("weights", params, (), compute)
 
 
 def _matmuls(p: ParamRec, args, key: _Key, m: int) -> list[tuple[int, int, int, int]]:
