@@ -11,8 +11,8 @@ float8 matmuls a speed-up.
 The product of all of these is tens of thousands of plans; a plan answer must stay under 2 s. So, in two rounds:
   1. the structure (tp x pp x cp x strategy x checkpointing x micro batch) with the default pipeline (2 stages per
      rank when the blocks allow) is planned for every candidate: about 400 plans for a 70B model at 1024 ranks;
-  2. the `REFINE` fastest that fit are refined one choice at a time (coordinate descent: virtual stages, uneven
-     ends, resharding, then FP8), each value that fits joining the candidates and the fastest kept for the next
+  2. the `REFINE` fastest that fit are refined one choice at a time (coordinate descent: virtual stages with and
+     without uneven ends, resharding, then FP8), each value that fits joining the candidates and the fastest kept for the next
      choice (kept when at least `GAIN` faster): under 10 plans each.
 The config rules (the slow part: they check the TP plan on a meta model) run last, on the fastest candidates only,
 until `top` pass. The model description is built once and shared by every candidate.
@@ -176,9 +176,9 @@ def search(cfg, world_size: int, device, gpus_per_node: int = 8, mfu: float | No
 def _refine(found: Found, try_, args, fp8: bool) -> None:
     """Coordinate descent from `found` over the inner choices, each fitting value a candidate, the fastest kept."""
     steps = []
-    if found.choice.pp > 1:
-        steps.append(lambda b: [replace(b, v=v) for v in VIRTUAL if b.pp * v <= args.n_layers + 2])
-        steps.append(lambda b: [replace(b, uneven=True)])
+    if found.choice.pp > 1:  # stages per rank with and without the uneven ends (some splits need the ends)
+        steps.append(lambda b: [replace(b, v=v, uneven=e) for v in VIRTUAL for e in (False, True)
+                                if b.pp * v <= args.n_layers + 2])
     if found.choice.strategy == "fsdp2":
         steps.append(lambda b: [replace(b, reshard=False)])
     if fp8:
