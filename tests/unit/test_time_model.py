@@ -60,6 +60,7 @@ def test_fp8_prices_the_converted_matmuls_faster_and_says_so():
     assert any("training.compile: step time priced with eager kernels" in n for n in plans["true"].notes)
 
 
+@pytest.mark.slow  # importing torchao takes seconds
 def test_fp8_auto_filter_is_torchaos():
     pytest.importorskip("torchao")
     from torch import nn
