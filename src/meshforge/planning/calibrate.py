@@ -308,7 +308,9 @@ def load(path: str | Path) -> tuple[Device, Efficiency]:
         eff = Efficiency.from_dict(data["efficiency"])
     except (KeyError, TypeError, ValueError) as err:
         raise CalibrationError(f"--efficiency {path}: not an efficiency file ({type(err).__name__}: {err})") from None
-    bad = [k for k, v in dataclasses.asdict(dev).items() if isinstance(v, float) and not (v > 0 and math.isfinite(v))]
+    links = ("nvlink_gbps", "fabric_gbps")  # 0: not measured (a one-process bench)
+    bad = [k for k, v in dataclasses.asdict(dev).items() if isinstance(v, float) and not math.isfinite(v)
+           or isinstance(v, float) and (v < 0 if k in links else v <= 0)]
     if bad or not 0 < eff.compute_scale < math.inf:
         raise CalibrationError(f"--efficiency {path}: {', '.join(bad) or 'compute_scale'} must be positive and finite")
     return dev, dataclasses.replace(eff, source=f"{eff.source} [file {p}]", fit=data.get("fit", {}))

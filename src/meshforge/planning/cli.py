@@ -78,6 +78,9 @@ def run(args) -> int:
         return _fail(getattr(err, "problems", None) or str(err))
     if args.config is None:
         return 0
+    if args.world_size > 1 and min(dev.nvlink_gbps, dev.fabric_gbps) <= 0:
+        return _fail(f"{args.efficiency or args.calibrate}: its device's links were not measured (a one-process "
+                     "bench): calibrate on a bench with --nproc-per-node 2 or more to plan several devices")
     sweeps = []
     for item in args.compare:
         key, _, vals = item.partition("=")
