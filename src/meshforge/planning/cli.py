@@ -25,8 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, default=None, help="number of devices (ranks)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (NVLink domain; default 8)")
     p.add_argument("--gpu", default=None,
-                   help="h100 (default), h200, b200, a100, or NAME:PEAK_TFLOPS:MEMORY_GIB; with --efficiency, the "
-                   "file's device")
+                   help="h100 (default), h200, b200, a100, or NAME:PEAK_TFLOPS:MEMORY_GIB[:MEMORY_GBPS]; with "
+                   "--efficiency, the file's device")
     p.add_argument("--link", default=None, metavar="nvlink=GBPS,fabric=GBPS",
                    help="override the device's link bandwidths (GB/s per device per direction)")
     p.add_argument("--mfu", type=float, default=None,

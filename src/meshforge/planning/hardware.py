@@ -146,7 +146,8 @@ def flat_efficiency(mfu: float) -> Efficiency:
 
 
 def device_from_arg(spec: str) -> Device:
-    """`h100`, or a custom device `NAME:PEAK_TFLOPS:MEMORY_GIB` (links as an h100 unless `--link` says)."""
+    """`h100`, or a custom device `NAME:PEAK_TFLOPS:MEMORY_GIB[:MEMORY_GBPS]` (memory bandwidth and links as an
+    h100's unless given / `--link` says)."""
     key = spec.lower()
     if key in DEVICES:
         return DEVICES[key]
@@ -155,16 +156,16 @@ def device_from_arg(spec: str) -> Device:
                          "--profile-device`, calibrate with `meshforge plan --calibrate OUTPUT_DIR` and plan with "
                          "--efficiency OUTPUT_DIR/efficiency.json")
     parts = spec.split(":")
-    if len(parts) == 3:
+    h = DEVICES["h100"]
+    if len(parts) in (3, 4):
         try:
-            peak, mem = float(parts[1]), float(parts[2])
+            nums = [float(x) for x in parts[1:]] + ([h.mem_gbps] if len(parts) == 3 else [])
         except ValueError:
-            peak = mem = -1.0
-        if peak > 0 and mem > 0 and math.isfinite(peak) and math.isfinite(mem):
-            h = DEVICES["h100"]
-            return Device(parts[0], peak, mem, h.nvlink_gbps, h.fabric_gbps, h.mem_gbps)
-    raise ValueError(f"--gpu {spec!r} is not a known device ({', '.join(DEVICES)}) nor NAME:PEAK_TFLOPS:MEMORY_GIB "
-                     "with positive numbers")
+            nums = [-1.0]
+        if all(0 < x < math.inf for x in nums):
+            return Device(parts[0], nums[0], nums[1], h.nvlink_gbps, h.fabric_gbps, nums[2])
+    raise ValueError(f"--gpu {spec!r} is not a known device ({', '.join(DEVICES)}) nor "
+                     "NAME:PEAK_TFLOPS:MEMORY_GIB[:MEMORY_GBPS] with positive numbers")
 
 
 def with_links(dev: Device, spec: str | None) -> Device:

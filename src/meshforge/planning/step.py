@@ -113,7 +113,7 @@ def step_time(params: list[ParamRec], args, cfg, layout: Layout, pplan, device: 
             for kind in block.keys() | ends.keys():
                 total[kind] = total.get(kind, 0.0) + n_mb * (blocks * block.get(kind, 0.0) + ends.get(kind, 0.0))
             units += blocks + 1
-        calls = 2 * n_mb * (units if gathered else 0) + (2 * n_mb * len(here) if pplan is not None else 0)
+        calls = 2 * n_mb * units if gathered else 0
         state = rank_parts.get(pp_rank)
         opt_bytes = 0 if state is None else 2 * state.params + state.grads + 2 * state.optimizer
         total["optimizer"] = opt_bytes / _mem_rate(device, eff)
