@@ -76,7 +76,8 @@ def profile_device(cfg, info, probe: BlockProbe | None = None, probe_rounds: lis
     a = resolve_model_args(cfg.model)
     tokens = cfg.training.micro_batch_size * cfg.training.seq_len
     scale = 1e8 if dev.type == "cpu" else 1e11
-    out: dict = {"device": dev.type, "clock": clock.name, "world_size": info.world_size, "threads": torch.get_num_threads(), "dtype": str(dtype),
+    out: dict = {"device": dev.type, "clock": clock.name, "world_size": info.world_size,
+                 "threads": torch.get_num_threads(), "dtype": str(dtype),
                  "element_bytes": torch.tensor([], dtype=dtype).element_size()}
     if dev.type == "cuda":
         out["device_name"] = torch.cuda.get_device_name(dev)
@@ -90,7 +91,7 @@ def profile_device(cfg, info, probe: BlockProbe | None = None, probe_rounds: lis
     for m in sizes:
         for n, k in ((a.dim, a.dim), (a.ffn_dim, a.dim), (m, m)):
             x, w = torch.randn(m, k, device=dev, dtype=dtype), torch.randn(k, n, device=dev, dtype=dtype)
-            mm.append([m, n, k, clock.median_s(lambda: x @ w, inner=_inner(2 * m * n * k, scale))])
+            mm.append([m, n, k, clock.median_s(lambda x=x, w=w: x @ w, inner=_inner(2 * m * n * k, scale))])
     out["matmul"] = mm
     att = []
     for s in sorted({max(16, cfg.training.seq_len // 4), cfg.training.seq_len // 2, cfg.training.seq_len,
@@ -220,9 +221,9 @@ def _collectives(dev, dtype, clock: Clock, info) -> list:
     for numel in (1 << 12, 1 << 16, 1 << 20):
         full = torch.randn(numel * n_ranks, device=dev, dtype=dtype)
         shard = torch.randn(numel, device=dev, dtype=dtype)
-        ops = {"all_gather": (lambda: dist.all_gather_into_tensor(full, shard), full),
-               "reduce_scatter": (lambda: dist.reduce_scatter_tensor(shard, full), full),
-               "all_reduce": (lambda: dist.all_reduce(full), full)}
+        ops = {"all_gather": (lambda f=full, s=shard: dist.all_gather_into_tensor(f, s), full),
+               "reduce_scatter": (lambda f=full, s=shard: dist.reduce_scatter_tensor(s, f), full),
+               "all_reduce": (lambda f=full: dist.all_reduce(f), full)}
         for kind, (fn, buf) in ops.items():
             dist.barrier()
             sec = torch.tensor([clock.median_s(fn, repeats=3, inner=3)], dtype=torch.float64)

@@ -4,16 +4,16 @@ estimated step time, and say for each why it ranks where it does.
 Searched: tp (inside a node), pp, cp, the strategies whose spec offers itself (`plan_search`, with the parallelisms
 each composes with), activation checkpointing (none, selective, full), micro batch 1, 2, 4 (the pipeline's too);
 for pipelines, virtual stages 1-8 per rank (1F1B for one, interleaved 1F1B for more) and uneven ends (an
-embedding-only first stage and a head-only last stage, as Llama 3 405B ran); fsdp2's `reshard_after_forward=false`
-(no re-gather in backward, the gathered blocks kept); FP8 (`training.fp8`) on a device whose efficiencies give
-float8 matmuls a speed-up.
+embedding-only first stage and a head-only last stage, as Llama 3 405B ran); `reshard_after_forward=false` where
+the strategy's options offer it (fsdp2: no re-gather in backward, the gathered blocks kept); FP8 (`training.fp8`)
+on a device whose efficiencies give float8 matmuls a speed-up.
 
 The product of all of these is tens of thousands of plans; a plan answer must stay under 2 s. So, in two rounds:
   1. the structure (tp x pp x cp x strategy x checkpointing x micro batch) with the default pipeline (2 stages per
-     rank when the blocks allow) is planned for every candidate: about 400 plans for a 70B model at 1024 ranks;
+     rank when the blocks allow) is planned for every candidate: 420 plans for a 70B model at 1024 ranks;
   2. the `REFINE` fastest that fit are refined one choice at a time (coordinate descent: virtual stages with and
-     without uneven ends, resharding, then FP8), each value that fits joining the candidates and the fastest kept for the next
-     choice (kept when at least `GAIN` faster): under 10 plans each.
+     without uneven ends, resharding, then FP8), each value that fits joining the candidates and the fastest kept
+     for the next choice (kept when at least `GAIN` faster): under 10 plans each.
 The config rules (the slow part: they check the TP plan on a meta model) run last, on the fastest candidates only,
 until `top` pass. The model description is built once and shared by every candidate.
 """
@@ -41,7 +41,7 @@ class Choice:
     mbs: int
     v: int = 0  # stages per pipeline rank (0: the default)
     uneven: bool = False  # first and last stage hold no blocks
-    reshard: bool | None = None  # fsdp2's reshard_after_forward (None: its default)
+    reshard: bool | None = None  # the strategy's reshard_after_forward (None: its default)
     fp8: bool = False
 
     def extras(self) -> int:
@@ -179,7 +179,7 @@ def _refine(found: Found, try_, args, fp8: bool) -> None:
     if found.choice.pp > 1:  # stages per rank with and without the uneven ends (some splits need the ends)
         steps.append(lambda b: [replace(b, v=v, uneven=e) for v in VIRTUAL for e in (False, True)
                                 if b.pp * v <= args.n_layers + 2])
-    if found.choice.strategy == "fsdp2":
+    if "reshard_after_forward" in _options_of(found.choice.strategy):  # a strategy that offers the choice
         steps.append(lambda b: [replace(b, reshard=False)])
     if fp8:
         steps.append(lambda b: [replace(b, fp8=True)])
@@ -191,6 +191,12 @@ def _refine(found: Found, try_, args, fp8: bool) -> None:
                 best = f
             elif f is not None and f is not found:
                 f.no_gain = True
+
+
+def _options_of(strategy: str) -> set[str]:
+    from meshforge.config.strategies import strategy_specs
+
+    return set(strategy_specs()[strategy].options.model_fields)
 
 
 def _fp8_helps(efficiency, device) -> bool:

@@ -22,13 +22,18 @@ Compute of one micro batch through one stage, forward and backward (per rank, af
                 only the elementwise part (matmul and attention outputs are cached); context parallelism runs the
                 local attention forward again.
 A rank's step: its stages x micro batches, then the optimizer (AdamW streams parameters, gradients and both moments:
-2 x params + grads + 2 x optimizer bytes), the staging of the data-parallel collectives' buffers (each copied in
-and out once: FSDP's copy-in/out, DDP's buckets; read and write, 2 x their bytes), all x the calibrated `compute_scale`; and the framework's host time,
-`host_s_per_call` per block call (each block's, the embedding's and the head's forward and backward, and the
-recomputed forward, per micro batch), which adds on a CPU core and on a GPU only where it exceeds the device's
-compute (the host runs ahead). The slowest pipeline rank sets the pace; the schedule's bubble adds idle time. Tensor/context/expert/pipeline traffic is on the critical path
-(meshforge's eager TP collectives do not overlap compute); data-parallel traffic adds only what compute does not
-hide, on a device that overlaps (a CPU core does not: there every collective adds).
+2 x params + grads + 2 x optimizer bytes) and the staging of the data-parallel collectives' buffers (each copied in
+and out once: FSDP's copy-in/out, DDP's buckets; read and write, 2 x their bytes), all x the calibrated
+`compute_scale`; and the framework's host time, `host_s_per_call` per framework call: each forward and backward of
+a unit (a block, or the rest of a stage) whose parameters a data-parallel strategy gathers (its hooks, copies and
+dispatch; the plan's own all-gathers say whether it gathers). It adds on a CPU core, and on a GPU only where it
+exceeds the device's compute (the host runs ahead). A pipeline schedule's own host time per action was measured
+small beside it on a CPU core and is not counted, nor is DTensor's under tensor parallelism (measured large on a
+CPU core: the plan notes it).
+Each pipeline rank is priced with its own stages and communication; the slowest sets the pace, the schedule's
+bubble adds idle time. Tensor/context/expert/pipeline traffic is on the critical path (meshforge's eager TP
+collectives do not overlap compute); data-parallel traffic adds only what compute does not hide, on a device that
+overlaps (a CPU core does not: there every collective adds).
 """
 
 from __future__ import annotations
