@@ -7,14 +7,16 @@ curve, attention, the model's own elementwise kernels, collectives; its block pr
 profile to the steps' load). The test writes the calibration layout's row as a bench output, runs
 `meshforge plan --calibrate` on it, and plans the other three with the written efficiency file:
   strategy         ddp instead of fsdp2
-  sequence length  256 instead of 128 tokens
-  pipeline         PP 2 (1F1B, 4 micro batches of 2) instead of fsdp2 over 2 ranks
+  sequence length  256 instead of 128 tokens (micro batch 2, the same tokens per step)
+  pipeline         PP 2 (1F1B, 2 micro batches of 4) instead of fsdp2 over 2 ranks
 Each prediction must be within 15% of its measured step time. On CPU the step time compared is the device's busy
 time (the slowest rank's process CPU time per step: a CPU core is the device; the wall time of this shared machine
 holds other jobs' turns on the cores, 2-5x the busy time under load), which is what the plan's `busy_s` is: the
-step less its pipeline idle time. Measured (torch 2.13, 2 loaded cores, load 8-42): ddp -5..+5%, sequence
-length -3..+12%, pipeline +1..+12%; tensor parallelism is not predicted (DTensor's host time is not modelled:
--57..-63%, and the plan says so in a note).
+step less its pipeline idle time. Measured while writing it (torch 2.13, 2 cores shared with other jobs, load
+5-40): ddp -7..+6%, sequence length -3..+12% (once +22% at load 40), pipeline 0..+11%; not asserted: full
+checkpointing -4..+9%, micro batch 2 +10..+16%, megatron_fsdp +14..+23%, PP with micro batches of 1 -20%, tensor
+parallelism -44..-63% (DTensor's host time is not modelled; the plan says so in a note). docs/strategies.md has
+the table.
 """
 
 from __future__ import annotations

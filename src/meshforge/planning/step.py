@@ -316,9 +316,9 @@ def _axis_size(axis: str, layout: Layout) -> int:
 
 
 def largest_state_per_pp_rank(ranks, layout: Layout) -> dict[int, object]:
-    """{pp rank: the largest state one of its planned ranks holds} (ranks: [(rank, Parts)])."""
+    """{pp rank: the largest state one of its planned ranks holds} (ranks: [(rank, Parts, ...)])."""
     out: dict[int, object] = {}
-    for r, parts in ranks:
+    for r, parts, *_ in ranks:
         pp = layout.coords(r)[MeshAxis.PP]
         if pp not in out or parts.total > out[pp].total:
             out[pp] = parts
