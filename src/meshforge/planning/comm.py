@@ -143,9 +143,9 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
         # the sub-layer but the row-wise projection and its adapters); compiled blocks, which keep the gathered
         # input, send as many gathers (measured with aot_eager, torch 2.13)
         subs = {p.name.rsplit(".", 2)[0]: p.name.rsplit(".", 1)[0] for p in in_blocks if p.tp_dim == 1}
-        regather = 0 if recompute else sum(
-            any(q.trainable and q.name.startswith(sub + ".") and not q.name.startswith(row + ".")
-                for q in mine_all) for sub, row in subs.items())
+        trained = [q.name for q in mine_all if q.trainable] if not recompute else []
+        regather = sum(any(n.startswith(sub + ".") and not n.startswith(row + ".") for n in trained)
+                       for sub, row in subs.items())
         add("tp", "all_gather",
             n_micro * (2 * rows + first + head - frozen_in + (rows if recompute else 0) + regather) * act)
         add("tp", "reduce_scatter", n_micro * (rows + first + head + (rows - n_blocks if recompute else 0)) * act)

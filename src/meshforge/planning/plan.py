@@ -7,7 +7,8 @@
                   strategy's spec says (`StrategySpec.plan`, planning/terms.py); equal to what the bench counts
   activations.py  what autograd saves per micro batch, and how many micro batches a pipeline rank keeps alive
   comm.py         bytes per step per (mesh axis, collective kind), the strategy's own collectives from its spec
-  step.py         compute from the model contract's FLOPs per token at an assumed efficiency (`mfu`), plus
+  step.py         compute from each rank's matmul, attention and elementwise work at the device's efficiencies
+                  (`hardware.Efficiency`: datasheet defaults, a calibration on a measured run, or `--mfu`), plus
                   recomputation and the pipeline bubble; tensor/context/expert/pipeline traffic is on the critical
                   path (meshforge's eager TP collectives do not overlap compute), data-parallel traffic adds only
                   what compute does not hide
@@ -28,13 +29,13 @@ from meshforge.planning.activations import (
     loss_backward_bytes,
 )
 from meshforge.planning.comm import comm_per_step
-from meshforge.planning.hardware import Device
+from meshforge.planning.hardware import Device, Efficiency, default_efficiency, flat_efficiency
 from meshforge.planning.headroom import Headroom, communicators
 from meshforge.planning.layout import Layout, MeshAxis
 from meshforge.planning.params import ParamRec, model_params, n_params
 from meshforge.planning.precision import bf16_params, compiled, residual_bytes
 from meshforge.planning.state import pipeline_plan_of, rank_held, rank_state, spec_of, terms_of
-from meshforge.planning.step import bubble_fraction, comm_seconds, flops_per_token
+from meshforge.planning.step import StepTime, flops_per_token, largest_state_per_pp_rank, step_time
 from meshforge.planning.terms import Parts
 
 
@@ -69,6 +70,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     # what the device needs beyond the peak rank's tensors (planning/headroom.py), by margin
     headroom: dict[str, int] = field(default_factory=dict)
+    efficiency: Efficiency | None = None
+    time: StepTime | None = None  # the step time's parts (step.py)
 
     @property
     def required_bytes(self) -> int:
@@ -99,7 +102,9 @@ class Plan:
             "comm": [{"axis": a, "kind": k, "bytes": b} for (a, k), b in self.comm.items()],
             "comm_s": self.comm_s, "compute_s": self.compute_s, "pp_bubble": self.bubble, "step_s": self.step_s,
             "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "flops_per_token": self.flops_per_token,
-            "notes": self.notes,
+            "notes": self.notes, "efficiency": self.efficiency.to_dict() if self.efficiency else None,
+            "compute_parts_s": self.time.parts if self.time else None,
+            "busy_s": self.time.busy_s if self.time else None,
         }
 
 
@@ -125,19 +130,24 @@ def representative_ranks(layout: Layout, every: bool = False) -> list[int]:
 
 
 
-def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: float = 0.4,
+def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: float | None = None,
          params: list[ParamRec] | None = None, args=None, state_cache: dict | None = None,
-         ranks: list[int] | None = None, headroom: Headroom | None = None) -> Plan:
-    """The plan of `cfg` on `world_size` devices like `device` (`params`/`args` from `model_params` and a
-    `state_cache` dict let a search share the work between candidates; `ranks`: plan these ranks too, beside
-    the representative ones; `headroom`: the margins the verdict adds to the peak, `Headroom()` by default)."""
+         efficiency: Efficiency | None = None, ranks: list[int] | None = None,
+         headroom: Headroom | None = None) -> Plan:
+    """The plan of `cfg` on `world_size` devices like `device`, its step time priced with `efficiency` (default:
+    the device's stated defaults; `mfu` alone: the one-number model). `params`/`args` from `model_params` and a
+    `state_cache` dict let a search share the work between candidates; `ranks`: plan these ranks too, beside the
+    representative ones; `headroom`: the margins the verdict adds to the peak, `Headroom()` by default."""
     d, t = cfg.distributed, cfg.training
+    eff = efficiency or (flat_efficiency(mfu) if mfu is not None else default_efficiency(device))
     layout = Layout.from_sizes(world_size, tp=d.tp_size, pp=d.pp_size, cp=d.cp_size, ep=d.ep_size,
                                dp=d.dp_size, dp_replicate=d.dp_replicate_size)
     if params is None:
         params, args = model_params(cfg)
     pplan = pipeline_plan_of(cfg, layout, args.n_layers) if layout.pp > 1 else None
-    key = (layout, d.strategy, d.options.model_dump_json(), t.device)
+    # what a rank's state and held bytes depend on (a search varies the pipeline and the micro batch too)
+    key = (layout, d.strategy, d.options.model_dump_json(), d.pipeline and d.pipeline.model_dump_json(),
+           t.model_dump_json(include={"device", "precision", "micro_batch_size", "global_batch_size"}))
     if ranks or state_cache is None or key not in state_cache:
         states = _rank_states(params, cfg, layout, pplan, ranks or [])
         if state_cache is not None and not ranks:
@@ -146,31 +156,34 @@ def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: floa
         states = state_cache[key]
     ranks = _rank_plans(states, args, cfg, layout, pplan)
     comm = comm_per_step(params, args, cfg, layout)
-    secs = {key: comm_seconds(key, n, layout, device, gpus_per_node) for key, n in comm.items()}
-    comm_s = sum(secs.values())
+    timing = step_time(params, args, cfg, layout, pplan, device, eff, _comm_of_pp_rank(params, args, cfg, layout,
+                                                                                      pplan, comm),
+                       gpus_per_node, largest_state_per_pp_rank(states, layout))
     model_fpt = flops_per_token(args, t.seq_len)
     tokens = t.global_batch_size * t.seq_len
-    recompute = {None: 1.0, "full": 4 / 3, "selective": 1.05}[d.ac_mode]
-    flops = tokens * model_fpt * recompute
-    if layout.cp > 1:  # context parallelism recomputes the local attention forward in backward
-        from meshforge.models.shapes import attention_forward_flops_per_token
-
-        flops += tokens * attention_forward_flops_per_token(args, t.seq_len)
-    compute_s = flops / world_size / (device.peak_tflops * 1e12 * mfu)
-    bubble = 0.0
-    if pplan is not None:
-        bubble = bubble_fraction(pplan.schedule, layout.pp, pplan.n_microbatches, pplan.stages_per_rank)
-    # data-parallel traffic overlaps compute; what does not hide adds; TP/CP/EP traffic is on the critical path
-    exposed = sum(sec for (a, _k), sec in secs.items() if a in ("tp", "cp", "ep", "pp"))
-    hidden = comm_s - exposed
-    step_s = compute_s / (1 - bubble) + exposed + max(0.0, hidden - compute_s)
-    tps = tokens / step_s
+    step_s = timing.step_s
     achieved = tokens * model_fpt / step_s / world_size / (device.peak_tflops * 1e12)
     peak = max(r.peak for r in ranks)
     margins = (headroom or Headroom()).parts(peak, communicators(layout), compiled(cfg), cfg.training.fp8.enabled)
-    return Plan(world_size, layout, d.strategy, terms_of(cfg).sharding(d.options), ranks, comm, comm_s, compute_s,
-                bubble, step_s, tps, achieved, model_fpt, n_params(params), device,
-                peak + sum(margins.values()) <= device.memory_bytes, _notes(cfg), margins)
+    return Plan(world_size, layout, d.strategy, terms_of(cfg).sharding(d.options), ranks, comm, timing.comm_s,
+                timing.compute_s, timing.bubble, step_s, tokens / step_s, achieved, model_fpt, n_params(params),
+                device, peak + sum(margins.values()) <= device.memory_bytes, _notes(cfg, eff), margins, eff,
+                timing)
+
+
+def _comm_of_pp_rank(params: list[ParamRec], args, cfg, layout: Layout, pplan, rank0: dict):
+    """pp rank -> the bytes the first rank of that pipeline rank hands to collectives (pipeline ranks whose stages
+    hold alike blocks and ends send alike: each distinct one is counted once, when asked)."""
+    same = {_stage_signature(pplan, 0) if pplan is not None else None: rank0}
+
+    def comm_of(r: int) -> dict:
+        sig = _stage_signature(pplan, r) if pplan is not None else None
+        if sig not in same:
+            same[sig] = comm_per_step(params, args, cfg, layout, layout.rank_of(
+                {MeshAxis.PP: r, MeshAxis.DP_REPLICATE: 0, MeshAxis.DP_SHARD: 0, MeshAxis.CP: 0, MeshAxis.TP: 0}))
+        return same[sig]
+
+    return comm_of
 
 
 def _rank_states(params: list[ParamRec], cfg, layout: Layout, pplan, extra: list[int]
@@ -181,12 +194,14 @@ def _rank_states(params: list[ParamRec], cfg, layout: Layout, pplan, extra: list
     t = cfg.training
     accum = t.global_batch_size // layout.dp // t.micro_batch_size
     states, same = [], {}
+    n_layers = sum(len(blocks) for blocks in pplan.stage_layers) if pplan is not None else None
     for r in sorted(set(representative_ranks(layout, every=terms_of(cfg).every_rank)) | set(extra)):
         c = layout.coords(r)
         sig = (c[MeshAxis.DP_SHARD_CP], c[MeshAxis.DP_CP], c[MeshAxis.EP_SHARD], c[MeshAxis.PP] if pplan is None
                else _stage_signature(pplan, c[MeshAxis.PP]))
         if sig not in same:
-            same[sig] = (rank_state(params, cfg, layout, r), rank_held(params, cfg, layout, r, accum))
+            same[sig] = (rank_state(params, cfg, layout, r, n_layers), rank_held(params, cfg, layout, r, accum,
+                                                                                 n_layers))
         states.append((r, *same[sig]))
     return states
 
@@ -241,10 +256,19 @@ def _rank_plans(states: list[tuple[int, Parts, dict]], args, cfg, layout: Layout
     return ranks
 
 
-def _notes(cfg) -> list[str]:
+def _notes(cfg, eff: Efficiency) -> list[str]:
     """What the plan does not count exactly for this config, said with the plan."""
     out = []
     d = cfg.distributed
+    if cfg.training.fp8.enabled:
+        out.append(f"training.fp8: the step time prices the linears torchao converts at {eff.fp8_gemm_speedup:g}x "
+                   f"the bf16 matmul rate ({eff.source})")
+    if d.tp_size > 1 and eff.host_s_per_call > 0 and not eff.overlap:
+        out.append("tensor parallelism: DTensor's host time is not in the step time (on a CPU core it doubled a "
+                   "small model's measured step: tests/parallel/test_time_calibration.py)")
+    if compiled(cfg):
+        out.append("training.compile: step time priced with eager kernels (compile's fusion of elementwise work is "
+                   "not credited)")
     if compiled(cfg):
         out.append("training.compile: activations are counted as measured with torch.compile on CPU (eager's "
                    "tensors, and under sequence parallelism without checkpointing each sub-layer's gathered input "

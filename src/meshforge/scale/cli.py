@@ -63,6 +63,10 @@ def _trace(args) -> int:
     from meshforge.scale.estimate import estimate
 
     fail = planning_cli._fail
+    if args.config is None or args.world_size is None:
+        return fail("--trace needs CONFIG and --world-size N (the job whose ranks it traces)")
+    if args.calibrate or args.efficiency:
+        return fail("--trace measures memory and collectives, not time: drop --calibrate/--efficiency")
     problem = planning_cli.arguments_problem(args)
     if problem:
         return fail(problem)
@@ -71,7 +75,7 @@ def _trace(args) -> int:
     if args.trace_limit_s <= 0 or args.trace_limit_gb <= 0:
         return fail("--trace-limit-s and --trace-limit-gb must be positive")
     try:
-        dev = with_links(device_from_arg(args.gpu), args.link)
+        dev = with_links(device_from_arg(args.gpu or "h100"), args.link)
         headroom = headroom_from_arg(args.headroom)
         ranks = parse_ranks(args.ranks, args.world_size)
     except ValueError as err:
