@@ -6,8 +6,8 @@ each composes with), activation checkpointing (none, selective, full), micro bat
 for pipelines, virtual stages 1-8 per rank (1F1B for one, interleaved 1F1B for more) and uneven ends (an
 embedding-only first stage and a head-only last stage, as Llama 3 405B ran); `reshard_after_forward` where the
 strategy's options offer it (fsdp2 without PP: false, no re-gather in backward, the gathered blocks kept; under PP:
-true, each micro batch re-gathers its stage, the stages no longer kept gathered through the schedule); FP8 (`training.fp8`)
-on a device whose efficiencies give float8 matmuls a speed-up.
+true, each micro batch re-gathers its stage, the stages no longer kept gathered through the schedule); FP8
+(`training.fp8`) on a device whose efficiencies give float8 matmuls a speed-up.
 
 The product of all of these is tens of thousands of plans; a plan answer must stay under 2 s. So, in two rounds:
   1. the structure (tp x pp x cp x strategy x checkpointing x micro batch) with the default pipeline (2 stages per

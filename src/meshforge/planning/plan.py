@@ -33,7 +33,7 @@ from meshforge.planning.hardware import Device, Efficiency, default_efficiency, 
 from meshforge.planning.headroom import Headroom, communicators
 from meshforge.planning.layout import Layout, MeshAxis
 from meshforge.planning.params import ParamRec, model_params, n_params
-from meshforge.planning.precision import bf16_params, compiled, residual_bytes
+from meshforge.planning.precision import bf16_params, compiled, fused_loss_note, residual_bytes
 from meshforge.planning.state import pipeline_plan_of, rank_held, rank_state, spec_of, terms_of
 from meshforge.planning.step import StepTime, flops_per_token, largest_state_per_pp_rank, step_time
 from meshforge.planning.terms import Parts
@@ -286,6 +286,14 @@ def _notes(cfg, eff: Efficiency) -> list[str]:
     if cfg.peft is not None and lora_profile(cfg, _args_of(cfg)) is None:
         out.append("LoRA: activations are counted as for full training (this model's adapter roles are not the "
                    "Llama block's); parameters, gradients, optimizer state and communication are exact")
+    fused = fused_loss_note(cfg)
+    if fused:
+        out.append(fused)
+    if cfg.training.fp8.enabled:
+        out.append("training.fp8: counted as without it (weights, gradients and optimizer state stay in their "
+                   "dtype, exactly); not counted: a sharding strategy's float8 all-gather (1 byte an element, "
+                   "where the plan counts the gathered dtype), the float8 copies the matmuls keep for backward, "
+                   "and the float8 scales' small all-reduces (under TP and sharded weights)")
     spec = spec_of(cfg)
     if spec is None or spec.plan is None:
         out.append(f"strategy {d.strategy} declares no planner terms (StrategySpec.plan, planning/terms.py): its "

@@ -43,11 +43,10 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from meshforge.config.rules import fused_loss_on
 from meshforge.planning.hardware import Device, Efficiency
 from meshforge.planning.layout import Layout, MeshAxis
 from meshforge.planning.params import F32, ParamRec, memo
-from meshforge.planning.precision import bf16_compute
+from meshforge.planning.precision import bf16_compute, fused_loss_on
 from meshforge.planning.theory import textbook_bubble
 
 # torchao's `_auto_filter_for_recipe` (training.fp8.filter=auto), on the weight's (out N, in K): which linears it

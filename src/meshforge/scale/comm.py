@@ -2,9 +2,10 @@
 
 `CommRecorder` records what the bench's `CommCounter` counts (every collective reaches the dispatcher as a
 `c10d::*` or `_c10d_functional*::*` op, DTensor's own included; `StepMemory`'s dispatch hands it each op) and
-also asks which process group each op runs on (torch's `fake_collectives.CollectiveOp.get_process_group`) and names it by the mesh axis whose group
-of this rank has the same ranks (`axis_names`). Events are kept in order with the phase they fall in (set by
-the tracer: before the first micro batch, micro batch i, after the last), so a folded step can be scaled.
+also asks which process group each op runs on (torch's `fake_collectives.CollectiveOp.get_process_group`) and
+names it by the mesh axis whose group of this rank has the same ranks (`axis_names`). Events are kept in order
+with the phase they fall in (set by the tracer: before the first micro batch, micro batch i, after the last), so
+a folded step can be scaled.
 """
 
 from __future__ import annotations
