@@ -19,7 +19,8 @@ from meshforge.errors import MeshforgeError
 SUBCOMMANDS = {
     "checkpoint": ("meshforge.checkpoint.cli", "inspect, export and import checkpoints"),
     "bench": ("meshforge.bench.cli", "measure throughput, memory and communication; compare configurations"),
-    "plan": ("meshforge.planning.cli", "memory per rank, communication and step time of a config, process-free"),
+    "plan": ("meshforge.scale.cli", "memory per rank, communication and step time of a config, process-free; "
+                                    "--trace runs the real step of chosen ranks on fake tensors beside it"),
     "plot": ("meshforge.plot", "draw loss, lr, grad norm, tokens/s and memory of runs against step (overlaid)"),
 }
 

@@ -1,5 +1,6 @@
-"""Every command the README (```bash fences) and the examples (`#   meshforge ...` comment lines) show runs
-and exits 0, shortened (`training.max_steps=2`, short sequences, few files), in a temporary directory.
+"""Every command the README (```bash fences), the examples (`#   meshforge ...` comment lines) and the docs
+(`meshforge plan` commands in docs/*.md fences and inline code, templates with CONFIG-style placeholders left out)
+show runs and exits 0, shortened (`training.max_steps=2`, short sequences, few files), in a temporary directory.
 
 How each kind runs, to keep this fast:
 - process-free commands (`validate`, `data prepare`) and one-process `train`: in this process, through
@@ -77,7 +78,22 @@ def example_commands() -> list[tuple[str, str]]:
     return found
 
 
-COMMANDS = list({c: (w, c) for w, c in reversed(readme_commands() + example_commands())}.values())[::-1]
+def docs_plan_commands() -> list[tuple[str, str]]:
+    """`meshforge plan` commands in the docs: fenced lines and inline code spans (spans may wrap lines)."""
+    found = []
+    for f in sorted((ROOT / "docs").glob("*.md")):
+        text = f.read_text()
+        spans = [ln for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.S) for ln in block.splitlines()]
+        spans += re.findall(r"`(meshforge plan [^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+        for cmd in (" ".join(s.split()) for s in spans):
+            cmd = re.sub(r"\s+#\s.*$", "", cmd).strip()
+            if cmd.startswith("meshforge plan ") and not re.search(r"\b[A-Z][A-Z_]{2,}\b|\[|\.\.\.", cmd):
+                found.append((f"docs/{f.name}", cmd))
+    return found
+
+
+COMMANDS = list({c: (w, c) for w, c in reversed(readme_commands() + example_commands() +
+                                                 docs_plan_commands())}.values())[::-1]
 
 
 def _argv(cmd: str) -> list[str]:
