@@ -1,6 +1,6 @@
-"""Automatic restart and resume (issue 29 item 2) and storage faults mid-run (item 6), through `meshforge train
---max-restarts`, with faults injected on gloo/CPU. Three launches for everything: an uninterrupted reference, a
-run that loses a rank mid-run and then another mid-save, and a run whose checkpoint folder turns read-only."""
+"""Automatic restart and resume (issue 29 item 2), through `meshforge train --max-restarts`, with faults injected
+on gloo/CPU. Two launches: an uninterrupted reference, and a run that loses a rank mid-run and then another
+mid-save (docs/faults.md shows what it prints)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from meshforge.checkpoint.manifest import verify_files
 from meshforge.testing.parity import base_overrides
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
@@ -59,24 +58,3 @@ def test_a_killed_rank_and_a_kill_mid_save_restart_and_match_an_uninterrupted_ru
     assert [r["step"] for r in have if "restart_cause" in r] == [3, 5]
     assert have[4]["restart_cause"] == "rank 0 was killed by SIGKILL"
     print(f"restarts: {[r.get('restarts', 0) for r in have]}; losses equal bitwise over {STEPS} steps")
-
-
-def test_a_checkpoint_folder_turning_read_only_stops_with_one_line_and_no_spinning(tmp_path):
-    """rank 0 makes the checkpoint folder read-only after step 3: the save of step 4 fails with one line, step 2
-    stays committed and intact; the restart meets the same fault and the job stops there, not after 5 tries."""
-    out = tmp_path / "run"
-    got = _run(out, "--max-restarts", "5", fault="readonly_checkpoints:3:0")
-    ck = out / "checkpoints"
-    try:
-        err = got.stderr
-        assert got.returncode == 2, err[-4000:]
-        assert "Traceback" not in err, err[-4000:]
-        lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
-        assert any("the same failure twice in a row, not restarting again" in ln and "not writable" in ln
-                   for ln in lines), lines
-        assert err.count("meshforge: restart ") == 1, err[-4000:]
-        assert (ck / "LATEST").read_text().strip() == "step_2" and (ck / "step_2" / "manifest.json").is_file()
-        verify_files(ck / "step_2")  # every file as its manifest says (raises otherwise)
-        print("read-only checkpoint folder:", *lines, sep="\n  ")
-    finally:
-        ck.chmod(0o755)

@@ -461,13 +461,11 @@ class CheckpointConfig(Section):
 
 # ----------------------------------------------------------------------- resilience
 class ResilienceConfig(Section):
-    """What a job does about faults at scale (docs/faults.md): restarts, stragglers."""
+    """What a job does about faults at scale (docs/faults.md)."""
 
     # a failed attempt (any rank failing) restarts the whole job this many times, resuming from the last committed
     # checkpoint (needs checkpoint.resume=auto); the same failure twice in a row ends it. `--max-restarts` sets it
     max_restarts: int = Field(0, ge=0, le=1000)
-    # at logging steps: a warning when the slowest rank's step time is this many times the median rank's
-    straggler_ratio: float = Field(1.5, gt=1.0)
 
 
 # -------------------------------------------------------------------------- logging
@@ -570,8 +568,8 @@ class Config(Section):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    resilience: ResilienceConfig = Field(default_factory=ResilienceConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    resilience: ResilienceConfig = Field(default_factory=ResilienceConfig)
     profiling: ProfilingConfig = Field(default_factory=ProfilingConfig)
     peft: PeftConfig | None = None  # None = full fine-tuning (applied right after the model is built)
     dist: BridgeDistConfig = Field(default_factory=BridgeDistConfig)

@@ -134,7 +134,7 @@ class HangWatch:
     # ----------------------------------------------------------- a timed-out rank
     def diagnose(self, err: BaseException) -> CollectiveTimeout:
         """The error this rank ends with; the first rank here prints the summary for the job."""
-        store = dist.PrefixStore(_KEY, dist.distributed_c10d._get_default_store())
+        store = self._client()
         first = (str(err).strip().splitlines() or [""])[0][:200]
         try:
             reporter = int(store.compare_set("request", "", str(self.rank)))
@@ -144,8 +144,10 @@ class HangWatch:
             deadline = time.time() + ANSWER_S + 5
             while time.time() < deadline and not _has(store, "summary"):
                 time.sleep(0.2)
-            return CollectiveTimeout(f"rank {self.rank}: a collective timed out at step {self.step}; rank "
-                                     f"{reporter} reports where the job hangs")
+            err = CollectiveTimeout(f"rank {self.rank}: a collective timed out at step {self.step}; rank "
+                                    f"{reporter} reports where the job hangs")
+            err.secondary = True
+            return err
         deadline = time.time() + ANSWER_S
         answers: dict[int, dict] = {}
         while time.time() < deadline and len(answers) < self.world:

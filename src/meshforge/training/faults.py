@@ -12,7 +12,9 @@ The variable holds comma-separated specs; each is `name:step[:rank[:arg]]` (rank
 - `kill_at_step:STEP[:RANK]`  SIGKILL this rank after step STEP (a node lost mid-run).
 
 A fault fires in a job's first attempt only (a restarted attempt runs clean, as after a transient fault), or in
-attempt N when its name says so: `kill_during_save@1:6:0` fires in the first restart (`--max-restarts`). The variable is read once, when a trainer is built (`install`), and the faults it names become hooks of
+attempt N when its name says so: `kill_during_save@1:6:0` fires in the first restart (`--max-restarts`).
+
+The variable is read once, when a trainer is built (`install`), and the faults it names become hooks of
 that trainer and its checkpoint manager: a run without it carries no fault code in its loop. A test that runs
 several phases in one process sets it before each phase's trainer is built.
 """
