@@ -116,9 +116,7 @@ def run_training(cfg) -> int:
     try:
         result = train(cfg)
     except MeshforgeError as err:
-        # the cause a restarting launcher reports (a rank that only waited on a peer is not the cause)
-        note_failure(rank, err.problems[0] if len(err.problems) > 3 else "; ".join(err.problems),
-                     secondary=getattr(err, "secondary", False))
+        note_failure(rank, "; ".join(err.problems))  # the cause a restarting launcher reports
         return _fail(err.problems, code=err.exit_code)
     except RuntimeError as err:  # a collective timed out or lost its peer: one clear line instead of a traceback
         first = (str(err).strip().splitlines() or [""])[0]

@@ -1,8 +1,8 @@
 """Every error meshforge reports to a user, in one leaf module (it imports nothing from meshforge).
 
 Each carries `problems`: one line per problem, naming what is wrong and how to fix it. The CLI prints each
-line as `error: <line>` and exits with the class's `exit_code` (2: bad input; 3: a run that stopped itself;
-4: a collective timed out), never with a traceback. Layers raise these without importing each other.
+line as `error: <line>` and exits with the class's `exit_code` (2: bad input; 3: a run that stopped itself),
+never with a traceback. Layers raise these without importing each other.
 """
 
 from __future__ import annotations
@@ -40,13 +40,6 @@ class CheckpointError(MeshforgeError):
 
 class BenchError(MeshforgeError, ValueError):
     """Bad bench input (sweep, world sizes, flags)."""
-
-
-class CollectiveTimeout(MeshforgeError, RuntimeError):
-    """A collective that did not complete within distributed.timeout_minutes (a hang); its lines are the summary
-    of where (distributed/hang.py)."""
-
-    exit_code = 4
 
 
 class TrainingStopped(MeshforgeError, RuntimeError):

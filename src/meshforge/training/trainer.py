@@ -47,8 +47,7 @@ from meshforge.distributed.env import (
 )
 from meshforge.distributed.mesh import MeshContext
 from meshforge.distributed.runtime import ParallelModel
-from meshforge.distributed.hang import HangWatch, enable_flight_recorder, is_timeout
-from meshforge.errors import CollectiveTimeout, ConfigError
+from meshforge.errors import ConfigError
 from meshforge.launch import restart_attempt
 from meshforge.models import contract_of, resolve_model_args
 from meshforge.training import faults, rundir
@@ -93,7 +92,6 @@ class Trainer:
         self.before_commit: Callable[[int], None] | None = None  # handed to the checkpoint manager
         self.validation: Validation | None = None  # set by build() when training.val_every > 0
         self.data_notes: list[str] = []  # set by build(): lines on data left out, logged at start
-        self.hang: HangWatch | None = None  # set by train() in a multi-process job: marks each step's start
         faults.install(self)
 
     @classmethod
@@ -209,8 +207,6 @@ class Trainer:
         signals.install()
         try:
             while self.step < t.max_steps:
-                if self.hang is not None:
-                    self.hang.begin_step(self.step + 1)
                 with profiler.step(self.step + 1):
                     window.add(self.step + 1, *self.train_step())
                 for hook in self.after_step:
@@ -315,19 +311,9 @@ def train(cfg: Config, info: DistInfo | None = None) -> TrainResult:
     if note and int(os.environ.get("RANK", 0)) == 0:
         print(f"meshforge: {note}", flush=True)
     owns_group = not dist.is_initialized()
-    if owns_group and env_world_size() > 1:
-        enable_flight_recorder(cuda, cfg.run.output_dir)
     info = init_distributed(cfg.training.device, cfg.distributed.timeout_minutes)
     try:
-        trainer = Trainer.build(cfg, info)
-        if info.world_size > 1:
-            trainer.hang = HangWatch(trainer.mesh_ctx, info.rank, info.world_size, cfg.distributed.timeout_minutes)
-        try:
-            return trainer.fit()
-        except RuntimeError as err:  # a hang: one summary of where, instead of a timeout on each waiting rank
-            if trainer.hang is None or not is_timeout(err) or isinstance(err, CollectiveTimeout):
-                raise
-            raise trainer.hang.diagnose(err) from None
+        return Trainer.build(cfg, info).fit()
     finally:
         if owns_group:
             destroy()
