@@ -163,6 +163,14 @@ def overwrite_starts_fresh(cfg: Config, world_size: int) -> list[str]:
 
 
 @rule
+def restarts_resume(cfg: Config, world_size: int) -> list[str]:
+    if cfg.resilience.max_restarts and cfg.checkpoint.resume != "auto":
+        return [f"resilience.max_restarts={cfg.resilience.max_restarts} restarts from the last committed checkpoint, "
+                f"but checkpoint.resume={cfg.checkpoint.resume}: set checkpoint.resume=auto (or max_restarts 0)"]
+    return []
+
+
+@rule
 def checkpoint_format(cfg: Config, world_size: int) -> list[str]:
     fmt, spec = cfg.checkpoint.ckpt_format, cfg.distributed.spec
     if fmt is not None and fmt not in spec.ckpt_formats:
@@ -463,6 +471,9 @@ def warnings(cfg: Config, world_size: int | None = None) -> list[str]:
         out.append("distributed.moe is ignored because ep_size=1")
     for fn in d.spec.warnings:
         out += fn(cfg, ws)
+    if cfg.resilience.max_restarts and not cfg.checkpoint.interval:
+        out.append(f"resilience.max_restarts={cfg.resilience.max_restarts} with checkpoint.interval=0: a restart "
+                   "finds no checkpoint and starts again from step 0")
     fused = fused_loss_note(cfg)
     if fused:
         out.append(fused)

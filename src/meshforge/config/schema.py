@@ -464,6 +464,15 @@ class CheckpointConfig(Section):
         self.resume = value
 
 
+# ----------------------------------------------------------------------- resilience
+class ResilienceConfig(Section):
+    """What a job does about faults at scale (docs/faults.md)."""
+
+    # a failed attempt (any rank failing) restarts the whole job this many times, resuming from the last committed
+    # checkpoint (needs checkpoint.resume=auto); the same failure twice in a row ends it. `--max-restarts` sets it
+    max_restarts: int = Field(0, ge=0, le=1000)
+
+
 # -------------------------------------------------------------------------- logging
 
 class LoggingConfig(Section):
@@ -565,6 +574,7 @@ class Config(Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    resilience: ResilienceConfig = Field(default_factory=ResilienceConfig)
     profiling: ProfilingConfig = Field(default_factory=ProfilingConfig)
     peft: PeftConfig | None = None  # None = full fine-tuning (applied right after the model is built)
     dist: BridgeDistConfig = Field(default_factory=BridgeDistConfig)
