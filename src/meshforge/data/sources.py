@@ -157,6 +157,10 @@ def build_source(data_cfg, seq_len: int, vocab_size: int, seed: int):
     from meshforge.data.records import documents
     from meshforge.data.tokenizer import check_vocab, load_tokenizer
 
+    if data_cfg.mix:  # several sources blended by weight (data/mix.py)
+        from meshforge.data.mix import build_mix
+
+        return build_mix(data_cfg, seq_len, vocab_size, seed)
     if data_cfg.source == "synthetic":
         return SyntheticSource(vocab_size, seq_len, seed)
     tok = load_tokenizer(data_cfg.tokenizer)
@@ -209,6 +213,7 @@ class SubsetSource:
         split = hashlib.sha256(self.indices.tobytes()).hexdigest()[:32]
         self.inputs = {**source.inputs, "data split": f"{tag} samples={self.num_samples} sha256={split}"}
         self.report = getattr(source, "report", None)  # what the whole source left out (SFT examples)
+        self.packing = getattr(source, "packing", False)
         if hasattr(source, "batch"):
             self.batch = self._batch  # a method, not a lambda: the source pickles (spawned data workers)
 
@@ -234,6 +239,8 @@ SPLIT_SEED = 0x5EED  # the held-out split is a property of the data, the same fo
 def split_validation(data_cfg, source, seq_len: int, vocab_size: int, seed: int):
     """(training source, validation source or None) for data.validation: held-out `fraction` of the samples
     (a fixed random split), or `paths` read like the training data."""
+    if getattr(source, "mixed", False):  # each source of the mix was split as it was read: {name: validation}
+        return source, source.validation or None
     val = data_cfg.validation
     if val is None:
         return source, None
@@ -262,6 +269,11 @@ def batch_loader(source, global_batch_size: int, micro_batch_size: int, dp_rank:
     `allow_changed_inputs` (checkpoint.allow_changed_inputs): a resume onto changed data warns instead of failing."""
     from meshforge.data.loader import ShardedBatchLoader
 
+    if getattr(source, "mixed", False):
+        from meshforge.data.mix import MixedBatchLoader
+
+        return MixedBatchLoader(source, global_batch_size, micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                                seed=seed, allow_changed_inputs=allow_changed_inputs)
     if getattr(source, "streaming", False):
         from meshforge.data.streaming import StreamingBatchLoader
 
