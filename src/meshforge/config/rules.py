@@ -337,7 +337,8 @@ def hf_model_keys(cfg: Config, world_size: int) -> list[str]:
     given = set(m.overrides()) | {"init_from"} | ({"preset"} if m.preset != "tiny" else set())  # tiny: the default
     out = [f"model.{k} cannot be set {what} (its config.json gives the model): remove it"
            for k in sorted(m.model_fields_set & given)]
-    for key, value, on in (("data.packing", "true", any(s.packing for s in cfg.data.sources())),  # (fused_loss: `fused_loss_layout`)
+    packing = any(s.packing for s in cfg.data.sources())
+    for key, value, on in (("data.packing", "true", packing),  # (fused_loss: `fused_loss_layout`)
                            ("training.fp8.enabled", "true", t.fp8.enabled), ("peft", "(LoRA)", cfg.peft is not None),
                            ("distributed.pp_size", d.pp_size, d.pp_size > 1),
                            ("distributed.cp_size", d.cp_size, d.cp_size > 1),

@@ -250,9 +250,9 @@ class DataConfig(SourceConfig):
 
     def source_config(self, i: int) -> DataConfig:
         """Mix entry i as a data section of its own (the shared keys and that entry's source keys)."""
-        shared = {k: getattr(self, k) for k in ("tokenizer",)}
-        return DataConfig.model_validate({**shared, **self.mix[i].model_dump(include=set(SOURCE_KEYS),
-                                                                                  exclude_unset=True)})
+        own = self.mix[i].model_dump(include=set(SOURCE_KEYS), exclude_unset=True)
+        shared = {} if self.mix[i].source == "synthetic" else {"tokenizer": self.tokenizer}  # (reads no tokens)
+        return DataConfig.model_validate({**shared, **own})
 
 
 # --------------------------------------------------------------------- distributed

@@ -95,26 +95,6 @@ def _packed(source) -> bool:
     return bool(getattr(source, "packing", False))
 
 
-def build_mix(data_cfg, seq_len: int, vocab_size: int, seed: int) -> MixedSource:
-    """Every source of `data.mix` read as the single-source path reads it (its own validation split included);
-    a problem with one is one line naming it."""
-    from meshforge.data.sources import build_source, split_validation
-
-    names, sources, validation = data_cfg.mix_names(), [], {}
-    for i, name in enumerate(names):
-        cfg = data_cfg.source_config(i)
-        try:
-            src, val = split_validation(cfg, build_source(cfg, seq_len, vocab_size, seed + i), seq_len,
-                                        vocab_size, seed + i)
-        except DataError as err:
-            raise DataError([f"data.mix[{i}] ({name}): {p.removeprefix('data: ')}" for p in err.problems]) \
-                from None
-        sources.append(src)
-        if val is not None:
-            validation[name] = val
-    return MixedSource(names, [m.weight for m in data_cfg.mix], sources, validation)
-
-
 class MixedBatchLoader(BatchGeometry):
     """`ShardedBatchLoader`'s interface over a `MixedSource`: global batch k is positions k*G .. k*G+G-1 of the
     schedule, each from its source; (inputs, labels[, document ids]) micro batches of this rank's slice."""

@@ -158,8 +158,6 @@ def build_source(data_cfg, seq_len: int, vocab_size: int, seed: int):
     from meshforge.data.tokenizer import check_vocab, load_tokenizer
 
     if data_cfg.mix:  # several sources blended by weight (data/mix.py)
-        from meshforge.data.mix import build_mix
-
         return build_mix(data_cfg, seq_len, vocab_size, seed)
     if data_cfg.source == "synthetic":
         return SyntheticSource(vocab_size, seq_len, seed)
@@ -201,6 +199,26 @@ def build_source(data_cfg, seq_len: int, vocab_size: int, seed: int):
     if src.max_token() >= vocab_size:
         raise DataError(f"data: token id {src.max_token()} in {src.name} is outside model.vocab_size={vocab_size}")
     return src
+
+
+def build_mix(data_cfg, seq_len: int, vocab_size: int, seed: int):
+    """Every source of `data.mix` read as the single-source path reads it (its own validation split included);
+    a problem with one is one line naming it."""
+    names, sources, validation = data_cfg.mix_names(), [], {}
+    for i, name in enumerate(names):
+        cfg = data_cfg.source_config(i)
+        try:
+            src, val = split_validation(cfg, build_source(cfg, seq_len, vocab_size, seed + i), seq_len,
+                                        vocab_size, seed + i)
+        except DataError as err:
+            raise DataError([f"data.mix[{i}] ({name}): {p.removeprefix('data: ')}" for p in err.problems]) \
+                from None
+        sources.append(src)
+        if val is not None:
+            validation[name] = val
+    from meshforge.data.mix import MixedSource
+
+    return MixedSource(names, [m.weight for m in data_cfg.mix], sources, validation)
 
 
 class SubsetSource:
