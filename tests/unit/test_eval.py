@@ -15,6 +15,8 @@ import torch
 from meshforge.cli import main
 from meshforge.testing.parity import config, single_info
 
+pytestmark = pytest.mark.slow  # a training run, transformers and lm-eval: tens of seconds
+
 ROOT = Path(__file__).resolve().parents[2]
 CHAT = ROOT / "examples" / "data" / "chat_tiny.jsonl"
 PC = ROOT / "examples" / "data" / "prompt_completion_tiny.jsonl"
