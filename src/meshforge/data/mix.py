@@ -21,8 +21,7 @@ import numpy as np
 import torch
 
 from meshforge.data import fingerprint
-from meshforge.data.fingerprint import check_resume
-from meshforge.data.loader import BatchGeometry
+from meshforge.data.loader import ShardedBatchLoader
 from meshforge.errors import DataError
 
 BLOCK = 10_000  # positions per schedule block: a source's share is exact to 1/BLOCK of the samples
@@ -95,24 +94,23 @@ def _packed(source) -> bool:
     return bool(getattr(source, "packing", False))
 
 
-class MixedBatchLoader(BatchGeometry):
-    """`ShardedBatchLoader`'s interface over a `MixedSource`: global batch k is positions k*G .. k*G+G-1 of the
-    schedule, each from its source; (inputs, labels[, document ids]) micro batches of this rank's slice."""
+class MixedBatchLoader(ShardedBatchLoader):
+    """`ShardedBatchLoader` over a `MixedSource`: global batch k is positions k*G .. k*G+G-1 of the schedule, each
+    from its source; (inputs, labels[, document ids]) micro batches of this rank's slice. Its state and resume
+    checks are the plain loader's, plus each stream's position."""
 
     def __init__(self, source: MixedSource, global_batch_size: int, micro_batch_size: int, dp_rank: int = 0,
                  dp_size: int = 1, seed: int = 0, allow_changed_inputs: bool = False):
         from meshforge.data.streaming import StreamingBatchLoader
 
-        super().__init__(global_batch_size, micro_batch_size, dp_rank, dp_size)
-        self.source, self.seed, self.allow_changed_inputs = source, seed, allow_changed_inputs
-        self.resume_note: str | None = None
-        self.step = 0
+        super().__init__(source, global_batch_size, micro_batch_size, dp_rank, dp_size, seed,
+                         allow_changed_inputs=allow_changed_inputs)
         # a stream reads its windows in order: a one-window loader of its own keeps its position
         self.streams = {i: StreamingBatchLoader(s, 1, 1) for i, s in enumerate(source.sources)
                         if getattr(s, "streaming", False)}
         self._perms: dict[tuple[int, int], np.ndarray] = {}
 
-    def _index(self, s: int, n: int) -> int:
+    def _source_index(self, s: int, n: int) -> int:
         """Source s's n-th sample: its seeded permutation of epoch n // size (its own seed per source)."""
         size = self.source.sources[s].num_samples
         if size >= 2**32:  # synthetic: endless, every index its own sample
@@ -129,7 +127,7 @@ class MixedBatchLoader(BatchGeometry):
         out = []
         for p in range(k * self.G, (k + 1) * self.G):
             s, n = self.source.schedule.at(p)
-            out.append((s, n if s in self.streams else self._index(s, n)))
+            out.append((s, n if s in self.streams else self._source_index(s, n)))
         return out
 
     def batch(self, k: int) -> list[tuple[torch.Tensor, ...]]:
@@ -194,21 +192,16 @@ class MixedBatchLoader(BatchGeometry):
             self.streams[int(i)].seek(0, pos)
 
     def state_dict(self) -> dict:
-        state = {"step": self.step, "seed": self.seed, "global_batch_size": self.G, "source": self.source.digest(),
-                 "inputs": dict(self.source.inputs)}
+        state = super().state_dict()
         if self.streams:
             state["streams"] = {str(i): list(r.position) for i, r in self.streams.items()}
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        for key, mine in (("seed", self.seed), ("global_batch_size", self.G)):
-            if key in state and state[key] != mine:
-                raise ValueError(f"data loader state was saved with {key}={state[key]!r} but this run has {mine!r}; "
-                                 "resume with the same data and batch settings")
-        self.resume_note = check_resume(state, self.source.inputs, self.allow_changed_inputs)
+        super().load_state_dict(state)
         if self.streams and "streams" not in state:
             raise ValueError("data loader state holds no stream positions (saved without this data.mix)")
-        self.seek(int(state["step"]), state.get("streams", {}))
+        self.seek(self.step, state.get("streams", {}))
 
     def close(self) -> None:
         """Nothing to stop here (`data.workers` has processes to stop)."""

@@ -133,5 +133,5 @@ def run_tasks(lm, tasks: list[str], include: list[str], limit: int | None = None
     res = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit, log_samples=False,
                           bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
                           fewshot_random_seed=seed)
-    return {t: {k.split(",")[0]: v for k, v in m.items() if k != "alias" and not k.endswith("_stderr,none")}
+    return {t: {k.split(",")[0]: v for k, v in m.items() if "," in k and "_stderr" not in k}  # "acc,none" ...
             for t, m in res["results"].items()}
