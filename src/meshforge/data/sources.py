@@ -206,10 +206,10 @@ def build_mix(data_cfg, seq_len: int, vocab_size: int, seed: int):
     a problem with one is one line naming it."""
     names, sources, validation = data_cfg.mix_names(), [], {}
     for i, name in enumerate(names):
-        cfg = data_cfg.source_config(i)
+        cfg, own_seed = data_cfg.source_config(i), (seed + i) % 2**64  # (synthetic sources: their own tokens)
         try:
-            src, val = split_validation(cfg, build_source(cfg, seq_len, vocab_size, seed + i), seq_len,
-                                        vocab_size, seed + i)
+            src, val = split_validation(cfg, build_source(cfg, seq_len, vocab_size, own_seed), seq_len,
+                                        vocab_size, own_seed)
         except DataError as err:
             raise DataError([f"data.mix[{i}] ({name}): {p.removeprefix('data: ')}" for p in err.problems]) \
                 from None
