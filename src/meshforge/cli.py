@@ -18,6 +18,7 @@ from meshforge.errors import MeshforgeError
 
 SUBCOMMANDS = {
     "checkpoint": ("meshforge.checkpoint.cli", "inspect, export and import checkpoints"),
+    "eval": ("meshforge.evaluation.cli", "perplexity on held-out data and lm-eval tasks of a run or HF folder"),
     "bench": ("meshforge.bench.cli", "measure throughput, memory and communication; compare configurations"),
     "plan": ("meshforge.scale.cli", "memory per rank, communication and step time of a config, process-free; "
                                     "--trace runs the real step of chosen ranks on fake tensors beside it"),

@@ -160,7 +160,7 @@ for _n, (_where, _cmd) in enumerate(COMMANDS):
 
 def test_the_documents_show_commands():
     kinds = {_argv(c)[0] for _, c in COMMANDS}
-    assert {"train", "validate", "verify", "data", "bench"} <= kinds, kinds
+    assert {"train", "validate", "verify", "data", "bench", "eval"} <= kinds, kinds
     assert len([c for w, c in COMMANDS if w != "README.md"]) >= 8
 
 
@@ -180,6 +180,11 @@ def test_documented_command_runs(where, cmd, tmp_path, monkeypatch, capsys):
         (tmp_path / "docs" / "guide" / "a.txt").write_text("meshforge trains models.\n" * 50)
     if argv[0] == "train":
         argv = shortened_train(argv, tmp_path / "run")
+    if argv[0] == "eval":  # it evaluates the run of the example its path names: train that first, shortened
+        example = ROOT / "examples" / f"{Path(argv[1]).name}.yaml"
+        train = shortened_train(["train", str(example)], tmp_path / argv[1])
+        assert cli.main([*train, "checkpoint.save_final=true"]) == 0, capsys.readouterr().err[-3000:]
+        argv = [*argv, "training.seq_len=32", "--limit=4"]
     rc = cli.main(argv)
     err = capsys.readouterr().err
     assert rc == 0, f"{where}: `{cmd}` exited {rc}:\n{err[-3000:]}"

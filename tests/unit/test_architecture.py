@@ -11,7 +11,7 @@ ones too, except under `if TYPE_CHECKING:`):
     distributed                         meshes, strategies, parallelisms, the parallel model runtime
     checkpoint                          stateful parts, commit protocol, resume, HF weight I/O
     training                            the Trainer and its parts
-    testing, bench, scale, verify, cli  tools on top
+    testing, bench, scale, verify, evaluation, cli  tools on top
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ LAYERS = [
     {"distributed"},
     {"checkpoint"},
     {"training"},
-    {"testing", "bench", "scale", "verify", "plot", "cli", "__init__", "__main__"},
+    {"testing", "bench", "scale", "verify", "plot", "evaluation", "cli", "__init__", "__main__"},
 ]
 LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 # what a model is made of: names no code outside models/ may spell (the model contract says it instead)

@@ -215,7 +215,7 @@ def tokenizer_of(cfg) -> str | None:
     (model.hf_model or model.init_from), when it has one; else None."""
     if cfg.data.tokenizer:
         return str(Path(cfg.data.tokenizer).expanduser().resolve())
-    if cfg.data.source == "text":
+    if any(s.source == "text" for s in cfg.data.sources()):
         return "bytes"
     for folder in (cfg.model.hf_model, cfg.model.init_from):
         if folder and (Path(folder) / "tokenizer.json").is_file():

@@ -234,7 +234,7 @@ def model_fits_data(cfg: Config, world_size: int) -> list[str]:
     if args.sliding_window is not None and cfg.training.seq_len > args.sliding_window and not exact_windows:
         out.append(f"training.seq_len={cfg.training.seq_len} exceeds model.sliding_window={args.sliding_window}: "
                    "sliding-window attention is exact only up to the window; shorten seq_len")
-    if cfg.data.source == "text" and args.vocab_size < 256:
+    if any(s.source == "text" for s in cfg.data.sources()) and args.vocab_size < 256:
         out.append(f"model.vocab_size={args.vocab_size} is smaller than the 256 byte tokens of data.source=text")
     d = cfg.distributed
     if d.tp_size > 1:
@@ -346,7 +346,8 @@ def hf_model_keys(cfg: Config, world_size: int) -> list[str]:
     given = set(m.overrides()) | {"init_from"} | ({"preset"} if m.preset != "tiny" else set())  # tiny: the default
     out = [f"model.{k} cannot be set {what} (its config.json gives the model): remove it"
            for k in sorted(m.model_fields_set & given)]
-    for key, value, on in (("data.packing", "true", cfg.data.packing),  # (fused_loss: `fused_loss_layout`)
+    packing = any(s.packing for s in cfg.data.sources())
+    for key, value, on in (("data.packing", "true", packing),  # (fused_loss: `fused_loss_layout`)
                            ("training.fp8.enabled", "true", t.fp8.enabled), ("peft", "(LoRA)", cfg.peft is not None),
                            ("distributed.pp_size", d.pp_size, d.pp_size > 1),
                            ("distributed.cp_size", d.cp_size, d.cp_size > 1),
@@ -505,7 +506,7 @@ def resolved_ckpt_format(cfg: Config) -> str:
 @rule
 def validation_data(cfg: Config, world_size: int) -> list[str]:
     """training.val_every and data.validation go together: either alone would do nothing."""
-    every, val = cfg.training.val_every, cfg.data.validation
+    every, val = cfg.training.val_every, [s.validation for s in cfg.data.sources() if s.validation] or None
     if every and val is None:
         return [f"training.val_every={every} needs data.validation (paths: [files] or fraction: 0.05)"]
     if val is not None and not every:
@@ -518,7 +519,7 @@ def packing_support(cfg: Config, world_size: int) -> list[str]:
     """Packed sequences need the document mask in every attention: the dense model's or the context-parallel one
     (which masks its load-balanced chunks with the full document ids), not through pipeline stages (they do not
     carry it yet)."""
-    if not cfg.data.packing:
+    if not any(s.packing for s in cfg.data.sources()):
         return []
     d, out = cfg.distributed, []
     if d.pp_size > 1:

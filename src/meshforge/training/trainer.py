@@ -126,6 +126,11 @@ class Trainer:
         reports = [getattr(s, "report", None) for s in (source, val_source) if s is not None]
         trainer.data_notes = [f"{'validation ' if i else ''}{r}" for i, r in enumerate(reports) if r
                               and r not in reports[:i]]
+        if cfg.data.mix:  # the weights, and the shares the schedule gives the whole run
+            run = (loader.loader if hasattr(loader, "loader") else loader).realised(t.max_steps)
+            trainer.data_notes.append("data mix: " + ", ".join(
+                f"{n} weight {w:.4f} realised {run[n]:.4f}" for n, w in source.shares().items()) +
+                f" (samples of the {t.max_steps * t.global_batch_size} this run trains on)")
         return trainer
 
     # ------------------------------------------------------------------ one step
@@ -280,6 +285,7 @@ class _Throughput:
         self.tokens_per_step = t.global_batch_size * t.seq_len
         self.t0, self.step0 = time.perf_counter(), trainer.step
         self.restarts, self.cause = restart_attempt()
+        self.mix = getattr(trainer.loader, "loader", trainer.loader) if trainer.cfg.data.mix else None
 
     def log(self, result: TrainResult) -> None:
         tr = self.trainer
@@ -296,6 +302,8 @@ class _Throughput:
             rec["restarts"] = self.restarts
             if self.cause is not None:
                 rec["restart_cause"], self.cause = self.cause, None
+        if self.mix is not None:  # data.mix: each source's share of the samples trained on so far
+            rec.update({f"mix/{n}": v for n, v in self.mix.realised(tr.step).items()})
         self.logger.log(rec)
         self.t0, self.step0 = time.perf_counter(), tr.step
 
