@@ -418,3 +418,117 @@ def test_every_guarantee_in_docs_files_md_names_a_test_that_exists():
     defined = {name for f in files for name in re.findall(r"^def (test_\w+)", (ROOT / f).read_text(), re.M)}
     named = set(re.findall(r"`(test_\w+)`", text))
     assert len(named) >= 15 and named <= defined, named - defined
+
+
+# ------------------------------------------------------------------------------ checkpoint export / import
+def _files_of(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+def test_export_to_refuses_every_place_it_would_destroy_and_replaces_its_own(finished, tmp_path, capsys, monkeypatch):
+    home, runs = tmp_path / "home", tmp_path / "runs"
+    (home / "work").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(home / "work")
+    run = runs / "run"
+    shutil.copytree(finished, run)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    before = {f: snapshot(f) for f in (run, mine, finished)}
+    for to, fragment in [(run, "holds this command's own input"), (run / "checkpoints", "own input"),
+                         (run / "sub", "is inside the run directory"), (runs, "holds this command's own input"),
+                         (finished, "is a meshforge run directory"), (mine, "holds files meshforge did not write "
+                                                                            "(notes.txt)"),
+                         (".", "is the working directory"), ("~", "is the home folder"),
+                         ("/", "is the filesystem root")]:
+        rc, errors = run_cli(["checkpoint", "export", run, "--to", to], capsys)
+        assert rc == 2 and len(errors) == 1 and fragment in errors[0], (to, errors)
+    assert {f: snapshot(f) for f in before} == before and snapshot(home) == {}
+    out = tmp_path / "hf"
+    assert run_cli(["checkpoint", "export", run / "checkpoints" / "step_2", "--to", out], capsys)[0] == 0
+    (out / "stale.txt").write_text("from the earlier export")
+    assert run_cli(["checkpoint", "export", run, "--to", out], capsys)[0] == 0  # its own earlier export: replaced
+    assert json.loads((out / outputs.MARKER).read_text())["kind"] == "export" and not (out / "stale.txt").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+EXPORT_KILLED = """
+import os, signal, sys
+import meshforge.outputs as o
+import meshforge.checkpoint.hf as hf
+from meshforge.cli import main
+ck, dest, point = sys.argv[1:]
+die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+real_save = hf.save_file
+if point == "write":  # half of the new export's files written
+    hf.save_file = lambda t, f, **k: (real_save(t, f, **k), die())
+elif point == "publish":
+    o._exchange = die
+elif point == "delete":  # the new export in place, the old one being deleted
+    o.shutil.rmtree = lambda p, **k: die() if os.path.exists(p) else None
+main(["checkpoint", "export", ck, "--to", dest])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["write", "publish", "delete"])
+def test_a_kill_during_an_export_leaves_the_old_export_or_the_new_one(finished, tmp_path, capsys, point):
+    out = tmp_path / "hf"
+    assert run_cli(["checkpoint", "export", finished / "checkpoints" / "step_2", "--to", out], capsys)[0] == 0
+    old = snapshot(out)
+    new_dir = tmp_path / "new"
+    assert run_cli(["checkpoint", "export", finished / "checkpoints" / "step_4", "--to", new_dir], capsys)[0] == 0
+    new = snapshot(new_dir)
+    assert {k: v for k, v in old.items() if k != outputs.MARKER} != {k: v for k, v in new.items()
+                                                                      if k != outputs.MARKER}
+    proc = subprocess.run([sys.executable, "-c", EXPORT_KILLED, str(finished / "checkpoints" / "step_4"), str(out),
+                           point], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    got = snapshot(out)
+    whole = {k: v for k, v in (old if point != "delete" else new).items() if k != outputs.MARKER}
+    assert {k: v for k, v in got.items() if k != outputs.MARKER} == whole
+    assert run_cli(["checkpoint", "export", finished, "--to", out], capsys)[0] == 0  # the next export cleans up
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "new"]
+
+
+def test_an_interrupted_consolidated_export_is_finished_or_undone_on_the_next_start(tmp_path):
+    from meshforge.checkpoint.paths import remove_leftovers
+
+    hf = tmp_path / "checkpoints" / "hf"
+    (hf / ".step_2.old-11").mkdir(parents=True)  # killed between setting step_2 aside and publishing its new export
+    (hf / ".step_2.old-11" / "model.safetensors").write_text("old")
+    (hf / ".step_2.partial-11").mkdir()
+    (hf / "step_4").mkdir()
+    (hf / ".step_4.old-12").mkdir()  # killed while deleting the replaced step_4
+    removed = remove_leftovers(tmp_path / "checkpoints")
+    assert len(removed) == 3 and sorted(p.name for p in hf.iterdir()) == ["step_2", "step_4"]
+    assert (hf / "step_2" / "model.safetensors").read_text() == "old"
+
+
+def test_import_never_moves_a_runs_latest_and_replaces_only_its_own_import(finished, tmp_path, capsys):
+    hf = tmp_path / "hf"
+    assert run_cli(["checkpoint", "export", finished, "--to", hf], capsys)[0] == 0
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    elsewhere = tmp_path / "ck"  # a run's checkpoint.dir outside its run directory
+    shutil.copytree(finished / "checkpoints", elsewhere)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    before = {f: snapshot(f) for f in (run, elsewhere, mine)}
+    for to, fragment in [(run / "checkpoints", "is inside the run directory"), (run, "is a meshforge run directory"),
+                         (elsewhere, "is a run's checkpoints folder"), (mine, "holds files meshforge did not write"),
+                         (hf, "holds this command's own input")]:
+        rc, errors = run_cli(["checkpoint", "import", hf, "--to", to], capsys)
+        assert rc == 2 and len(errors) == 1 and fragment in errors[0], (to, errors)
+    assert {f: snapshot(f) for f in before} == before
+    imp = tmp_path / "imported"
+    for _ in range(2):  # new, then its own earlier import: replaced whole
+        assert run_cli(["checkpoint", "import", hf, "--to", imp], capsys)[0] == 0
+        assert (imp / "LATEST").read_text() == "step_0\n" and (imp / "step_0" / "manifest.json").is_file()
+        (imp / "stale.txt").write_text("x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "hf", "imported", "mine", "run"]
+    res = _train([f"run.output_dir={tmp_path / 'from_import'}", f"checkpoint.resume={imp}"])
+    assert res.start_step == 0 and res.final_step == 2

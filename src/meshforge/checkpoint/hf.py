@@ -24,8 +24,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from meshforge import outputs
 from meshforge.checkpoint.manifest import MANIFEST, file_entry, new_manifest
-from meshforge.checkpoint.paths import follow_umask, publish_checkpoint, publish_dir, staging_dir, write_atomic
+from meshforge.checkpoint.paths import follow_umask, publish_checkpoint, write_atomic, write_export
 from meshforge.checkpoint.safe_dcp import dcp_load, dcp_tensor_shapes
 from meshforge.distributed.master_weights import write_param
 from meshforge.errors import CheckpointError
@@ -97,45 +98,41 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, shard_mb: int =
             else:
                 shards[-1].setdefault(ours, [unit[0], unit[0]])[1] = unit[1]
             size += nbytes
-    tmp = staging_dir(out_dir)
     n = len(shards)
-    weight_map = {}
-    for i, group in enumerate(track(shards, "export: safetensors files")):
-        fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        whole, part, offsets = {}, {}, {}
-        for k, r in group.items():
-            shape, dtype = shapes[f"model.{k}"]
-            if r is None:
-                whole[f"model.{k}"] = torch.empty(shape, dtype=dtype)
-            else:  # only experts r[0]..r[1]-1 of the stacked weight
-                part[f"model.{k}"] = torch.empty((r[1] - r[0], *shape[1:]), dtype=dtype)
-                offsets[f"model.{k}"] = (r[0],) + (0,) * (len(shape) - 1)
-        for state, box in ((whole, None), (part, offsets)):
-            if state:
-                dcp_load(state, ckpt_dir, no_dist=True, offsets=box)
-        out = {}
-        for k, r in group.items():
-            if r is None:
-                out.update(adapter.to_hf(k, whole.pop(f"model.{k}")))
-            else:
-                out.update(adapter.to_hf_experts(k, r[0], part.pop(f"model.{k}")))
-        weight_map.update(dict.fromkeys(out, fname))
-        save_file(out, str(tmp / fname), metadata={"format": "pt"})
-        follow_umask(tmp / fname)
-        del out
-    dtype = shapes[f"model.{names[0]}"][1]
-    hf_config = adapter.hf_config(dtype)
-    tokenizer = copy_tokenizer(manifest.get("tokenizer"), tmp)
-    for key, value in (tokenizer or {}).items():  # bos/eos from the run's tokenizer where the model has none
-        if hf_config.get(key) is None and value is not None:
-            hf_config[key] = value
-    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
-    (tmp / "generation_config.json").write_text(json.dumps(generation_config(hf_config), indent=2))
-    if n > 1:
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": total, "meshforge_step": manifest["step"]}, "weight_map": weight_map},
-            indent=2))
-    publish_dir(tmp, out_dir)
+    weight_map: dict[str, str] = {}
+
+    def write(tmp: Path) -> dict | None:
+        for i, group in enumerate(track(shards, "export: safetensors files")):
+            fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            whole, part, offsets = {}, {}, {}
+            for k, r in group.items():
+                shape, dtype = shapes[f"model.{k}"]
+                if r is None:
+                    whole[f"model.{k}"] = torch.empty(shape, dtype=dtype)
+                else:  # only experts r[0]..r[1]-1 of the stacked weight
+                    part[f"model.{k}"] = torch.empty((r[1] - r[0], *shape[1:]), dtype=dtype)
+                    offsets[f"model.{k}"] = (r[0],) + (0,) * (len(shape) - 1)
+            for state, box in ((whole, None), (part, offsets)):
+                if state:
+                    dcp_load(state, ckpt_dir, no_dist=True, offsets=box)
+            out = {}
+            for k, r in group.items():
+                if r is None:
+                    out.update(adapter.to_hf(k, whole.pop(f"model.{k}")))
+                else:
+                    out.update(adapter.to_hf_experts(k, r[0], part.pop(f"model.{k}")))
+            weight_map.update(dict.fromkeys(out, fname))
+            save_file(out, str(tmp / fname), metadata={"format": "pt"})
+            follow_umask(tmp / fname)
+            del out
+        tokenizer = write_hf_config(tmp, adapter.hf_config(shapes[f"model.{names[0]}"][1]), manifest)
+        if n > 1:
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(
+                {"metadata": {"total_size": total, "meshforge_step": manifest["step"]}, "weight_map": weight_map},
+                indent=2))
+        return tokenizer
+
+    tokenizer = write_export(out_dir, write)
     return {"files": n, "tensors": len(weight_map), "bytes": total, "dir": str(out_dir),
             "tokenizer": tokenizer is not None}
 
@@ -166,16 +163,19 @@ def export_hf_model(ckpt_dir: Path, out_dir: Path, manifest: dict, shard_mb: int
                                                   dtype=shapes[f"model.{HF_PREFIX}{k}"][1]) for k in own}
     dcp_load(state, ckpt_dir, no_dist=True)
     model.load_state_dict({k: state[f"model.{HF_PREFIX}{k}"] for k in own}, strict=True)
-    tmp = staging_dir(out_dir)
-    tokenizer = copy_tokenizer(manifest.get("tokenizer"), tmp)
-    for key, value in (tokenizer or {}).items():  # bos/eos from the run's tokenizer where the model has none
-        for cfg in (model.config, model.generation_config):
-            if getattr(cfg, key, None) is None and value is not None:
-                setattr(cfg, key, value)
-    model.save_pretrained(str(tmp), max_shard_size=f"{shard_mb}MB")
-    for f in tmp.iterdir():
-        follow_umask(f)
-    publish_dir(tmp, out_dir)
+
+    def write(tmp: Path) -> dict | None:
+        tokenizer = copy_tokenizer(manifest.get("tokenizer"), tmp)
+        for key, value in (tokenizer or {}).items():  # bos/eos from the run's tokenizer where the model has none
+            for cfg in (model.config, model.generation_config):
+                if getattr(cfg, key, None) is None and value is not None:
+                    setattr(cfg, key, value)
+        model.save_pretrained(str(tmp), max_shard_size=f"{shard_mb}MB")
+        for f in tmp.iterdir():
+            follow_umask(f)
+        return tokenizer
+
+    tokenizer = write_export(out_dir, write)
     files = sorted(out_dir.glob("*.safetensors"))
     written = {}
     for f in files:
@@ -195,6 +195,18 @@ def _stacked_experts(model) -> set[str]:
     """Names of the stacked routed-expert weights (dim 0 = expert) of the model's MoE layers."""
     ids = {id(p) for layer in contract_of(model).moe_layers() for p in layer.experts.parameters(recurse=False)}
     return {n for n, p in model.named_parameters() if id(p) in ids}
+
+
+def write_hf_config(folder: Path, hf_config: dict, manifest: dict) -> dict | None:
+    """config.json, generation_config.json and the run's tokenizer (`copy_tokenizer`) into an export folder, so
+    every export (plain or merged) is the same complete Hugging Face folder; returns the tokenizer's token ids."""
+    tokenizer = copy_tokenizer(manifest.get("tokenizer"), folder)
+    for key, value in (tokenizer or {}).items():  # bos/eos from the run's tokenizer where the model has none
+        if hf_config.get(key) is None and value is not None:
+            hf_config[key] = value
+    (folder / "config.json").write_text(json.dumps(hf_config, indent=2))
+    (folder / "generation_config.json").write_text(json.dumps(generation_config(hf_config), indent=2))
+    return tokenizer
 
 
 def generation_config(hf_config: dict) -> dict:
@@ -464,10 +476,28 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
         raise CheckpointError(f"{hf_dir} is not a directory")
+    check_import_destination(out_dir, hf_dir)
     args = hf_model_args(hf_dir, "checkpoint import")
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelArgs)
                  if getattr(args, f.name) != getattr(ModelArgs(), f.name)}
     model = build_model(args)
     load_hf_into(model, hf_dir, progress=True)
-    final = save_weights_only(model, out_dir, str(hf_dir))
-    return {"dir": str(final), "model_overrides": overrides}
+    outputs.replace_folder(out_dir, outputs.CHECKPOINTS, lambda tmp: save_weights_only(model, tmp, str(hf_dir)))
+    return {"dir": str(Path(out_dir) / "step_0"), "model_overrides": overrides}
+
+
+def check_import_destination(out_dir: str | Path, hf_dir: Path) -> None:
+    """An import goes into a new or empty folder, or replaces an earlier import (a checkpoints folder holding only
+    an imported step_0): never a run's checkpoints, whose LATEST it would move. Else one line."""
+    problem = outputs.check_folder(out_dir, outputs.CHECKPOINTS, "--to", sources=[hf_dir])
+    if problem is None and outputs.kind_of(Path(out_dir)) == outputs.CHECKPOINTS:
+        steps = [p for p in Path(out_dir).iterdir() if p.name.startswith("step_")]
+        try:
+            imported = [json.loads((p / MANIFEST).read_text()).get("strategy") for p in steps] == ["import"]
+        except (OSError, ValueError, AttributeError):
+            imported = False
+        if not imported:
+            problem = (f"--to={out_dir} is a run's checkpoints folder ({outputs.entries(Path(out_dir))}): an import "
+                       "never moves a run's LATEST; give a new folder")
+    if problem is not None:
+        raise CheckpointError(problem)

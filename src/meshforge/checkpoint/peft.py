@@ -32,9 +32,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from meshforge.checkpoint.hf import _adapter, copy_param, load_hf_into
+from meshforge.checkpoint.hf import _adapter, copy_param, load_hf_into, write_hf_config
 from meshforge.checkpoint.manifest import MANIFEST, model_args_dict
-from meshforge.checkpoint.paths import publish_dir, staging_dir
+from meshforge.checkpoint.paths import follow_umask, write_export
 from meshforge.checkpoint.safe_dcp import dcp_load, dcp_tensor_shapes
 from meshforge.errors import CheckpointError
 from meshforge.models import ModelArgs, build_model, init_weights
@@ -163,15 +163,22 @@ def _load_tensors(ckpt_dir: Path, targets: dict[str, torch.Tensor]) -> None:
     dcp_load({f"model.{k}": t for k, t in targets.items()}, ckpt_dir, no_dist=True)
 
 
-def _write_dir(out_dir: Path, files: dict[str, dict | str]) -> None:
-    """Write {name: tensors dict (safetensors) | text} into `out_dir` atomically (a .partial, then a rename)."""
-    tmp = staging_dir(out_dir)
-    for name, content in files.items():
-        if isinstance(content, str):
-            (tmp / name).write_text(content)
-        else:
-            save_file(content, str(tmp / name), metadata={"format": "pt"})
-    publish_dir(tmp, out_dir)
+def _write_dir(out_dir: Path, files: dict[str, dict | str], hf_config: dict | None = None,
+               manifest: dict | None = None) -> None:
+    """Write {name: tensors dict (safetensors) | text} into `out_dir` whole (`write_export`); with `hf_config`,
+    also config.json, generation_config.json and the checkpoint's tokenizer, as a plain export has them."""
+
+    def write(tmp: Path) -> None:
+        for name, content in files.items():
+            if isinstance(content, str):
+                (tmp / name).write_text(content)
+            else:
+                save_file(content, str(tmp / name), metadata={"format": "pt"})
+                follow_umask(tmp / name)
+        if hf_config is not None:
+            write_hf_config(tmp, hf_config, manifest or {})
+
+    write_export(out_dir, write)
 
 
 def export_adapter(ckpt_dir: str | Path, out_dir: str | Path) -> dict:
@@ -237,7 +244,7 @@ def export_merged(ckpt_dir: str | Path, out_dir: str | Path) -> dict:
         if adapter.hf_names(name):
             tensors.update(adapter.to_hf(name, p.detach()))
     dtype = next(model.parameters()).dtype
-    _write_dir(out_dir, {"model.safetensors": tensors, "config.json": json.dumps(adapter.hf_config(dtype), indent=2)})
+    _write_dir(out_dir, {"model.safetensors": tensors}, adapter.hf_config(dtype), manifest)
     return {"dir": str(out_dir), "tensors": len(tensors),
             "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
