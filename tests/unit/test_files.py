@@ -532,3 +532,19 @@ def test_import_never_moves_a_runs_latest_and_replaces_only_its_own_import(finis
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "hf", "imported", "mine", "run"]
     res = _train([f"run.output_dir={tmp_path / 'from_import'}", f"checkpoint.resume={imp}"])
     assert res.start_step == 0 and res.final_step == 2
+
+
+def test_crafted_safetensors_are_one_line_naming_the_file_and_nothing_is_written(tmp_path, capsys):
+    crafted = ROOT / "tests" / "corpus" / "bad_inputs" / "crafted_safetensors"
+    cases = sorted(crafted.iterdir())
+    assert len(cases) >= 11
+    for case in cases:
+        rc, errors = run_cli(["checkpoint", "import", case, "--to", tmp_path / "ck"], capsys)
+        assert rc == 2 and len(errors) == 1 and f"{case / 'model.safetensors'}: not a readable" in errors[0], errors
+    index = tmp_path / "indexed"
+    shutil.copytree(cases[0], index)
+    for weight_map in ['{"weight_map": {"w": "../../etc/passwd"}}', '{"weight_map": []}', "[]", '{"a": 1}', "{"]:
+        (index / "model.safetensors.index.json").write_text(weight_map)
+        rc, errors = run_cli(["checkpoint", "import", index, "--to", tmp_path / "ck"], capsys)
+        assert rc == 2 and len(errors) == 1 and "model.safetensors.index.json: " in errors[0], (weight_map, errors)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["indexed"]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -52,6 +52,16 @@ def _adapter(model, where: Path):
         return contract_of(model).state_dict_adapter()
     except (ValueError, CheckpointError) as err:
         raise CheckpointError(f"{where}: {err}") from None
+
+
+def open_safetensors(path: Path, what: str = ""):
+    """`safe_open`, a damaged or crafted file (header length, non-JSON or nested header, offsets out of range,
+    reversed or overlapping, unknown dtypes, shapes that do not fit their bytes) refused with one line naming it:
+    safetensors validates all of that when it opens the file, before any tensor is read."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{what}{path}: not a readable safetensors file ({str(err)[:200]})") from None
 
 
 # --------------------------------------------------------------------------------- export
@@ -179,7 +189,7 @@ def export_hf_model(ckpt_dir: Path, out_dir: Path, manifest: dict, shard_mb: int
     files = sorted(out_dir.glob("*.safetensors"))
     written = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as sf:
+        with open_safetensors(f) as sf:
             written.update({k: sf.get_slice(k).get_shape() for k in sf.keys()})  # noqa: SIM118
     return {"files": len(files), "tensors": len(written), "dir": str(out_dir), "tokenizer": tokenizer is not None,
             "bytes": sum(torch.Size(v).numel() * 4 for v in written.values())}
@@ -303,7 +313,14 @@ def _hf_tensor_files(hf_dir: Path) -> dict[str, Path]:
     """HF tensor name -> the safetensors file holding it."""
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
-        wm = json.loads(index.read_text())["weight_map"]
+        try:
+            wm = json.loads(index.read_text())["weight_map"]
+        except (ValueError, RecursionError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{index}: not a safetensors index with a weight_map ({type(err).__name__})") \
+                from None
+        if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) and Path(v).name == v
+                                               and v not in ("", ".", "..") for k, v in wm.items()):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to file names in its folder")
         return {k: hf_dir / v for k, v in wm.items()}
     single = hf_dir / "model.safetensors"
     files = [single] if single.is_file() else sorted(hf_dir.glob("*.safetensors"))
@@ -311,7 +328,7 @@ def _hf_tensor_files(hf_dir: Path) -> dict[str, Path]:
         raise CheckpointError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json")
     out = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as sf:
+        with open_safetensors(f) as sf:
             out.update({k: f for k in sf.keys()})  # noqa: SIM118
     return out
 
@@ -378,7 +395,7 @@ def load_hf_into(model, hf_dir: str | Path, progress: bool = False) -> list[str]
     def opened(name: str):
         f = files[name]
         if f not in handles:
-            handles[f] = safe_open(str(f), framework="pt")
+            handles[f] = open_safetensors(f)
         return handles[f]
 
     def read(name: str, box: list[tuple[int, int]]) -> torch.Tensor:  # only the rows/columns in `box`

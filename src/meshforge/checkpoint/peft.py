@@ -28,11 +28,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from meshforge.checkpoint.hf import _adapter, copy_param, load_hf_into, write_hf_config
+from meshforge.checkpoint.hf import _adapter, copy_param, load_hf_into, open_safetensors, write_hf_config
 from meshforge.checkpoint.manifest import MANIFEST, model_args_dict
 from meshforge.checkpoint.paths import follow_umask, write_export
 from meshforge.checkpoint.safe_dcp import dcp_load, dcp_tensor_shapes
@@ -301,7 +300,7 @@ def load_peft_adapter(model: nn.Module, pcfg) -> None:
     if sorted(cfg.get("modules_to_save") or []) != saved:
         raise CheckpointError(f"{where / ADAPTER_CONFIG}: modules_to_save={cfg.get('modules_to_save')} but this run "
                               f"trains {saved or 'none'} besides the adapters: set peft.freeze to match")
-    with safe_open(str(where / ADAPTER_WEIGHTS), framework="pt") as sf:
+    with open_safetensors(where / ADAPTER_WEIGHTS, "peft.init_from: ") as sf:
         left = set(sf.keys())
 
         def take(key: str, name: str) -> torch.Tensor:
