@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -548,3 +549,85 @@ def test_crafted_safetensors_are_one_line_naming_the_file_and_nothing_is_written
         rc, errors = run_cli(["checkpoint", "import", index, "--to", tmp_path / "ck"], capsys)
         assert rc == 2 and len(errors) == 1 and "model.safetensors.index.json: " in errors[0], (weight_map, errors)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["indexed"]
+
+
+# ----------------------------------------------------------------------------------- damaged checkpoints
+def _rehash(ck: Path, name: str) -> None:
+    """Record `name`'s new size and sha256 in the manifest (a crafted file the manifest vouches for)."""
+    from meshforge.checkpoint.manifest import file_entry
+
+    m = json.loads((ck / "manifest.json").read_text())
+    m["files"][name] = file_entry(ck / name)
+    (ck / "manifest.json").write_text(json.dumps(m))
+
+
+def _manifest_variants(m: dict) -> dict[str, tuple[str, str]]:
+    """{name: (manifest.json text, the message fragment)}: wrong types, missing keys, nesting."""
+    def edit(**kw):
+        return json.dumps({k: v for k, v in {**m, **kw}.items() if v is not None})
+
+    first = sorted(m["files"])[0]
+    return {
+        "a list": ("[]", "not a manifest (a JSON list, not an object)"),
+        "files a list": (edit(files=[]), "key files must be an object"),
+        "bytes a string": (edit(files={**m["files"], first: {"bytes": "a", "sha256": "0"}}),
+                           f"files.{first} must be an object with bytes"),
+        "step missing": (json.dumps({k: v for k, v in m.items() if k != "step"}), "key step is missing"),
+        "step a string": (edit(step="4"), "key step must be an integer"),
+        "contents a string": (edit(contents="model"), "key contents must be a list"),
+        "model_args a list": (edit(model_args=[]), "key model_args must be an object"),
+        "model_args.dim a string": (edit(model_args={**m["model_args"], "dim": "x"}), "model_args.dim must be int"),
+        "a file outside": (edit(files={**m["files"], "../x": m["files"][first]}), "is not a file name in the"),
+        "nested 5000 deep": ('{"files": ' + "[" * 5000 + "]" * 5000 + "}", "unreadable manifest (RecursionError"),
+    }
+
+
+def test_a_manifest_of_the_wrong_types_is_one_line_naming_the_file_and_key(finished, tmp_path, capsys):
+    ck = tmp_path / "c" / "step_4"
+    shutil.copytree(finished / "checkpoints" / "step_4", ck)
+    good = json.loads((ck / "manifest.json").read_text())
+    for name, (text, fragment) in _manifest_variants(good).items():
+        (ck / "manifest.json").write_text(text)
+        for argv in (["checkpoint", "inspect", ck], ["checkpoint", "inspect", "--no-verify", ck],
+                     ["checkpoint", "export", ck, "--to", tmp_path / "hf"]):
+            rc, errors = run_cli(argv, capsys)
+            assert rc == 2 and len(errors) == 1, (name, argv, errors)
+            assert f"{ck / 'manifest.json'}: " in errors[0] and fragment in errors[0], (name, argv, errors)
+        if name == "step missing":  # a resume reads it the same way (each variant: the slow test below)
+            with pytest.raises(Exception, match=re.escape(fragment)) as err:
+                _train([f"run.output_dir={tmp_path / 'run'}", f"checkpoint.resume={ck}"], steps=5)
+            assert type(err.value).__name__ == "CheckpointError"
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.slow
+def test_a_trainer_state_of_the_wrong_types_is_one_line_naming_the_file_and_key(finished, tmp_path):
+    import torch
+
+    good = torch.load(finished / "checkpoints" / "step_4" / "trainer_state_rank0.pt", weights_only=True)
+    variants = {
+        "a list": ([1, 2], "not a trainer state (a list"),
+        "step a string": ({**good, "step": "x"}, "key step must be an integer"),
+        "scheduler missing": ({k: v for k, v in good.items() if k != "scheduler"}, "key scheduler is missing"),
+        "scheduler.last_epoch a string": ({**good, "scheduler": {**good["scheduler"], "last_epoch": "x"}},
+                                          "key scheduler.last_epoch must be a int"),
+        "scheduler.base_lrs missing": ({**good, "scheduler": {k: v for k, v in good["scheduler"].items()
+                                                              if k != "base_lrs"}}, "key scheduler.base_lrs is missing"),
+        "loader a list": ({**good, "loader": []}, "key loader must be a dict, not a list"),
+        "loader.step missing": ({**good, "loader": {k: v for k, v in good["loader"].items() if k != "step"}},
+                                "loader: key 'step' is missing"),
+        "rng.numpy missing": ({**good, "rng": {k: v for k, v in good["rng"].items() if k != "numpy"}},
+                              "rng: key 'numpy' is missing"),
+        "rng.numpy.kind missing": ({**good, "rng": {**good["rng"], "numpy": {k: v for k, v in good["rng"]["numpy"]
+                                                                             .items() if k != "kind"}}},
+                                   "rng: key 'kind' is missing"),
+    }
+    for name, (state, fragment) in variants.items():
+        ck = tmp_path / "c" / name.replace(" ", "_") / "step_4"
+        shutil.copytree(finished / "checkpoints" / "step_4", ck)
+        torch.save(state, ck / "trainer_state_rank0.pt")
+        _rehash(ck, "trainer_state_rank0.pt")
+        with pytest.raises(Exception, match=re.escape(fragment)) as err:
+            _train([f"run.output_dir={tmp_path / 'run'}", f"checkpoint.resume={ck}", "checkpoint.interval=2"], steps=5)
+        assert type(err.value).__name__ == "CheckpointError" and "trainer_state_rank0.pt: " in str(err.value), name
+        assert not list((tmp_path / "run").glob("checkpoints/step_*")), name

@@ -40,12 +40,12 @@ def add_arguments(parser) -> None:
 
 
 def _inspect(args) -> int:
-    from meshforge.checkpoint.manifest import verify_files
+    from meshforge.checkpoint.manifest import read_manifest, verify_files
     from meshforge.checkpoint.paths import resolve_checkpoint_path
     from meshforge.checkpoint.safe_dcp import dcp_tensor_shapes
 
     path = resolve_checkpoint_path(args.dir)
-    manifest = verify_files(path) if not args.no_verify else json.loads((path / "manifest.json").read_text())
+    manifest = verify_files(path) if not args.no_verify else read_manifest(path)
     if args.json:
         print(json.dumps(manifest, indent=1, sort_keys=True))
         return 0

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from meshforge import outputs
-from meshforge.checkpoint.manifest import MANIFEST, file_entry, new_manifest
+from meshforge.checkpoint.manifest import MANIFEST, file_entry, manifest_model_args, new_manifest, read_manifest
 from meshforge.checkpoint.paths import follow_umask, publish_checkpoint, write_atomic, write_export
 from meshforge.checkpoint.safe_dcp import dcp_load, dcp_tensor_shapes
 from meshforge.distributed.master_weights import write_param
@@ -79,10 +79,11 @@ def copy_param(p: torch.Tensor, t: torch.Tensor) -> None:
 def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, shard_mb: int = 2048) -> dict:
     """Write a meshforge DCP checkpoint's model as HF safetensors + config.json; returns a summary."""
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
-    manifest = json.loads((ckpt_dir / MANIFEST).read_text())
-    if manifest["model_args"].get("hf_model"):
+    manifest = read_manifest(ckpt_dir)
+    args = manifest_model_args(ckpt_dir, manifest)
+    if args.hf_model:
         return export_hf_model(ckpt_dir, out_dir, manifest, shard_mb)
-    model = build_model(ModelArgs(**manifest["model_args"]), device="meta")  # names and adapter, no memory
+    model = build_model(args, device="meta")  # names and adapter, no memory
     adapter = _adapter(model, ckpt_dir)
     shapes = dcp_tensor_shapes(ckpt_dir)
     names = [n for n, _ in _state(model) if adapter.hf_names(n)]  # tied: once

@@ -85,6 +85,28 @@ from meshforge.errors import CheckpointError
 MODEL = "model"  # the part the manager checks against the checkpoint, and the one a weights-only load loads
 
 
+def unlike(saved, mine, name: str, require: bool) -> str | None:
+    """Why a part's saved state cannot be this run's (`mine`: what the part holds now): not a dict where it holds a
+    dict, or a key of another kind (numbers, text, lists, tensors, dicts); with `require` (a part whose load takes
+    any dict silently: torch's LR schedulers), a public key of its own missing. None when alike. One level deep:
+    below, and for missing keys of the other parts, the part's own `load_state_dict` checks (its KeyError is
+    reported as a missing key)."""
+    if not isinstance(mine, dict):
+        return None
+    if not isinstance(saved, dict):
+        return f"key {name} must be a dict, not a {type(saved).__name__}"
+    kinds = ((bool, int, float), (str,), (list, tuple), (torch.Tensor,), (dict,))
+    for key, value in mine.items():
+        if key not in saved:
+            if require and not str(key).startswith("_"):  # private keys differ between torch versions
+                return f"key {name}.{key} is missing"
+            continue
+        kind = next((k for k in kinds if isinstance(value, k)), None)
+        if kind is not None and saved[key] is not None and not isinstance(saved[key], kind):
+            return f"key {name}.{key} must be a {type(value).__name__}, not {saved[key]!r:.60}"
+    return None
+
+
 def rank_file(path: Path, rank: int) -> Path:
     """The per-rank parts' file of `rank` in checkpoint `path`."""
     return path / f"trainer_state_rank{rank}.pt"
@@ -315,14 +337,24 @@ class CheckpointManager:
         except Exception as err:  # noqa: BLE001 - one line naming the file
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise CheckpointError(f"{ts_path}: refused by torch.load(weights_only=True): {first}") from None
+        if not isinstance(own, dict):
+            raise CheckpointError(f"{ts_path}: not a trainer state (a {type(own).__name__}, not a dict)")
+        if type(own.get("step")) is not int:
+            raise CheckpointError(f"{ts_path}: key step " + ("is missing" if "step" not in own else
+                                                              f"must be an integer, not {own['step']!r:.60}"))
         for name, part in self.per_rank.items():
-            if not isinstance(own, dict) or name not in own:
-                raise CheckpointError(f"{ts_path}: holds no {name} state")
+            if name not in own:
+                raise CheckpointError(f"{ts_path}: key {name} is missing (holds no {name} state)")
+            silent = isinstance(part, torch.optim.lr_scheduler.LRScheduler)
+            if (problem := unlike(own[name], part.state_dict(), name, require=silent)) is not None:
+                raise CheckpointError(f"{ts_path}: {problem}")
             try:
                 part.load_state_dict(own[name])
-            except ValueError as err:
-                raise CheckpointError(f"{ts_path}: {err}") from None
-        return int(own["step"])
+            except (ValueError, KeyError, TypeError, AttributeError, IndexError, RuntimeError) as err:
+                what = f"key {err.args[0]!r} is missing" if isinstance(err, KeyError) else \
+                    (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+                raise CheckpointError(f"{ts_path}: {name}: {what}") from None
+        return own["step"]
 
     def close(self) -> None:
         try:

@@ -32,11 +32,11 @@ from safetensors.torch import save_file
 from torch import nn
 
 from meshforge.checkpoint.hf import _adapter, copy_param, load_hf_into, open_safetensors, write_hf_config
-from meshforge.checkpoint.manifest import MANIFEST, model_args_dict
+from meshforge.checkpoint.manifest import MANIFEST, manifest_model_args, model_args_dict, read_manifest
 from meshforge.checkpoint.paths import follow_umask, write_export
 from meshforge.checkpoint.safe_dcp import dcp_load, dcp_tensor_shapes
 from meshforge.errors import CheckpointError
-from meshforge.models import ModelArgs, build_model, init_weights
+from meshforge.models import build_model, init_weights
 from meshforge.models.lora import (
     adapter_modules,
     apply_lora,
@@ -148,8 +148,12 @@ def _peft_model(manifest: dict, where: Path, device: str = "meta"):
                               "without --adapter/--merge")
     from meshforge.config.schema import PeftConfig
 
-    pcfg = PeftConfig(**manifest["peft"])
-    model = build_model(ModelArgs(**manifest["model_args"]), device=device)
+    try:
+        pcfg = PeftConfig(**manifest["peft"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{where / MANIFEST}: key peft is missing or not a peft section "
+                              f"({str(err).splitlines()[0][:200]})") from None
+    model = build_model(manifest_model_args(where, manifest), device=device)
     return model, pcfg
 
 
@@ -183,7 +187,7 @@ def _write_dir(out_dir: Path, files: dict[str, dict | str], hf_config: dict | No
 def export_adapter(ckpt_dir: str | Path, out_dir: str | Path) -> dict:
     """An adapter checkpoint -> PEFT `adapter_config.json` + `adapter_model.safetensors`."""
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
-    manifest = json.loads((ckpt_dir / MANIFEST).read_text())
+    manifest = read_manifest(ckpt_dir)
     model, pcfg = _peft_model(manifest, ckpt_dir)
     adapter = _adapter(model, ckpt_dir)
     apply_lora(model, pcfg)
@@ -226,7 +230,7 @@ def export_adapter(ckpt_dir: str | Path, out_dir: str | Path) -> dict:
 def export_merged(ckpt_dir: str | Path, out_dir: str | Path) -> dict:
     """An adapter checkpoint + its base (rebuilt from `peft_base`) -> merged HF safetensors + config.json."""
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
-    manifest = json.loads((ckpt_dir / MANIFEST).read_text())
+    manifest = read_manifest(ckpt_dir)
     model, pcfg = _peft_model(manifest, ckpt_dir, device="cpu")
     adapter = _adapter(model, ckpt_dir)
     base = manifest.get("peft_base", {})
