@@ -53,7 +53,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "files": (dict,), "step": (int,), "contents": (list,), "model_args": (dict,), "strategy": (str,),
     "world_size": (int,), "layout": (dict,), "config_digest": (str,), "ckpt_format": (str,), "format_version": (int,),
     "peft": (dict,), "peft_base": (dict,), "tokenizer": (str, _NONE), "hf_config": (dict, _NONE),
-    "imported_from": (str,), "torch_version": (str,), "created_utc": (str,)}
+    "imported_from": (str,), "model_inputs": (dict,), "torch_version": (str,), "created_utc": (str,)}
 _REQUIRED = ("files", "step")
 
 

@@ -35,6 +35,7 @@ from meshforge.checkpoint.hf import _adapter, copy_param, load_hf_into, open_saf
 from meshforge.checkpoint.manifest import MANIFEST, manifest_model_args, model_args_dict, read_manifest
 from meshforge.checkpoint.paths import follow_umask, write_export
 from meshforge.checkpoint.safe_dcp import dcp_load, dcp_tensor_shapes
+from meshforge.checkpoint.verify import changed_inputs, folder_inputs
 from meshforge.errors import CheckpointError
 from meshforge.models import build_model, init_weights
 from meshforge.models.lora import (
@@ -234,10 +235,17 @@ def export_merged(ckpt_dir: str | Path, out_dir: str | Path) -> dict:
     model, pcfg = _peft_model(manifest, ckpt_dir, device="cpu")
     adapter = _adapter(model, ckpt_dir)
     base = manifest.get("peft_base", {})
-    if base.get("init_from"):
+    if base.get("init_from"):  # the very base the adapters were trained on, by content
+        what = changed_inputs(manifest.get("model_inputs"),
+                              {"model.init_from": folder_inputs("model.init_from", base["init_from"])})
+        if what is not None:
+            raise CheckpointError(f"{ckpt_dir}: {what}: the adapters were trained on another base; merging them "
+                                  "into this one would give wrong weights: restore the base")
         load_hf_into(model, base["init_from"])
+    elif type(base.get("seed")) is int:
+        init_weights(model, base["seed"])
     else:
-        init_weights(model, int(base["seed"]))
+        raise CheckpointError(f"{ckpt_dir / MANIFEST}: key peft_base must name the base's init_from or seed")
     apply_lora(model, pcfg)
     trained = {n: p.data for n, p in model.named_parameters() if p.requires_grad}
     _load_tensors(ckpt_dir, trained)
