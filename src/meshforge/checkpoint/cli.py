@@ -102,7 +102,7 @@ def _export(args) -> int:
 
 def _check_destination(dest: str, sources: list) -> None:
     """`--to` is new, empty or an earlier export, and holds none of the command's inputs: else one line."""
-    from meshforge import outputs
+    import meshforge.outputs as outputs
 
     problem = outputs.check_folder(dest, outputs.EXPORT, "--to", sources=sources)
     if problem is not None:

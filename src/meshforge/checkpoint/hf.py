@@ -24,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from meshforge import outputs
+import meshforge.outputs as outputs
 from meshforge.checkpoint.manifest import MANIFEST, file_entry, manifest_model_args, new_manifest, read_manifest
 from meshforge.checkpoint.paths import follow_umask, publish_checkpoint, write_atomic, write_export
 from meshforge.checkpoint.safe_dcp import dcp_load, dcp_tensor_shapes

@@ -5,8 +5,9 @@ checkpoint's files against it.
 marks a checkpoint complete. Beside `files` ({name: {bytes, sha256}}) it records the step, `contents` (the
 parts saved: "model" or "adapter", "optim", "trainer_state"), the format, strategy, world size and layout,
 `config_digest`, `model_args` (a resume checks them), and what the parts add (`parts.py`: the LoRA settings,
-the export's tokenizer and config.json). `verify_files` splits the hashing among the ranks and fails with one
-line naming the file.
+the export's tokenizer and config.json, `model_inputs`: the content fingerprint of the folders the model
+started from, `verify.py`). `read_manifest` checks the type of every key a reader uses (a manifest is data
+from disk); `verify_files` splits the hashing among the ranks and fails with one line naming the file.
 """
 
 from __future__ import annotations
@@ -99,10 +100,11 @@ def read_manifest(path: Path) -> dict:
 def _check_model_args(mpath: Path, saved: dict) -> None:
     from meshforge.models import ModelArgs
 
+    kinds = {bool: (bool,), int: (int, float), float: (int, float), str: (str,)}  # a number is a number
     for f in dataclasses.fields(ModelArgs):
         want, got = type(f.default), saved.get(f.name)
-        if f.name in saved and want in (int, float, bool, str) and got is not None and not (
-                type(got) is want or (want is float and type(got) is int)):
+        if f.name in saved and want in kinds and got is not None and (
+                type(got) not in kinds[want] or (want is not bool and isinstance(got, bool))):
             raise CheckpointError(f"{mpath}: model_args.{f.name} must be {want.__name__}, not {json.dumps(got)[:60]}")
 
 

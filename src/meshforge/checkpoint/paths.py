@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from meshforge import outputs
+import meshforge.outputs as outputs
 from meshforge.checkpoint.manifest import MANIFEST
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
