@@ -12,7 +12,7 @@ ones too, except under `if TYPE_CHECKING:`):
     checkpoint                          stateful parts, commit protocol, resume, HF weight I/O
     generation                          decoding (KV cache, sampling), `meshforge generate`
     training                            the Trainer and its parts
-    testing, bench, verify, cli, ...    tools on top
+    testing, bench, scale, verify, evaluation, cli  tools on top
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ LAYERS = [
     {"checkpoint"},
     {"generation"},
     {"training"},
-    {"testing", "bench", "verify", "plot", "cli", "__init__", "__main__"},
+    {"testing", "bench", "scale", "verify", "plot", "evaluation", "cli", "__init__", "__main__"},
 ]
 LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 # what a model is made of: names no code outside models/ may spell (the model contract says it instead)

@@ -61,8 +61,11 @@ class Family:
     # module:function giving that model's torch-free description (models/shapes.py), which the planner reads
     model: str = "meshforge.models.moe:decoder_class"
     description: str = "meshforge.models.shapes:describe"
-    rope_types: tuple[str, ...] = ("default", "llama3")  # the `model.rope_type`s its model computes
-    moe_packing: bool = False  # its MoE model takes packed sequences' document ids (its dense model always does)
+    rope_types: tuple[str, ...] = ("default", "llama3")  # the `model.rope_type`s its model computes and exports
+    # its model masks sliding windows exactly (per layer, also under context parallelism and packing), so
+    # `training.seq_len` may exceed `model.sliding_window` (Mistral's model does not: a rule refuses that)
+    exact_windows: bool = False
+    packs_documents: bool = False  # its MoE model's forward masks packed documents (every dense model's does)
 
     def model_class(self, args: ModelArgs) -> type:
         return _resolve(self.model)(args)

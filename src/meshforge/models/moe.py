@@ -91,14 +91,15 @@ class Router(nn.Module):
     weights stay the unbiased scores'; after each optimizer step the bias of every expert moves by the rate towards
     the mean load, b_i += rate * sign(mean_j load_j - load_i), from the load of the whole global batch (the
     distributed package sums it over the ranks, `expert_parallel.update_router_biases`). The bias stays fp32 when
-    the model is cast (its updates are below bf16's resolution near 1; transformers keeps it fp32 too)."""
+    the model is cast (its updates are below bf16's resolution near 1; transformers keeps it fp32 too). The gate
+    itself may have a bias (`bias`, a parameter: GPT-OSS)."""
 
     def __init__(self, dim: int, n_experts: int, top_k: int, score_func: str, route_norm: bool,
-                 bias_update_rate: float = 0.0):
+                 bias_update_rate: float = 0.0, bias: bool = False):
         super().__init__()
         if score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"model.score_func={score_func!r} must be softmax or sigmoid")
-        build_children(self, shapes.router(dim, n_experts, top_k, score_func, route_norm, bias_update_rate))  # gate
+        build_children(self, shapes.router(dim, n_experts, top_k, score_func, route_norm, bias_update_rate, bias))
         self.n_experts, self.top_k, self.score_func, self.route_norm = n_experts, top_k, score_func, route_norm
         self.bias_update_rate = bias_update_rate
         if bias_update_rate > 0:
@@ -206,8 +207,9 @@ class GroupedExperts(nn.Module):
             w = w.to_local()
         return _ScaleGrad.apply(w, self.grad_scale) if self.grad_scale != 1.0 else w
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x: (N, dim) rows grouped by expert in order; counts: (local experts,) rows per expert."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, counts_list: list[int] | None = None) -> torch.Tensor:
+        """x: (N, dim) rows grouped by expert in order; counts: (local experts,) rows per expert (`counts_list`:
+        the same, when the host already knows them: balanced routing)."""
         w1, w3, w2 = self._local(self.w1), self._local(self.w3), self._local(self.w2)
         if len(self.adapters):
             w1, w3, w2 = self._adapted(w1, w3, w2)
@@ -222,9 +224,15 @@ class GroupedExperts(nn.Module):
             return out
         # every expert runs, also on zero rows: its weights then get a zero gradient, never None
         outs = []
-        for e, xe in enumerate(torch.split(x, counts.tolist())):
+        for e, xe in enumerate(torch.split(x, counts.tolist() if counts_list is None else counts_list)):
             outs.append(swiglu(xe @ w1[e], xe @ w3[e]) @ w2[e])
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
+
+
+def balanced_counts(copies: int, n_experts: int) -> list[int]:
+    """Token copies per expert when copy i goes to expert i % n_experts."""
+    base, extra = divmod(copies, n_experts)
+    return [base + (e < extra) for e in range(n_experts)]
 
 
 @buildable
@@ -242,6 +250,9 @@ class MoE(nn.Module):
         self.stats_reducer = None
         self.aux_grad_scale = 1.0
         self.last_counts: torch.Tensor | None = None  # token copies per expert of the last forward (stats)
+        # route token copy i to expert i % n_experts whatever the scores: every expert gets the same load, known
+        # without reading a value (the scale trace runs on fake tensors, which have none)
+        self.balanced_routing = False
         # auxiliary-loss-free balancing: token copies per expert since the last bias update (a plain attribute, not
         # a buffer: DDP would overwrite buffers with rank 0's at every forward)
         self.expert_load: torch.Tensor | None = None
@@ -271,13 +282,21 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         scores, idx, weights = self.router(x)
+        counts_list = None
+        if self.balanced_routing:
+            copies = idx.numel()
+            idx = torch.arange(copies, device=x.device).remainder(self.n_experts).view(idx.shape)
+            counts_list = balanced_counts(copies, self.n_experts)
+            counts = torch.tensor(counts_list, device=x.device)
         flat = idx.reshape(-1)
-        counts = torch.bincount(flat, minlength=self.n_experts)
+        if counts_list is None:
+            counts = torch.bincount(flat, minlength=self.n_experts)
         aux = self.load_balance_loss(scores, counts)
         order = torch.argsort(flat, stable=True)  # token copies grouped by expert, token order inside
         token = order // self.top_k
         xs = x[token]
-        ys = self.experts(xs, counts) if self.dispatcher is None else self.dispatcher(xs, counts, self.experts)
+        ys = (self.experts(xs, counts, counts_list) if self.dispatcher is None
+              else self.dispatcher(xs, counts, self.experts, counts_list))
         ys = ys * weights.reshape(-1)[order].unsqueeze(-1).to(ys.dtype)
         out = torch.zeros(x.shape[0], ys.shape[-1], dtype=ys.dtype, device=ys.device).index_add(0, token, ys)
         out = out.to(x.dtype)
@@ -336,7 +355,7 @@ class MoETransformer(Llama):
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        cos, sin = rope_cos_sin(positions, self.args.hd, self.args.rope_theta, self.args)
+        cos, sin = rope_cos_sin(positions, self.args)
         mask = cache_mask(cache, tokens, None)
         aux = None
         for i, block in enumerate(self.layers.values()):
@@ -347,10 +366,9 @@ class MoETransformer(Llama):
         return with_aux_loss(self, self.head(h), aux)
 
     # ------------------------------------------------------------ declared plans
-    @staticmethod
-    def tp_plan(sequence_parallel: bool = False) -> dict[str, str]:
+    def tp_plan(self, sequence_parallel: bool = False) -> dict[str, str]:
         """Attention and shared experts split as in Llama; router and routed experts stay whole (EP splits those)."""
-        return shapes.moe_tp_plan(sequence_parallel)  # declared in models/shapes.py, which the planner reads
+        return shapes.tp_plan(self.args, sequence_parallel)  # declared in models/shapes.py, which the planner reads
 
     def init_spec(self, name: str) -> InitSpec:
         if name.endswith("experts.w2"):  # stacked routed experts' down projection: a residual projection

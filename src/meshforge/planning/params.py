@@ -28,6 +28,7 @@ class ParamRec:
     # sequence-sharded) and the LoRA factor kept whole beside a split base layer
     partial_grad: bool = False
     adapter: bool = False  # a LoRA factor (`models.lora.is_adapter_param`), decided once: the search asks often
+    tied: bool = False  # also the last stage's (a tied embedding and output head: listed once, as the first's)
 
 
 def model_params(cfg) -> tuple[list[ParamRec], object]:
@@ -35,7 +36,7 @@ def model_params(cfg) -> tuple[list[ParamRec], object]:
     from meshforge.models import plan_modules, resolve_model_args
     from meshforge.models.shapes import ADAPTER_PARTS, is_adapter_param
     from meshforge.models.shapes import model_contract
-    from meshforge.planning.tp_plan import resolve_plan, sharded_dim
+    from meshforge.planning.tp_plan import PARTIAL_GRAD_STYLES, resolve_plan, sharded_dim
 
     args = resolve_model_args(cfg.model)
     one, modules = plan_modules(cfg.model)  # torch-free for the built-in models (models/shapes.py)
@@ -50,6 +51,10 @@ def model_params(cfg) -> tuple[list[ParamRec], object]:
         styles, _, _ = resolve_plan(one, d.sequence_parallel, d.tp_plan, modules)
     # the stacked expert weights and their per-expert LoRA factors (dim 0 = expert: they shard with EP)
     expert_ids = {id(p) for layer in contract.moe_layers() for p in layer.experts.parameters()}
+    owners: dict[int, set[str]] = {}  # parameter -> the pipeline places of the modules holding it
+    for mname, mod in modules.items():
+        for _, p in mod.named_parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(_place(mname, layout))
     out, seen = [], set()
     for mname, mod in modules.items():
         block = None
@@ -60,13 +65,12 @@ def model_params(cfg) -> tuple[list[ParamRec], object]:
             if key in seen:
                 continue
             seen.add(key)
-            place = "block" if block is not None else "other"
-            if layout is not None and block is None:
-                top = mname.split(".")[0]
-                place = "first" if top in layout.first_stage else "last" if top in layout.last_stage else "other"
+            place = "block" if block is not None else _place(mname, layout)
             style = styles.get(mname)
             tp_dim = sharded_dim(mod, style) if style else None
-            partial = style == "sequence_parallel"
+            if tp_dim is not None and tp_dim >= len(p.shape):  # a row-wise projection's bias stays whole
+                tp_dim = None
+            partial = style in PARTIAL_GRAD_STYLES
             parent, _, part = mname.rpartition(".")
             if part in ADAPTER_PARTS and styles.get(parent):
                 # LoRA factors follow their base layer's style (distributed/tensor_parallel.py): under colwise B is
@@ -75,8 +79,16 @@ def model_params(cfg) -> tuple[list[ParamRec], object]:
                 partial = tp_dim is None
             full = f"{mname}.{pname}" if mname else pname
             out.append(ParamRec(full, tuple(p.shape), block, tp_dim, id(p) in expert_ids, place, p.requires_grad,
-                                partial, is_adapter_param(full)))
+                                partial, is_adapter_param(full), {"first", "last"} <= owners[id(p)]))
     return out, args
+
+
+def _place(mname: str, layout) -> str:
+    """The pipeline place of a module outside the blocks: "first", "last" or "other"."""
+    if layout is None:
+        return "other"
+    top = mname.split(".")[0]
+    return "first" if top in layout.first_stage else "last" if top in layout.last_stage else "other"
 
 
 def _with_lora(one, modules: dict, peft):

@@ -48,6 +48,7 @@ from meshforge.distributed.env import (
 from meshforge.distributed.mesh import MeshContext
 from meshforge.distributed.runtime import ParallelModel
 from meshforge.errors import ConfigError
+from meshforge.launch import restart_attempt
 from meshforge.models import contract_of, resolve_model_args
 from meshforge.training import faults, rundir
 from meshforge.training.logger import MetricsLogger
@@ -129,6 +130,11 @@ class Trainer:
         reports = [getattr(s, "report", None) for s in (source, val_source) if s is not None]
         trainer.data_notes = [f"{'validation ' if i else ''}{r}" for i, r in enumerate(reports) if r
                               and r not in reports[:i]]
+        if cfg.data.mix:  # the weights, and the shares the schedule gives the whole run
+            run = (loader.loader if hasattr(loader, "loader") else loader).realised(t.max_steps)
+            trainer.data_notes.append("data mix: " + ", ".join(
+                f"{n} weight {w:.4f} realised {run[n]:.4f}" for n, w in source.shares().items()) +
+                f" (samples of the {t.max_steps * t.global_batch_size} this run trains on)")
         return trainer
 
     # ------------------------------------------------------------------ one step
@@ -195,6 +201,10 @@ class Trainer:
         log.start(cfg, world_size=info.world_size, layout=self.mesh_ctx.layout.named_shape(), device=str(info.device))
         for w in config_rules.warnings(cfg, info.world_size):
             log.info(f"warning: {w}")
+        restarts, cause = restart_attempt()
+        if restarts:
+            log.info(f"meshforge: restart {restarts} (after: {cause or 'a failure its launcher did not name'}): "
+                     f"resumed at step {self.step}")
         for note in [*self.data_notes, self.loader.resume_note]:  # (resume_note: resumed onto changed data)
             if note:
                 log.info(note)
@@ -280,6 +290,8 @@ class _Throughput:
         self.peak = device_peak_tflops(trainer.info.device, trainer.cfg.logging.peak_tflops)
         self.tokens_per_step = t.global_batch_size * t.seq_len
         self.t0, self.step0 = time.perf_counter(), trainer.step
+        self.restarts, self.cause = restart_attempt()
+        self.mix = getattr(trainer.loader, "loader", trainer.loader) if trainer.cfg.data.mix else None
 
     def log(self, result: TrainResult) -> None:
         tr = self.trainer
@@ -292,6 +304,12 @@ class _Throughput:
                         tr.info.world_size, self.peak)
         rec.update(tokens_per_s=tp["tokens_per_s"], tflops=tp["tflops"], mfu=tp["mfu"],
                    max_mem_gib=max_memory_gib(tr.info.device))
+        if self.restarts:  # every record of a restarted attempt; the cause on its first
+            rec["restarts"] = self.restarts
+            if self.cause is not None:
+                rec["restart_cause"], self.cause = self.cause, None
+        if self.mix is not None:  # data.mix: each source's share of the samples trained on so far
+            rec.update({f"mix/{n}": v for n, v in self.mix.realised(tr.step).items()})
         self.logger.log(rec)
         self.t0, self.step0 = time.perf_counter(), tr.step
 
