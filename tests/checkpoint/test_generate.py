@@ -23,11 +23,15 @@ from meshforge.generation.load import load  # noqa: E402
 from test_hf_deepseek_v3 import CASES as DEEPSEEK_CASES  # noqa: E402
 from test_hf_deepseek_v3 import hf_random_deepseek  # noqa: E402
 from test_hf_families import CASES, hf_random_model  # noqa: E402
+from test_hf_layered_families import CASES as LAYERED_CASES  # noqa: E402
+from test_hf_layered_families import hf_model as hf_layered_model  # noqa: E402
 
 PROMPTS = [[5, 9, 11, 3, 7, 20, 21], [4, 8], [30, 31, 32, 33]]  # different lengths: left padding
 NEW = 12
 FAMILY_MODELS = {**{n: (lambda c=c, e=e: hf_random_model(c, e)) for n, (c, e, _) in CASES.items()},
-                 **{f"deepseek_v3 {n}": (lambda e=e: hf_random_deepseek(e)) for n, (e, _, _) in DEEPSEEK_CASES.items()}}
+                 **{f"deepseek_v3 {n}": (lambda e=e: hf_random_deepseek(e)) for n, (e, _, _) in DEEPSEEK_CASES.items()},
+                 # sliding windows shorter than prompt + new tokens, attention sinks, per-layer RoPE, soft-capped logits
+                 **{n: (lambda c=c, e=e: hf_layered_model(c, e)) for n, (c, e, *_) in LAYERED_CASES.items()}}
 CPU = torch.device("cpu")
 
 

@@ -3,8 +3,8 @@
 `MeshforgeLM` is lm-eval's model API over one process's plain model: `loglikelihood` (lm-eval's `TemplateLM`
 splits context and continuation as it does for Hugging Face models: the whole string encoded, the context's
 tokens cut off), `loglikelihood_rolling` (lm-eval's disjoint rolling windows of the model's context, as HFLM),
-and `generate_until` (greedy, `greedy_until` below: a full forward per new token, no KV cache: the plain loop
-until `meshforge generate` lands, which has one). Requests are scored one sequence at a time, in fp32, so
+and `generate_until` (greedy, `greedy_until` below: `meshforge generate`'s decoding loop with its KV cache).
+Requests are scored one sequence at a time, in fp32, so
 scores do not depend on batching or padding.
 
 Tasks come from local files only: `--tasks` names tasks in `--include` folders of lm-eval task YAML (its
@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from meshforge.errors import ConfigError
+from meshforge.generation.decode import Sampling, generate_ids
 
 
 def _lm_eval():
@@ -32,17 +33,12 @@ def _lm_eval():
 
 
 def greedy_until(model, ids: list[int], max_new: int, max_len: int, stop_ids: set[int]) -> list[int]:
-    """Greedy continuation of `ids`: a full forward per token (no KV cache), the context cut to the model's
-    `max_len` last tokens; stops at a token of `stop_ids` (not returned) or after `max_new` tokens."""
-    device = next(model.parameters()).device
-    out: list[int] = []
-    for _ in range(max_new):
-        x = torch.tensor([(ids + out)[-max_len:]], device=device)
-        nxt = int(model(x)[0, -1].argmax())
-        if nxt in stop_ids:
-            break
-        out.append(nxt)
-    return out
+    """Greedy continuation of `ids` by generation's decoding loop (KV cache, `generation/decode.py`), the prompt
+    cut on the left to leave room for `max_new` tokens in the model's `max_len` (as lm-eval's HF model does); stops
+    at a token of `stop_ids` (not returned) or after `max_new` tokens."""
+    keep = max(max_len - max_new, 1)
+    out = generate_ids(model, [ids[-keep:]], max_new, Sampling(), stop_ids, max_len)[0]
+    return out[:-1] if out and out[-1] in stop_ids else out
 
 
 def make_lm(em, max_length: int | None = None, max_gen_toks: int = 256):

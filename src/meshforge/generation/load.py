@@ -41,8 +41,9 @@ class Loaded:
 
     @property
     def context(self) -> int:
-        """Tokens the model can attend over: its context length (a sliding window bounds it, being exact within)."""
-        window = self.args.sliding_window
+        """Tokens the model can attend over: its context length; a sliding window the model does not apply itself
+        (Mistral's, on the Llama forward) bounds it, being exact within."""
+        window = None if getattr(self.model, "applies_windows", False) else self.args.sliding_window
         return min(self.args.max_seq_len, window) if window else self.args.max_seq_len
 
     def stop_ids(self) -> set[int]:
