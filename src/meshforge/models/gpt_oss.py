@@ -81,8 +81,8 @@ class GptOssExperts(GroupedExperts):
         self.adapters = nn.ModuleDict()
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, counts_list: list[int] | None = None) -> torch.Tensor:
-        """x: (N, dim) rows grouped by expert in order; counts: (local experts,) rows per expert (`counts_list`: the
-        same on the host where the caller knows it, as `GroupedExperts.forward`)."""
+        """x: (N, dim) rows grouped by expert in order; counts: (local experts,) rows per expert (`counts_list`:
+        the same, when the host already knows them: balanced routing)."""
         w1, b1 = self._local(self.gate_up_proj), self._local(self.gate_up_proj_bias)
         w2, b2 = self._local(self.down_proj), self._local(self.down_proj_bias)
         if len(self.adapters):
