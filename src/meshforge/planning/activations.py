@@ -151,11 +151,18 @@ def loss_backward_bytes(args, cfg, layout: Layout, micro_batch: int | None = Non
         # nll_loss and log_softmax (two at once), or loss_parallel's fused backward under TP (three: its zeros, the
         # exponentials, their sum)
         return tokens * (args.vocab_size // layout.tp) * (e + (3 if layout.tp > 1 else 2) * F32)
-    v, d = args.vocab_size, args.dim
+    # under TP the vocabulary-parallel loss (distributed/vocab_parallel_loss.py): this rank's rows of the head only
+    v, d = -(-args.vocab_size // layout.tp), args.dim
     eh = residual_bytes(cfg, layout)
     chunk = min(tokens, max(1, 2**28 // v))
-    out = tokens * d * eh + chunk * v * (F32 + e) + (chunk * d * e if eh != e else 0)
-    return out + (v * d * (F32 + e) if head_trains else 0)
+    out = tokens * d * eh + (chunk * d * e if eh != e else 0)
+    if layout.tp == 1:  # the chunk's fp32 logits stay alive beside their cast (models/loss.py)
+        return out + chunk * v * (F32 + e) + (v * d * (F32 + e) if head_trains else 0)
+    # the vocabulary-parallel backward drops a chunk's fp32 gradient once cast: the weight's gradient product
+    # meets only the cast (measured with the scale trace at Llama 3 8B shapes, TP 2: exact)
+    if not head_trains:
+        return out + chunk * v * (F32 + e)
+    return out + v * d * F32 + max(chunk * v * (F32 + e), chunk * v * e + v * d * e)
 
 
 def embedding_backward_bytes(args, cfg, layout: Layout, micro_batch: int | None = None) -> int:
