@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from meshforge.cli import main as cli_main  # noqa: E402
-from meshforge.errors import ConfigError  # noqa: E402
+from meshforge.errors import CheckpointError, ConfigError  # noqa: E402
 from meshforge.models import build_model, resolve_model_args  # noqa: E402
 from meshforge.testing.parity import config, single_info  # noqa: E402
 from meshforge.training.trainer import Trainer  # noqa: E402
@@ -95,3 +95,26 @@ def test_resume_and_peft_init_from(flow):
                                   steps=1, world_size=1), single_info())
     with torch.no_grad():
         assert (loaded.pm.model.eval()(tokens) - logits).abs().max() < ATOL
+
+
+def test_a_changed_base_folder_is_refused_on_resume_and_merge(flow, tmp_path, capsys):
+    """The model.hf_model folder is a LoRA run's frozen base: the manifest fingerprints it by content, as it does
+    model.init_from's, so a resume or a merge onto weights replaced under the same path is refused naming the file."""
+    tmp, _, _, _ = flow
+    ck = tmp / "run" / "checkpoints" / "step_2"
+    inputs = json.loads((ck / "manifest.json").read_text())["model_inputs"]["model.hf_model"]
+    assert {k.rpartition("/")[2] for k in inputs["files"]} == {"config.json", "model.safetensors"}
+    weights = tmp / "base" / "model.safetensors"
+    original = weights.read_bytes()
+    try:
+        weights.write_bytes(original[:-3] + bytes([original[-3] ^ 1]) + original[-2:])
+        with pytest.raises(CheckpointError, match=r"model.hf_model: .*model.safetensors changed since the "
+                                                  r"checkpoint \(content\)"):
+            _train([f"model.hf_model={tmp / 'base'}", *LORA, f"run.output_dir={tmp_path / 'resumed'}",
+                    f"checkpoint.resume={ck}"])
+        assert cli_main(["checkpoint", "export", str(ck), "--to", str(tmp_path / "merged"), "--merge"]) == 2
+        err = capsys.readouterr().err
+        assert "model.safetensors changed since the checkpoint" in err and "another base" in err
+        assert not (tmp_path / "merged").exists()
+    finally:
+        weights.write_bytes(original)

@@ -58,7 +58,8 @@ def _packing(folder: Path) -> str:
     from meshforge.models import packing_problem
     from meshforge.models.hf_auto import hf_model_args, probe_model
 
-    problem = packing_problem(probe_model(hf_model_args(folder)))
+    args = hf_model_args(folder)
+    problem = packing_problem(args, probe_model(args))
     return "refused: " + _short(problem, folder) if problem else "passes"
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from meshforge.config.strategies import dp_size, either, strategy_specs
-from meshforge.models import FAMILIES, resolve_model_args
+from meshforge.models import FAMILIES, packing_problem, resolve_model_args
 from meshforge.planning.layout import Layout
 from meshforge.planning.precision import fused_loss_conflict, fused_loss_note
 from meshforge.planning.pipeline_plan import pipeline_problems
@@ -163,6 +163,14 @@ def overwrite_starts_fresh(cfg: Config, world_size: int) -> list[str]:
 
 
 @rule
+def restarts_resume(cfg: Config, world_size: int) -> list[str]:
+    if cfg.resilience.max_restarts and cfg.checkpoint.resume != "auto":
+        return [f"resilience.max_restarts={cfg.resilience.max_restarts} restarts from the last committed checkpoint, "
+                f"but checkpoint.resume={cfg.checkpoint.resume}: set checkpoint.resume=auto (or max_restarts 0)"]
+    return []
+
+
+@rule
 def checkpoint_format(cfg: Config, world_size: int) -> list[str]:
     fmt, spec = cfg.checkpoint.ckpt_format, cfg.distributed.spec
     if fmt is not None and fmt not in spec.ckpt_formats:
@@ -226,7 +234,7 @@ def model_fits_data(cfg: Config, world_size: int) -> list[str]:
     if args.sliding_window is not None and cfg.training.seq_len > args.sliding_window and not exact_windows:
         out.append(f"training.seq_len={cfg.training.seq_len} exceeds model.sliding_window={args.sliding_window}: "
                    "sliding-window attention is exact only up to the window; shorten seq_len")
-    if cfg.data.source == "text" and args.vocab_size < 256:
+    if any(s.source == "text" for s in cfg.data.sources()) and args.vocab_size < 256:
         out.append(f"model.vocab_size={args.vocab_size} is smaller than the 256 byte tokens of data.source=text")
     d = cfg.distributed
     if d.tp_size > 1:
@@ -359,7 +367,7 @@ def hf_model_builds(cfg: Config, world_size: int) -> list[str]:
     args = _model_args(cfg)
     if not cfg.model.hf_model or args is None:
         return []
-    from meshforge.models import packing_problem, probe_model
+    from meshforge.models import probe_model
 
     try:
         model = probe_model(args)
@@ -367,7 +375,8 @@ def hf_model_builds(cfg: Config, world_size: int) -> list[str]:
             model.check_seeded_start(cfg.run.seed)  # (refused for a parameter with no seeded initialisation)
     except ValueError as err:
         return [str(err)]
-    problem = packing_problem(model) if cfg.data.packing else None  # (a larger model: distributed/build.py)
+    packing = any(s.packing for s in cfg.data.sources())
+    problem = packing_problem(args, model) if packing else None  # (a larger model: distributed/build.py)
     if problem:
         return [problem]
     if not cfg.distributed.block_classes and not model.blocks():
@@ -465,6 +474,9 @@ def warnings(cfg: Config, world_size: int | None = None) -> list[str]:
         out.append("distributed.moe is ignored because ep_size=1")
     for fn in d.spec.warnings:
         out += fn(cfg, ws)
+    if cfg.resilience.max_restarts and not cfg.checkpoint.interval:
+        out.append(f"resilience.max_restarts={cfg.resilience.max_restarts} with checkpoint.interval=0: a restart "
+                   "finds no checkpoint and starts again from step 0")
     fused = fused_loss_note(cfg)
     if fused:
         out.append(fused)
@@ -496,7 +508,7 @@ def resolved_ckpt_format(cfg: Config) -> str:
 @rule
 def validation_data(cfg: Config, world_size: int) -> list[str]:
     """training.val_every and data.validation go together: either alone would do nothing."""
-    every, val = cfg.training.val_every, cfg.data.validation
+    every, val = cfg.training.val_every, [s.validation for s in cfg.data.sources() if s.validation] or None
     if every and val is None:
         return [f"training.val_every={every} needs data.validation (paths: [files] or fraction: 0.05)"]
     if val is not None and not every:
@@ -505,19 +517,26 @@ def validation_data(cfg: Config, world_size: int) -> list[str]:
 
 
 @rule
+def samples_support(cfg: Config, world_size: int) -> list[str]:
+    """logging.samples runs the whole sequence through the model on every rank: not through pipeline stages (the
+    schedule drives their forwards) or context parallelism (it splits the sequence)."""
+    d = cfg.distributed
+    if cfg.logging.samples is None:
+        return []
+    return [f"logging.samples with distributed.{k}={v} is not supported yet: generate from a checkpoint with "
+            "`meshforge generate` instead" for k, v in (("pp_size", d.pp_size), ("cp_size", d.cp_size)) if v > 1]
+
+
+@rule
 def packing_support(cfg: Config, world_size: int) -> list[str]:
     """Packed sequences need the document mask in every attention: the dense model's or the context-parallel one
     (which masks its load-balanced chunks with the full document ids), not through pipeline stages (they do not
     carry it yet)."""
-    if not cfg.data.packing:
+    if not any(s.packing for s in cfg.data.sources()):
         return []
     d, out = cfg.distributed, []
     if d.pp_size > 1:
         out.append(f"data.packing=true with distributed.pp_size={d.pp_size} is not supported yet: set pp_size 1")
     args = _model_args(cfg)
-    packs = args is not None and not args.hf_model and FAMILIES[args.family].packs_documents
-    if args is not None and args.is_moe and not packs:
-        packing = [f.name for f in FAMILIES.values() if f.has_experts and f.packs_documents]
-        out.append(f"data.packing=true with a mixture-of-experts model (model.family={args.family}) is not supported "
-                   f"yet ({' and '.join(packing)} are)")
-    return out
+    problem = packing_problem(args) if args is not None else None  # (a model.hf_model: `hf_model_builds`)
+    return out + ([problem] if problem else [])

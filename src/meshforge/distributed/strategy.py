@@ -120,8 +120,10 @@ class Strategy:
     def zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
 
-    def materialize(self, model: nn.Module, seed: int) -> None:
-        """Allocate a meta-device model on the device and initialise it exactly like a full one would be."""
+    def materialize(self, model: nn.Module, seed: int, init: bool = True) -> nn.Module:
+        """Allocate a meta-device model on the device and initialise it exactly like a full one would be
+        (`init=False`: allocate only, for a run whose values are never read: the scale trace's fake tensors).
+        Returns the module to run: a strategy whose wrapper needs real parameters wraps here."""
 
         def copy(p, full):
             if isinstance(p, DTensor):
@@ -132,12 +134,14 @@ class Strategy:
 
         inner = self.unwrap(model)
         inner.to_empty(device=self.param_device)
-        init_weights(inner, seed, copy_fn=copy)
+        if init:
+            init_weights(inner, seed, copy_fn=copy)
         if self.param_device != self.device:  # buffers compute on the device
             for m in inner.modules():
                 for k, b in m._buffers.items():
                     if b is not None:
                         m._buffers[k] = b.to(self.device)
+        return model
 
     @property
     def param_device(self) -> torch.device:

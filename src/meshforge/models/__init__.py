@@ -200,15 +200,23 @@ def load_folder_weights(model) -> bool:
     return load(model)
 
 
-def packing_problem(model) -> str | None:
-    """Why (one line) a `model.hf_model` cannot train packed sequences (transformers keeps documents apart only in
-    models that build their mask from restarting position ids; measured, models/hf_auto.py); None for any other
-    model."""
-    from meshforge.models.hf_auto import HFCausalLM
+def packing_problem(args: ModelArgs, model=None) -> str | None:
+    """Why (one line) this model cannot train packed sequences (`data.packing`), or None: one answer for every
+    model. A family's own model declares it (every dense model keeps documents apart through its document mask, an
+    MoE model where `Family.packs_documents` says its experts' forward takes the document ids too); a
+    `model.hf_model` is measured once it is built (`model`: transformers keeps documents apart only in models that
+    build their mask from restarting position ids, models/hf_auto.py; None before)."""
+    if args.hf_model:
+        from meshforge.models.hf_auto import HFCausalLM
 
-    problem = model.packing_problem() if isinstance(model, HFCausalLM) else None
-    return f"data.packing=true with model.hf_model={model.source}: {problem}: set data.packing false" if problem \
-        else None
+        problem = model.packing_problem() if isinstance(model, HFCausalLM) else None
+        return f"data.packing=true with model.hf_model={args.hf_model}: {problem}: set data.packing false" \
+            if problem else None
+    if args.is_moe and not FAMILIES[args.family].packs_documents:
+        packing = [f.name for f in FAMILIES.values() if f.has_experts and f.packs_documents]
+        return (f"data.packing=true with a mixture-of-experts model (model.family={args.family}) is not supported "
+                f"yet ({' and '.join(packing)} are)")
+    return None
 
 
 def args_from_hf_config(config: dict) -> dict:

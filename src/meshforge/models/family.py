@@ -65,7 +65,8 @@ class Family:
     # its model masks sliding windows exactly (per layer, also under context parallelism and packing), so
     # `training.seq_len` may exceed `model.sliding_window` (Mistral's model does not: a rule refuses that)
     exact_windows: bool = False
-    packs_documents: bool = False  # its MoE model's forward masks packed documents (every dense model's does)
+    # its MoE model's forward masks packed documents (every dense model's does); `models.packing_problem` asks
+    packs_documents: bool = False
 
     def model_class(self, args: ModelArgs) -> type:
         return _resolve(self.model)(args)

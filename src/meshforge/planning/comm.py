@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import math
 
+from meshforge.planning.activations import lowered_passes
 from meshforge.planning.layout import Layout, MeshAxis
 from meshforge.planning.params import F32, ParamRec
-from meshforge.planning.precision import bf16_compute, fused_loss_on
+from meshforge.planning.precision import bf16_compute, fused_loss_on, residual_bytes
 from meshforge.planning.state import pipeline_plan_of, stage_params, terms_of
 from meshforge.planning.terms import AddComm
 
@@ -36,8 +37,9 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
     accum = 1 if layout.pp > 1 else n_micro
     stages = stage_params(params, cfg, layout, c[MeshAxis.PP], args.n_layers)
     terms = terms_of(cfg)
-    for stage in stages:
-        terms.comm(stage, cfg, layout, accum, add)
+    passes = _stage_passes(cfg, layout, c[MeshAxis.PP], args.n_layers, len(stages))
+    for i, stage in enumerate(stages):
+        terms.comm(stage, cfg, layout, accum, add, passes[i])
     mine = [p for st in stages for p in st]
     if layout.tp > 1:
         _tensor_parallel(mine, args, cfg, layout, n_micro, add)
@@ -48,10 +50,13 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
     _grad_norm(mine, terms, cfg, layout, add)
     if layout.pp > 1:
         pplan = pipeline_plan_of(cfg, layout, args.n_layers)
-        e = 2 if bf16_compute(cfg) else F32
+        e = residual_bytes(cfg, layout)  # the hidden states a stage hands on
         act = (pplan.microbatch_size * t.seq_len // layout.cp * args.dim
                // (layout.tp if cfg.distributed.sequence_parallel else 1))
-        add("pp", "send_recv", 2 * pplan.n_microbatches * act * e * len(pplan.rank_stages(c[MeshAxis.PP])))
+        # per micro batch a stage receives its input and sends its gradient back (all but the first), sends its
+        # output and receives its gradient (all but the last); each send and each receive counted
+        ends = sum((s > 0) + (s < pplan.num_stages - 1) for s in pplan.rank_stages(c[MeshAxis.PP]))
+        add("pp", "send_recv", 2 * pplan.n_microbatches * act * e * ends)
         add("pp", "broadcast", F32)  # the last stage's loss to the other stages
         add("pp", "all_reduce", F32)  # the stages' squared gradient norms
     if layout.ep > 1 and args.is_moe:
@@ -62,6 +67,18 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
     if layout.cp > 1:
         _context_parallel(mine, args, cfg, layout, n_micro, add)
     return out
+
+
+def _stage_passes(cfg, layout: Layout, pp_rank: int, n_layers: int, n_stages: int) -> list[list[str] | None]:
+    """Each local stage's forwards ("F"), backwards ("B"), unshards ("U") and reshards ("R") in the schedule's order
+    (None without PP or where not replayed)."""
+    if layout.pp == 1:
+        return [None] * n_stages
+    pplan = pipeline_plan_of(cfg, layout, n_layers)
+    seq = lowered_passes(pplan.schedule, layout.pp, pp_rank, pplan.n_microbatches, pplan.stages_per_rank)
+    if seq is None:
+        return [None] * n_stages
+    return [[op for op, s in seq if s == i] for i in range(n_stages)]
 
 
 def _grad_norm(mine: list[ParamRec], terms, cfg, layout: Layout, add: AddComm) -> None:
@@ -76,8 +93,9 @@ def _grad_norm(mine: list[ParamRec], terms, cfg, layout: Layout, add: AddComm) -
         n_dp += dtensor
         # (without FSDP the vocab-parallel embedding's grad is Replicate, unless the sharded head shares it)
         n_tp += layout.tp > 1 and p.tp_dim is not None and (dtensor or p.place != "first" or p.tied)
-    add("ep", "all_reduce", n_ep * F32 * (1 + (dtensor and layout.size(MeshAxis.EP_SHARD) > 1)))
-    add("dp_cp", "all_reduce", n_dp * F32)
+    add("ep", "all_reduce", n_ep * F32)
+    add("ep_shard", "all_reduce", n_ep * F32 * (dtensor and layout.size(MeshAxis.EP_SHARD) > 1))
+    add("dp_shard_cp", "all_reduce", n_dp * F32)  # the sharded mesh dimension (HSDP's replicas hold the same)
     add("tp", "all_reduce", n_tp * F32)
     terms.norm_comm(cfg, layout, add)
 
@@ -131,16 +149,18 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
         add("tp", "all_gather", n_micro * layout.tp * 2 * tokens * F32)
     # replicated parameters with Partial gradients are all-reduced twice per step, by the gradient norm and by the
     # optimizer step (measured, torch 2.13, dp 1)
-    partial = 2 * F32 * sum(math.prod(p.shape) for p in mine_all if p.partial_grad and p.trainable)
+    # (once when the strategy's gradients are DTensors over the data-parallel mesh too: measured with the scale trace)
+    partial = (1 if terms_of(cfg).dtensor_grads(cfg, layout) else 2) * F32 * sum(
+        math.prod(p.shape) for p in mine_all if p.partial_grad and p.trainable)
     if d.sequence_parallel:
         # without checkpointing a sub-layer (the parent of its row-wise projection) keeps the sequence shard of its
         # gathered input and gathers it again in backward, if a trainable parameter reads that input (anything in
         # the sub-layer but the row-wise projection and its adapters); compiled blocks, which keep the gathered
         # input, send as many gathers (measured with aot_eager, torch 2.13)
         subs = {p.name.rsplit(".", 2)[0]: p.name.rsplit(".", 1)[0] for p in projections if p.tp_dim == 1}
-        regather = 0 if recompute else sum(
-            any(q.trainable and q.name.startswith(sub + ".") and not q.name.startswith(row + ".")
-                for q in mine_all) for sub, row in subs.items())
+        trained = [q.name for q in mine_all if q.trainable] if not recompute else []
+        regather = sum(any(n.startswith(sub + ".") and not n.startswith(row + ".") for n in trained)
+                       for sub, row in subs.items())
         add("tp", "all_gather",
             n_micro * (2 * rows + first + head - frozen_in + (rows if recompute else 0) + regather) * act)
         add("tp", "reduce_scatter", n_micro * (rows + first + head + (rows - n_blocks if recompute else 0)) * act)
@@ -183,7 +203,10 @@ def _expert_parallel(mine: list[ParamRec], args, cfg, layout: Layout, n_micro: i
     e = 2 if bf16_compute(cfg) else F32
     tokens = t.micro_batch_size * t.seq_len // layout.cp
     moe_layers = len({p.block for p in mine if p.expert})
-    add("ep", "all_to_all", n_micro * moe_layers * (4 * tokens * args.top_k * args.dim * e + args.n_experts * 8))
+    # activation checkpointing runs the forward's two again in backward (and the counts' exchange)
+    passes = 6 if cfg.distributed.ac_mode else 4
+    counts = args.n_experts * 8 * (2 if cfg.distributed.ac_mode else 1)
+    add("ep", "all_to_all", n_micro * moe_layers * (passes * tokens * args.top_k * args.dim * e + counts))
 
 
 def _context_parallel(mine: list[ParamRec], args, cfg, layout: Layout, n_micro: int, add: AddComm) -> None:
