@@ -114,9 +114,17 @@ def write_models() -> None:
         model.save_pretrained(folder(name))
 
 
+# the plan's bytes for transformers' own TP styles against the bench's count at the dispatcher (the bench's
+# worker, as tests/parallel/test_plan_accuracy.py measures the built-in models)
+PLAN_COMM = {"qwen3_tp2": base("qwen3") + ["distributed.strategy=fsdp2", "distributed.tp_size=2"],
+             "glm_tp2": base("glm") + ["distributed.strategy=fsdp2", "distributed.tp_size=2"],
+             "glm_tp2_ac_full": base("glm") + ["distributed.strategy=fsdp2", "distributed.tp_size=2",
+                                               "distributed.activation_checkpointing=full"]}
 GROUP_JOBS = [Job("hf_model parity n2", "meshforge.testing.parity:configs_job",
                   {"configs": {k: base(m) + v for k, (m, v) in LAYOUTS.items()}, "steps": STEPS}, 2,
-                  prepare=write_models)]
+                  prepare=write_models),
+              Job("hf_model plan comm n2", f"{Path(__file__).parent / 'test_plan_accuracy.py'}:plan_job",
+                  {"configs": PLAN_COMM}, 2, prepare=write_models)]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -157,3 +165,27 @@ def test_granite_tp2_logit_difference_is_rounding(reference, group):
     print(f"granite logits (max |fp64| {exact.abs().max().item():.2f}): one process {err_single:.2e} and TP2 "
           f"{err_tp2:.2e} from fp64, {apart:.2e} apart")
     assert err_tp2 <= 2 * err_single and apart <= 2 * err_single
+
+
+def test_plan_counts_transformers_styles_collectives(group):
+    """`replicate_grad_sum` (Qwen3's q/k norms): its gradient all-reduced by `dist.all_reduce` at every micro batch
+    (c10d::allreduce_, the only one at dp 1; DTensor's styles use the functional one); `colwise_gather` /
+    `rowwise_split` (GLM's gate_up_proj / down_proj): the only all-gathers at dp 1, the output's in forward (twice
+    with checkpointing) and the input gradient's in backward. The plan's bytes equal the bench's."""
+    from meshforge.planning.comm import transformers_styles_comm
+    from meshforge.planning.estimate import model_params
+    from meshforge.planning.layout import Layout
+    from meshforge.testing.parity import config
+
+    got = group("hf_model plan comm n2")
+    for name, overrides in PLAN_COMM.items():
+        cfg = config(overrides, steps=3, world_size=2)
+        t = cfg.training
+        params, _ = model_params(cfg)
+        summed, gathered = transformers_styles_comm(params, cfg, Layout.from_sizes(2, tp=2),
+                                                    t.global_batch_size // t.micro_batch_size)
+        by_op = got[name]["by_op"]
+        print(f"{name}: plan all-reduced {summed} all-gathered {gathered}; bench {by_op}")
+        assert (summed > 0) == name.startswith("qwen3") and (gathered > 0) == name.startswith("glm")
+        assert by_op.get("c10d::allreduce_", 0) == summed, name
+        assert by_op.get("_c10d_functional::all_gather_into_tensor", 0) == gathered, name

@@ -152,6 +152,9 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
     # (once when the strategy's gradients are DTensors over the data-parallel mesh too: measured with the scale trace)
     partial = (1 if terms_of(cfg).dtensor_grads(cfg, layout) else 2) * F32 * sum(
         math.prod(p.shape) for p in mine_all if p.partial_grad and p.trainable)
+    summed, gathered = transformers_styles_comm(mine_all, cfg, layout, n_micro)
+    if gathered:
+        add("tp", "all_gather", gathered)
     if d.sequence_parallel:
         # without checkpointing a sub-layer (the parent of its row-wise projection) keeps the sequence shard of its
         # gathered input and gathers it again in backward, if a trainable parameter reads that input (anything in
@@ -164,10 +167,27 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
         add("tp", "all_gather",
             n_micro * (2 * rows + first + head - frozen_in + (rows if recompute else 0) + regather) * act)
         add("tp", "reduce_scatter", n_micro * (rows + first + head + (rows - n_blocks if recompute else 0)) * act)
-        add("tp", "all_reduce", n_micro * (cols + loss) + partial)
+        add("tp", "all_reduce", n_micro * (cols + loss) + partial + summed)
     else:
         redo = rows - n_blocks if recompute else 0
-        add("tp", "all_reduce", n_micro * ((rows + first + head + redo) * act + cols + loss) + partial)
+        add("tp", "all_reduce", n_micro * ((rows + first + head + redo) * act + cols + loss) + partial + summed)
+
+
+def transformers_styles_comm(mine_all: list[ParamRec], cfg, layout: Layout, n_micro: int) -> tuple[int, int]:
+    """(all-reduced, all-gathered) bytes a step of transformers' own TP styles (a model.hf_model's plan,
+    distributed/tensor_parallel.py; measured, torch 2.13): a `replicate_grad_sum` parameter's gradient is
+    all-reduced in backward at every micro batch, in the dtype the forward used it in; a `colwise_gather`
+    projection all-gathers its whole output in forward (again when checkpointing recomputes it), a `rowwise_split`
+    one its input's whole gradient in backward."""
+    tokens = cfg.training.micro_batch_size * cfg.training.seq_len // layout.cp
+    e = 2 if bf16_compute(cfg) else F32
+    summed = n_micro * residual_bytes(cfg, layout) * sum(math.prod(p.shape) for p in mine_all
+                                                         if p.tp_style == "replicate_grad_sum" and p.trainable)
+    weights = [p for p in mine_all if len(p.shape) == 2 and not p.adapter]
+    again = 2 if cfg.distributed.ac_mode is not None else 1
+    gathered = n_micro * tokens * e * (again * sum(p.shape[0] for p in weights if p.tp_style == "colwise_gather")
+                                       + sum(p.shape[1] for p in weights if p.tp_style == "rowwise_split"))
+    return summed, gathered
 
 
 def _shared_inputs(mine: list[ParamRec], cfg) -> int:

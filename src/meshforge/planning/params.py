@@ -29,6 +29,7 @@ class ParamRec:
     partial_grad: bool = False
     adapter: bool = False  # a LoRA factor (`models.lora.is_adapter_param`), decided once: the search asks often
     tied: bool = False  # also the last stage's (a tied embedding and output head: listed once, as the first's)
+    tp_style: str | None = None  # its module's TP style (the collectives of transformers' styles are per module)
 
 
 def model_params(cfg) -> tuple[list[ParamRec], object]:
@@ -80,7 +81,7 @@ def model_params(cfg) -> tuple[list[ParamRec], object]:
                 partial = tp_dim is None
             full = f"{mname}.{pname}" if mname else pname
             out.append(ParamRec(full, tuple(p.shape), block, tp_dim, id(p) in expert_ids, place, p.requires_grad,
-                                partial, is_adapter_param(full), {"first", "last"} <= owners[id(p)]))
+                                partial, is_adapter_param(full), {"first", "last"} <= owners[id(p)], style))
     return out, args
 
 

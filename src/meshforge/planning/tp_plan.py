@@ -38,8 +38,9 @@ SHARDED_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_output", "loca
 # transformers' replicated_with_grad_allreduce (whole parameters used on this rank's heads, gradient summed over tp)
 ALL_STYLES = SHARDED_STYLES + ("sequence_parallel", "sequence_parallel_residual", "sequence_gather", "head_norm",
                                "shared_input", "replicate", "replicate_grad_sum")
-# whole on every tp rank, gradients arrive Partial (summed over tp)
-PARTIAL_GRAD_STYLES = ("sequence_parallel", "sequence_parallel_residual", "head_norm", "replicate_grad_sum")
+# whole on every tp rank, gradients arrive Partial (summed over tp when the gradient norm and the step read them);
+# `replicate_grad_sum` is not one: its plain gradient is summed in backward, at every micro batch
+PARTIAL_GRAD_STYLES = ("sequence_parallel", "sequence_parallel_residual", "head_norm")
 
 
 def _kind(mod: Any) -> str | None:
