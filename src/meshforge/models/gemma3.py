@@ -27,21 +27,6 @@ from meshforge.models.protocol import InitSpec
 
 
 @buildable
-class ZeroCenteredRMSNorm(nn.Module):
-    """x / rms(x) * (1 + weight), in fp32, cast back to x's dtype (transformers' Gemma3RMSNorm)."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).type_as(x)
-
-
-@buildable
 class GeGLU(nn.Module):
     """w2(gelu_tanh(w1 x) * w3 x)."""
 

@@ -12,12 +12,12 @@ from meshforge.models import shapes
 from meshforge.models.args import ModelArgs
 from meshforge.models.layer_types import window_of
 from meshforge.models.protocol import AdapterLayout
-from meshforge.models.shapes import ModelShape, ModuleShape, ParamShape, linear
+from meshforge.models.shapes import ModelShape, ModuleShape, linear
 
 
 def norm(dim: int, eps: float) -> ModuleShape:
     """RMSNorm scaling by (1 + weight)."""
-    return ModuleShape("ZeroCenteredRMSNorm", {"weight": ParamShape((dim,))}, init=(dim, eps))
+    return shapes.rms_norm(dim, eps, zero_centred=True)
 
 
 def attention_scale(a: ModelArgs) -> float | None:

@@ -63,12 +63,20 @@ class _RMSNormFn(torch.autograd.Function):
 
 @buildable
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
+    """x / rms(x) * weight (`_RMSNormFn`: Llama's rounding, normalised in fp32, cast, then scaled). With
+    `zero_centred` (Gemma 3's norm, transformers' Gemma3RMSNorm) the scale is 1 + weight, weight starting at 0,
+    and the whole expression runs in fp32 and is cast once, as transformers computes it."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, zero_centred: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.zero_centred = eps, zero_centred
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.zero_centred:
+            xf = x.float()
+            out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (out * (1.0 + self.weight.float())).type_as(x)
         return _RMSNormFn.apply(x, self.weight, self.eps)
 
 

@@ -88,8 +88,9 @@ def linear(n_in: int, n_out: int, bias: bool = False) -> ModuleShape:
     return ModuleShape("Linear", params, init=(n_in, n_out, bias))
 
 
-def rms_norm(dim: int, eps: float) -> ModuleShape:
-    return ModuleShape("RMSNorm", {"weight": ParamShape((dim,))}, init=(dim, eps))
+def rms_norm(dim: int, eps: float, zero_centred: bool = False) -> ModuleShape:
+    """`llama.RMSNorm`; `zero_centred`: its scale is 1 + weight (Gemma 3)."""
+    return ModuleShape("RMSNorm", {"weight": ParamShape((dim,))}, init=(dim, eps, True) if zero_centred else (dim, eps))
 
 
 def feed_forward(dim: int, hidden: int) -> ModuleShape:
