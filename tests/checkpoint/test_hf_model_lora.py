@@ -24,7 +24,11 @@ from meshforge.models import build_model, resolve_model_args  # noqa: E402
 from meshforge.testing.parity import config, single_info  # noqa: E402
 from meshforge.training.trainer import Trainer  # noqa: E402
 from tests.checkpoint.test_hf_model import random_qwen2  # noqa: E402
-from tests.checkpoint.test_lora_checkpoint import _train  # noqa: E402
+from tests.checkpoint.test_lora_checkpoint import (  # noqa: E402
+    _train,
+    assert_merge_refuses_changed_base,
+    one_byte_changed,
+)
 
 LORA = ["peft.rank=4", "peft.alpha=8", "peft.target_modules=['*_proj']", "optimizer.lr=1e-2",
         "checkpoint.interval=2", "training.seq_len=16"]
@@ -104,17 +108,9 @@ def test_a_changed_base_folder_is_refused_on_resume_and_merge(flow, tmp_path, ca
     ck = tmp / "run" / "checkpoints" / "step_2"
     inputs = json.loads((ck / "manifest.json").read_text())["model_inputs"]["model.hf_model"]
     assert {k.rpartition("/")[2] for k in inputs["files"]} == {"config.json", "model.safetensors"}
-    weights = tmp / "base" / "model.safetensors"
-    original = weights.read_bytes()
-    try:
-        weights.write_bytes(original[:-3] + bytes([original[-3] ^ 1]) + original[-2:])
+    with one_byte_changed(tmp / "base" / "model.safetensors"):
         with pytest.raises(CheckpointError, match=r"model.hf_model: .*model.safetensors changed since the "
                                                   r"checkpoint \(content\)"):
             _train([f"model.hf_model={tmp / 'base'}", *LORA, f"run.output_dir={tmp_path / 'resumed'}",
                     f"checkpoint.resume={ck}"])
-        assert cli_main(["checkpoint", "export", str(ck), "--to", str(tmp_path / "merged"), "--merge"]) == 2
-        err = capsys.readouterr().err
-        assert "model.safetensors changed since the checkpoint" in err and "another base" in err
-        assert not (tmp_path / "merged").exists()
-    finally:
-        weights.write_bytes(original)
+        assert_merge_refuses_changed_base(ck, tmp_path / "merged", capsys)

@@ -8,6 +8,8 @@ Per-expert adapters: a random transformers 5 Mixtral / Qwen3-MoE / GPT-OSS base,
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 
 import pytest
@@ -208,6 +210,25 @@ def test_expert_adapters_export_to_peft_merge_and_import(family, tmp_path):
                               f"peft.init_from={tmp_path / 'adapter'}"], steps=1, world_size=1), single_info())
 
 
+@contextlib.contextmanager
+def one_byte_changed(path):
+    """`path` with one byte flipped (same size) inside the block; restored after."""
+    original = path.read_bytes()
+    try:
+        path.write_bytes(original[:-3] + bytes([original[-3] ^ 1]) + original[-2:])
+        yield
+    finally:
+        path.write_bytes(original)
+
+
+def assert_merge_refuses_changed_base(ck, out, capsys) -> None:
+    capsys.readouterr()
+    assert cli_main(["checkpoint", "export", str(ck), "--to", str(out), "--merge"]) == 2
+    err = capsys.readouterr().err
+    assert "model.safetensors changed since the checkpoint" in err and "another base" in err
+    assert not out.exists()
+
+
 @pytest.mark.slow
 def test_a_base_changed_at_the_same_path_is_refused_on_resume_and_merge(flow, tmp_path, capsys):
     """The manifest fingerprints the base by content: a base replaced under the same path (same size) is named."""
@@ -218,10 +239,7 @@ def test_a_base_changed_at_the_same_path_is_refused_on_resume_and_merge(flow, tm
     inputs = json.loads((ck / "manifest.json").read_text())["model_inputs"]["model.init_from"]
     assert inputs["folder"] == str((tmp / "base").resolve())
     assert {k.rpartition("/")[2] for k in inputs["files"]} == {"config.json", "model.safetensors"}
-    weights = tmp / "base" / "model.safetensors"
-    original = weights.read_bytes()
-    try:
-        weights.write_bytes(original[:-3] + bytes([original[-3] ^ 1]) + original[-2:])
+    with one_byte_changed(tmp / "base" / "model.safetensors"):
         resume = _overrides(tmp, "changed_base", f"checkpoint.resume={ck}")
         with pytest.raises(CheckpointError, match=r"model.init_from: .*model.safetensors changed since the "
                                                   r"checkpoint \(content\).*checkpoint.allow_changed_inputs=true"):
@@ -229,12 +247,7 @@ def test_a_base_changed_at_the_same_path_is_refused_on_resume_and_merge(flow, tm
         capsys.readouterr()
         assert _train([*resume, "checkpoint.allow_changed_inputs=true"], steps=3).result.start_step == 2
         assert "warning: resuming on changed model inputs" in "".join(capsys.readouterr())
-        assert cli_main(["checkpoint", "export", str(ck), "--to", str(tmp_path / "merged"), "--merge"]) == 2
-        err = capsys.readouterr().err
-        assert "model.safetensors changed since the checkpoint" in err and "another base" in err
-        assert not (tmp_path / "merged").exists()
-    finally:
-        weights.write_bytes(original)
+        assert_merge_refuses_changed_base(ck, tmp_path / "merged", capsys)
     adapter = tmp_path / "adapter"
     assert cli_main(["checkpoint", "export", str(ck), "--to", str(adapter), "--adapter"]) == 0
     cfg = config([*_overrides(tmp, "x"), f"peft.init_from={adapter}"], steps=1, world_size=1)
