@@ -80,3 +80,16 @@ def test_a_model_that_mixes_packed_documents_is_refused(tmp_path, model_type):
     mine = [p for p in err.value.problems if p.startswith("data.packing=true with model.hf_model")]
     assert len(mine) == 1 and "does not keep packed documents apart" in mine[0] and "\n" not in mine[0], \
         err.value.problems
+
+
+def test_packing_asked_by_one_source_of_a_mix_is_measured_too(tmp_path):
+    """data.mix: a source that packs is packing (its documents share rows), whatever the top-level data.packing."""
+    folder = write_tiny("bloom", tmp_path / "bloom")
+    (tmp_path / "a.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    source = {"source": "dataset", "paths": [str(tmp_path / "a.jsonl")], "format": "prompt_completion", "weight": 1}
+    raw = apply_overrides({"data": {"mix": [{**source, "name": "packed", "packing": True},
+                                            {**source, "name": "plain"}]}}, [f"model.hf_model={folder}"])
+    with pytest.raises(ConfigError) as err:
+        resolve(raw, world_size=1)
+    assert any(p.startswith("data.packing=true with model.hf_model") and "does not keep packed documents apart"
+               in p for p in err.value.problems), err.value.problems
