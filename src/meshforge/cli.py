@@ -134,8 +134,9 @@ def run_training(cfg) -> int:
         if not any(s in first for s in ("Timed out", "timed out", "Connection reset", "Connection closed")):
             note_failure(rank, f"RuntimeError: {first[:300]}")
             raise
-        line = (f"rank {rank}: a collective failed ({first[:160]}): another rank died or hangs "
-                f"(distributed.timeout_minutes={cfg.distributed.timeout_minutes})")
+        from meshforge.distributed.hang import failed_line
+
+        line = failed_line(rank, err, cfg.distributed.timeout_minutes)  # (a recorded one ended in distributed/hang.py)
         note_failure(rank, line, secondary=True)
         return _fail(line, code=1)
     except Exception as err:
