@@ -302,7 +302,7 @@ class CheckpointManager:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir(parents=self.committed is None, exist_ok=True)
         except OSError as err:
-            return self._storage_line(err.errno if err.errno in _STORAGE else errno.EIO, step, err)
+            return self._storage_line(err.errno or errno.EIO, step, err)
         return None
 
     def _written(self, step: int, partial: Path, need: int, write: Callable[[], T]) -> tuple[T | None, str | None]:
@@ -328,7 +328,7 @@ class CheckpointManager:
     def _storage_line(self, code: int, step: int, err: BaseException) -> str:
         """`<what happened> while saving step N to PATH; the last committed checkpoint is step M (<what to do>)`."""
         what = "the checkpoint folder disappeared" if code == errno.ENOENT else os.strerror(code).lower()
-        if code not in _STORAGE:
+        if code not in _STORAGE:  # (an errno a save should never meet: its own words too)
             what = f"{what} ({type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:160]})"
         try:
             latest = read_latest(self.root)
@@ -366,7 +366,7 @@ class CheckpointManager:
                 write_atomic(partial / MANIFEST, json.dumps(self._manifest(step, files), indent=1, sort_keys=True))
                 publish_checkpoint(partial, final)
             except OSError as err:
-                failed = self._storage_line(err.errno if err.errno in _STORAGE else errno.EIO, step, err)
+                failed = self._storage_line(err.errno or errno.EIO, step, err)
             else:
                 self._retention()
                 total = sum(f["bytes"] for f in files.values())
