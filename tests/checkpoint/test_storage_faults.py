@@ -6,6 +6,7 @@ remounted read-only; the folder deleted between saves), an injected OSError at t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -42,7 +43,8 @@ def storage_job(spec, info) -> dict:
     for name, (fault, async_save, damage) in SCENARIOS.items():
         where = OUT / name.replace(" ", "_")
         disk = where / "disk"
-        with small_tmpfs(disk, "16m") if damage == "read-only" and info.rank == 0 else _nothing() as why_not:
+        mount = small_tmpfs(disk, "16m") if damage == "read-only" and info.rank == 0 else contextlib.nullcontext()
+        with mount as why_not:
             skip = all_gather_object(why_not)[0]
             if skip:
                 results[name] = {"skip": skip}
@@ -79,11 +81,6 @@ def storage_job(spec, info) -> dict:
                 latest = (ck / "LATEST").read_text() if ck.is_dir() else None
                 results[name] = {"errors": errors, "listing": listing, "latest": latest, "intact": intact}
     return results
-
-
-@__import__("contextlib").contextmanager
-def _nothing():
-    yield None
 
 
 GROUP_JOBS = [Job("storage faults n2", f"{Path(__file__).resolve()}:storage_job", None, 2)]
