@@ -164,8 +164,12 @@ def test_the_documents_show_commands():
     assert len([c for w, c in COMMANDS if w != "README.md"]) >= 8
 
 
-@pytest.mark.parametrize("where, cmd", [(w, c) for w, c in COMMANDS if c not in GROUPED],
-                         ids=[_id(w, c) for w, c in COMMANDS if c not in GROUPED])
+SLOW_FLAGS = ("--trace", "--fit")  # the scale trace launches its rank processes; --fit plans hundreds of layouts
+
+
+@pytest.mark.parametrize("where, cmd", [
+    pytest.param(w, c, id=_id(w, c), marks=[pytest.mark.slow] if any(f in c.split() for f in SLOW_FLAGS) else [])
+    for w, c in COMMANDS if c not in GROUPED])
 def test_documented_command_runs(where, cmd, tmp_path, monkeypatch, capsys):
     argv = _argv(cmd)
     monkeypatch.chdir(tmp_path)

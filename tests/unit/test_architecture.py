@@ -265,21 +265,28 @@ import contextlib, io, json, sys
 import torch
 before = {m for m in sys.modules if m.startswith("torch.distributed")}
 from meshforge.cli import main
-with contextlib.redirect_stdout(io.StringIO()):
-    rc = main(["validate", %r, *%r, "--world-size", "%d"])
-extra = sorted(m for m in sys.modules if m.startswith("torch.distributed") and m not in before)
-print(json.dumps({"rc": rc, "extra": extra}))
+out = {}
+for case, (config, overrides, world) in %r.items():
+    with contextlib.redirect_stdout(io.StringIO()):
+        rc = main(["validate", config, *overrides, "--world-size", str(world)])
+    extra = sorted(m for m in sys.modules if m.startswith("torch.distributed") and m not in before)
+    out[case] = {"rc": rc, "extra": extra}
+print(json.dumps(out))
 """
+VALIDATED = {"tp8-pp2": ("examples/llama3_70b_tp_pp.yaml", ["distributed.tp_size=8", "distributed.pp_size=2"], 1024),
+             "ep8-tp4": ("examples/qwen3_moe_ep8.yaml", ["distributed.tp_size=4"], 256)}
 
 
-@pytest.mark.parametrize("config,overrides,world", [
-    ("examples/llama3_70b_tp_pp.yaml", ["distributed.tp_size=8", "distributed.pp_size=2"], 1024),
-    ("examples/qwen3_moe_ep8.yaml", ["distributed.tp_size=4"], 256),
-], ids=["tp8-pp2", "ep8-tp4"])
-def test_validate_loads_no_torch_distributed_module(config, overrides, world):
+@pytest.fixture(scope="module")
+def validated() -> dict:
+    """Every case in one fresh interpreter (torch imported once); a case's `extra` counts all cases before it too."""
+    return _fresh_python(VALIDATE % (VALIDATED,))
+
+
+@pytest.mark.parametrize("case", list(VALIDATED))
+def test_validate_loads_no_torch_distributed_module(case, validated):
     """Beyond what `import torch` loads itself: no DTensor, FSDP, pipelining or DCP to check a plan."""
-    out = _fresh_python(VALIDATE % (config, overrides, world))
-    assert out == {"rc": 0, "extra": []}, out
+    assert validated[case] == {"rc": 0, "extra": []}, validated[case]
 
 
 def test_validating_a_config_without_tp_never_imports_torch():
