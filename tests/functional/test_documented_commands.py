@@ -164,11 +164,15 @@ def test_the_documents_show_commands():
     assert len([c for w, c in COMMANDS if w != "README.md"]) >= 8
 
 
-SLOW_FLAGS = ("--trace", "--fit")  # the scale trace launches its rank processes; --fit plans hundreds of layouts
+def _slow(cmd: str) -> list:
+    """Seconds each: the scale trace launches its rank processes, --fit plans hundreds of layouts, eval imports
+    lm-eval (and trains the run it reads first)."""
+    argv = _argv(cmd)
+    return [pytest.mark.slow] if argv[0] == "eval" or {"--trace", "--fit"} & set(argv) else []
 
 
 @pytest.mark.parametrize("where, cmd", [
-    pytest.param(w, c, id=_id(w, c), marks=[pytest.mark.slow] if any(f in c.split() for f in SLOW_FLAGS) else [])
+    pytest.param(w, c, id=_id(w, c), marks=_slow(c))
     for w, c in COMMANDS if c not in GROUPED])
 def test_documented_command_runs(where, cmd, tmp_path, monkeypatch, capsys):
     argv = _argv(cmd)
