@@ -158,9 +158,8 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
         # the sub-layer but the row-wise projection and its adapters); compiled blocks, which keep the gathered
         # input, send as many gathers (measured with aot_eager, torch 2.13)
         subs = {p.name.rsplit(".", 2)[0]: p.name.rsplit(".", 1)[0] for p in projections if p.tp_dim == 1}
-        trained = [q.name for q in mine_all if q.trainable] if not recompute else []
-        regather = sum(any(n.startswith(sub + ".") and not n.startswith(row + ".") for n in trained)
-                       for sub, row in subs.items())
+        under = _trained_under(mine_all) if not recompute else {}
+        regather = sum(under.get(sub, 0) > under.get(row, 0) for sub, row in subs.items())
         add("tp", "all_gather",
             n_micro * (2 * rows + first + head - frozen_in + (rows if recompute else 0) + regather) * act)
         add("tp", "reduce_scatter", n_micro * (rows + first + head + (rows - n_blocks if recompute else 0)) * act)
@@ -168,6 +167,19 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
     else:
         redo = rows - n_blocks if recompute else 0
         add("tp", "all_reduce", n_micro * ((rows + first + head + redo) * act + cols + loss) + partial)
+
+
+def _trained_under(mine: list[ParamRec]) -> dict[str, int]:
+    """{module path: trainable parameters under it} (every dotted prefix of their names), in one pass: a
+    sub-layer has a trainable parameter outside its row-wise projection when its count exceeds the projection's."""
+    out: dict[str, int] = {}
+    for q in mine:
+        if q.trainable:
+            parts = q.name.split(".")
+            for i in range(1, len(parts)):
+                prefix = ".".join(parts[:i])
+                out[prefix] = out.get(prefix, 0) + 1
+    return out
 
 
 def _shared_inputs(mine: list[ParamRec], cfg) -> int:

@@ -76,7 +76,7 @@ def _refuse_uncounted(params: list[ParamRec], cfg) -> None:
     from meshforge.config.strategies import either, strategy_specs
     from meshforge.errors import ConfigError
 
-    if all(p.trainable for p in params):
+    if memo("all_trainable", params, (), lambda: all(p.trainable for p in params)):
         return
     spec = spec_of(cfg)
     if spec is None or spec.plan is None or not spec.frozen_params:
