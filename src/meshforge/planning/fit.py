@@ -127,12 +127,12 @@ def search(cfg, world_size: int, device, gpus_per_node: int = 8, mfu: float | No
         try:
             c = _configure(cfg, args, ch)
             p = plan(c, world_size, device, gpus_per_node, mfu, params=params, args=args, state_cache=cache,
-                     efficiency=efficiency)
+                     efficiency=efficiency, fitting_only=True)
         except Exception as err:  # noqa: BLE001 - a layout the config or planner refuses is a rejected layout
             problems = getattr(err, "problems", None) or [str(err)]
             rejected.append((label, problems[0].split(":")[0]))
             return None
-        if not p.fits:
+        if p is None:  # (its time is not computed)
             rejected.append((label, "peak memory exceeds the device"))
             return None
         seen[ch] = Found(ch, c, p)

@@ -134,11 +134,12 @@ def representative_ranks(layout: Layout, every: bool = False) -> list[int]:
 def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: float | None = None,
          params: list[ParamRec] | None = None, args=None, state_cache: dict | None = None,
          efficiency: Efficiency | None = None, ranks: list[int] | None = None,
-         headroom: Headroom | None = None) -> Plan:
+         headroom: Headroom | None = None, fitting_only: bool = False) -> Plan | None:
     """The plan of `cfg` on `world_size` devices like `device`, its step time priced with `efficiency` (default:
     the device's stated defaults; `mfu` alone: the one-number model). `params`/`args` from `model_params` and a
     `state_cache` dict let a search share the work between candidates; `ranks`: plan these ranks too, beside the
-    representative ones; `headroom`: the margins the verdict adds to the peak, `Headroom()` by default."""
+    representative ones; `headroom`: the margins the verdict adds to the peak, `Headroom()` by default;
+    `fitting_only` (a search): None for a layout that does not fit, its communication and time not computed."""
     d, t = cfg.distributed, cfg.training
     eff = efficiency or (flat_efficiency(mfu) if mfu is not None else default_efficiency(device))
     layout = Layout.from_sizes(world_size, tp=d.tp_size, pp=d.pp_size, cp=d.cp_size, ep=d.ep_size,
@@ -156,6 +157,11 @@ def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: floa
     else:
         states = state_cache[key]
     ranks = _rank_plans(states, args, cfg, layout, pplan)
+    peak = max(r.peak for r in ranks)
+    margins = (headroom or Headroom()).parts(peak, communicators(layout), compiled(cfg), cfg.training.fp8.enabled)
+    fits = peak + sum(margins.values()) <= device.memory_bytes
+    if fitting_only and not fits:
+        return None
     comm = comm_per_step(params, args, cfg, layout)
     timing = step_time(params, args, cfg, layout, pplan, device, eff, _comm_of_pp_rank(params, args, cfg, layout,
                                                                                       pplan, comm),
@@ -164,12 +170,9 @@ def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: floa
     tokens = t.global_batch_size * t.seq_len
     step_s = timing.step_s
     achieved = tokens * model_fpt / step_s / world_size / (device.peak_tflops * 1e12)
-    peak = max(r.peak for r in ranks)
-    margins = (headroom or Headroom()).parts(peak, communicators(layout), compiled(cfg), cfg.training.fp8.enabled)
     return Plan(world_size, layout, d.strategy, terms_of(cfg).sharding(d.options), ranks, comm, timing.comm_s,
                 timing.compute_s, timing.bubble, step_s, tokens / step_s, achieved, model_fpt, n_params(params),
-                device, peak + sum(margins.values()) <= device.memory_bytes, _notes(cfg, eff, layout), margins, eff,
-                timing)
+                device, fits, _notes(cfg, eff, layout), margins, eff, timing)
 
 
 def _comm_of_pp_rank(params: list[ParamRec], args, cfg, layout: Layout, pplan, rank0: dict):
@@ -305,7 +308,7 @@ def _untraced(cfg, layout: Layout | None) -> list[str]:
     """Layouts whose peak memory the plan counts but the scale trace has not checked (docs/scale.md), one line each."""
     d = cfg.distributed
     out = []
-    if d.ac_mode is None and _args_of(cfg).is_moe:
+    if d.ac_mode is None and _is_moe(cfg):
         out.append("MoE without activation checkpointing: the activations of its blocks (each token's routed "
                    "copies kept for backward, the router's tensors) are counted, not checked against the scale "
                    "trace (peak memory may be off by more than 3%)")
@@ -316,6 +319,13 @@ def _untraced(cfg, layout: Layout | None) -> list[str]:
         out.append("tensor + pipeline parallelism without data parallelism: the hidden states sent between stages "
                    "(fp32 residuals) and their receive buffers are counted, not checked against the scale trace")
     return out
+
+
+def _is_moe(cfg) -> bool:
+    try:
+        return _args_of(cfg).is_moe
+    except (KeyError, ValueError, OSError):  # a model the planner cannot resolve here: the rules say why
+        return False
 
 
 def _args_of(cfg):

@@ -109,13 +109,12 @@ def rank_held(params: list[ParamRec], cfg, layout: Layout, rank: int, accum: int
     stages = stage_params(params, cfg, layout, c[MeshAxis.PP], n_layers)
     out = {m: sum(terms.held(st, cfg, layout, c, m, accum, layout.pp > 1) for st in stages) for m in MOMENTS}
     if layout.pp > 1:  # the stages the schedule holds unsharded at once, the largest such set
-        from meshforge.planning.activations import gathered_sets, lowered_passes
+        from meshforge.planning.activations import schedule_gathered_sets
 
         pplan = pipeline_plan_of(cfg, layout, n_layers)
         sizes = [terms.stage_gathered(st, cfg, layout) for st in stages]
-        lowered = lowered_passes(pplan.schedule, layout.pp, c[MeshAxis.PP], pplan.n_microbatches,
-                                 pplan.stages_per_rank)
-        sets = gathered_sets(lowered, len(stages)) if lowered is not None else [frozenset(range(len(stages)))]
+        sets = schedule_gathered_sets(pplan.schedule, layout.pp, c[MeshAxis.PP], pplan.n_microbatches,
+                                      pplan.stages_per_rank, len(stages))
         if getattr(cfg.distributed.options, "reshard_after_forward", None) is True:
             sets = [frozenset([i]) for i in range(len(stages))]  # freed after every forward: the running stage
         out["head"] += max(sum(sizes[i] for i in group) for group in sets)

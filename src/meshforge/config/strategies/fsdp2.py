@@ -263,7 +263,7 @@ class FSDP2Terms(StrategyPlanTerms):
         o = cfg.distributed.options
         key = (layout, c[MeshAxis.DP_SHARD_CP], c[MeshAxis.EP_SHARD], moment, accum, pipelined, bool(o.offload_policy),
                o.reshard_after_forward, o.defer_fsdp_grad_sync, cfg.distributed.moe_or_default.reshard_after_forward,
-               bf16_params(cfg), gather_bytes(cfg), fused_loss_on(cfg))
+               bf16_params(cfg), gather_bytes(cfg))
         return memo("fsdp2_held", stage, key, lambda: self._held(stage, cfg, layout, c, moment, accum, pipelined))
 
     def _held(self, stage, cfg, layout, c, moment, accum, pipelined) -> int:
