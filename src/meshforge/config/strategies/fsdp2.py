@@ -261,16 +261,17 @@ class FSDP2Terms(StrategyPlanTerms):
           accumulated fp32 ones) beside the fp32 reduce-scatter input.
         Memoised on what it reads (a search asks again for the same stage, rank and moment)."""
         o = cfg.distributed.options
-        key = (layout, c[MeshAxis.DP_SHARD_CP], c[MeshAxis.EP_SHARD], moment, accum, pipelined, bool(o.offload_policy),
+        key = (layout, c[MeshAxis.DP_SHARD_CP], c[MeshAxis.EP_SHARD], accum, pipelined, bool(o.offload_policy),
                o.reshard_after_forward, o.defer_fsdp_grad_sync, cfg.distributed.moe_or_default.reshard_after_forward,
                bf16_params(cfg), gather_bytes(cfg))
-        return memo("fsdp2_held", stage, key, lambda: self._held(stage, cfg, layout, c, moment, accum, pipelined))
+        return memo("fsdp2_held", stage, key, lambda: self._held(stage, cfg, layout, c, accum, pipelined))[moment]
 
-    def _held(self, stage, cfg, layout, c, moment, accum, pipelined) -> int:
+    def _held(self, stage, cfg, layout, c, accum, pipelined) -> dict[str, int]:
+        """{moment: bytes} of every moment at once (they share the units' sums)."""
         rest = Parts()
         self.state(stage, cfg, layout, c, rest)
         if not self._active(layout) or cfg.distributed.options.offload_policy:
-            return rest.params + rest.grads + rest.buffers
+            return dict.fromkeys(("head", "end", "forward"), rest.params + rest.grads + rest.buffers)
         reshard = cfg.distributed.options.reshard_after_forward
         defer = cfg.distributed.options.defer_fsdp_grad_sync is not False
         accumulating = pipelined or (accum > 1 and defer)
@@ -284,17 +285,17 @@ class FSDP2Terms(StrategyPlanTerms):
                 blocks.add(unit)
         gb = gather_bytes(cfg)
         ordered = sorted(b for b in blocks if b is not None)
-        if moment == "forward" and not pipelined:
+        out = {}
+        # the end: the blocks' sharded gradients; the root's unsharded ones beside its fp32 reduce input
+        root = train.get(None, 0)
+        out["end"] = rest.params + rest.grads - root_shard * F32 + root * (F32 if accumulating else gb) + root * F32
+        if not pipelined:
             # a block's unshard in forward: the root kept, the all-gather output of the unit before it not yet freed
             # (fully_shard frees an all-gather's output at the next one), the block's own output and its copies
             # into the parameters
             big = max((gathered[b] for b in ordered), default=0)
             grads = sum(train.values()) * F32 if accumulating else (rest.grads if accum > 1 else 0)
-            return rest.params + (2 * gathered.get(None, 0) + 2 * big) * gb + grads
-        if moment == "end":  # the blocks' sharded gradients; the root's unsharded ones beside its fp32 reduce input
-            root = train.get(None, 0)
-            grads = rest.grads - root_shard * F32 + root * (F32 if accumulating else gb) + root * F32
-            return rest.params + grads
+            out["forward"] = rest.params + (2 * gathered.get(None, 0) + 2 * big) * gb + grads
         if pipelined:  # which stages are gathered at once is the schedule's (`stage_gathered`)
             kept = 0
         elif reshard is False:
@@ -306,7 +307,9 @@ class FSDP2Terms(StrategyPlanTerms):
                     (self._expert_units(stage, layout).get(ordered[-1], 0) if ordered and reshard is None else 0)
         grads = (sum(train.values()) + _replicated_embedding_grad(stage, layout)) * F32 if accumulating \
             else (rest.grads if accum > 1 else 0)
-        return rest.params + kept * gb + grads
+        out["head"] = rest.params + kept * gb + grads
+        out.setdefault("forward", out["head"])  # under PP: no moment of its own (the head's value, as asked before)
+        return out
 
     def stage_gathered(self, stage, cfg, layout) -> int:
         if not self._active(layout) or cfg.distributed.options.offload_policy:
