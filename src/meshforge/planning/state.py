@@ -40,14 +40,31 @@ def stage_params(params: list[ParamRec], cfg, layout: Layout, pp_rank: int,
     pplan = pipeline_plan_of(cfg, layout, n_layers)
 
     def compute():
+        by = _by_place(params)
         stages = []
         for s in pplan.rank_stages(pp_rank):
-            blocks = set(pplan.stage_layers[s])
-            stages.append([p for p in params if (p.block in blocks) or (p.place == "first" and s == 0)
-                           or (p.place == "last" and s == pplan.num_stages - 1) or p.place == "other"])
+            picked = [i for b in pplan.stage_layers[s] for i in by.get(b, ())] + list(by.get("other", ()))
+            picked += list(by.get("first", ())) if s == 0 else []
+            picked += list(by.get("last", ())) if s == pplan.num_stages - 1 else []
+            stages.append([params[i] for i in sorted(set(picked))])  # in the model's order, as a filter keeps them
         return stages
 
     return memo("stages", params, (pplan, pp_rank), compute)
+
+
+def _by_place(params: list[ParamRec]) -> dict:
+    """{block: indices of its parameters, "first"/"last"/"other": those of the model's ends} (memoised per list):
+    a stage's parameters are gathered from its blocks' lists instead of filtering every parameter per stage."""
+    def compute():
+        out: dict = {}
+        for i, p in enumerate(params):
+            if p.block is not None:
+                out.setdefault(p.block, []).append(i)
+            if p.place in ("first", "last", "other"):
+                out.setdefault(p.place, []).append(i)
+        return out
+
+    return memo("by_place", params, (), compute)
 
 
 def pipeline_plan_of(cfg, layout: Layout, n_layers: int | None = None):
