@@ -16,7 +16,9 @@ The product of all of these is tens of thousands of plans; a plan answer must st
      without uneven ends, resharding, then FP8), each value that fits joining the candidates and the fastest kept
      for the next choice (kept when at least `GAIN` faster): under 10 plans each.
 The config rules (the slow part: they check the TP plan on a meta model) run last, on the fastest candidates only,
-until `top` pass. The model description is built once and shared by every candidate.
+until `top` pass. The model description is built once and shared by every candidate; a candidate that does not
+fit is rejected once its memory is planned (its communication and time are never computed), and what the
+strategies hold per stage and rank is memoised across candidates (planning/params.py `memo`).
 """
 
 from __future__ import annotations
