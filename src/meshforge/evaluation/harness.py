@@ -167,8 +167,15 @@ def run_tasks(lm, tasks: list[str], include: list[str], limit: int | None = None
     manager = _manager(include)
     from lm_eval import simple_evaluate
 
-    res = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit, log_samples=False,
-                          bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                          fewshot_random_seed=seed)
+    # every rank of a training job runs the whole evaluation as lm-eval's rank 0 (the model's forwards are
+    # collective): lm-eval would return nothing where LOCAL_RANK says otherwise
+    local_rank = os.environ.pop("LOCAL_RANK", None)
+    try:
+        res = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit, log_samples=False,
+                              bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                              fewshot_random_seed=seed)
+    finally:
+        if local_rank is not None:
+            os.environ["LOCAL_RANK"] = local_rank
     return {t: {k.split(",")[0]: v for k, v in m.items() if "," in k and "_stderr" not in k}  # "acc,none" ...
             for t, m in res["results"].items()}
