@@ -59,7 +59,7 @@ def _run(args) -> int:
         raise ConfigError(format_validation_error(err, Config)) from None
     data, t = cfg.data, cfg.training
     if args.output:  # checked before any work: never over an input, a checkpoint or a file of another kind
-        from meshforge import outputs
+        import meshforge.outputs as outputs
 
         problem = outputs.check_file(args.output, "--output", _is_results, "a meshforge eval result",
                                      sources=[args.model])
@@ -96,7 +96,7 @@ def _run(args) -> int:
             print(f"task {task}: " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
                                               for k, v in metrics.items()), flush=True)
     if args.output:
-        from meshforge import outputs
+        import meshforge.outputs as outputs
 
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)
