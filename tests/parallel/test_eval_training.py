@@ -16,6 +16,7 @@ import pytest
 from meshforge.cli import main as cli_main
 from meshforge.testing.group import Job
 from meshforge.testing.parity import config, single_info
+from tests.unit.test_eval import TASK_YAML  # the local multiple-choice task's YAML (acc, acc_norm)
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]  # lm-eval and several tiny runs: tens of seconds
 
@@ -24,20 +25,6 @@ FILES = SHARED / "eval-training-files"
 OUT2 = SHARED / "eval-training-fsdp2"
 BASE = ["data.source=text", "data.max_files=2", "model.init_std=0.2"]
 STEPS = 3
-TASK_YAML = """task: tiny_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{prompt}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{label}}}}"
-metric_list:
-  - metric: acc
-  - metric: acc_norm
-"""
 DOCS = [("def f(x):\n    return", [" x", " 7 +", " import"]), ("import o", ["s", "r", "("]),
         ("for i in range(", ["10):", "):", "]:"]), ("class A", ["(object):", " = 1", " if"]),
         ("if __name__ ==", [" '__main__':", " 3", " def"]), ("while True", [":", " = ", "(("])]

@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import time
 
-from meshforge.checkpoint.hf import tokenizer_of
 from meshforge.data import build_source
-from meshforge.data.tokenizer import ByteTokenizer, check_vocab, load_tokenizer
-from meshforge.errors import ConfigError, MeshforgeError
+from meshforge.errors import MeshforgeError
 from meshforge.evaluation.model import EvalModel
 from meshforge.generation.decode import Sampling, generate_live
 from meshforge.models import resolve_model_args
-from meshforge.training.samples import apart_from_training, live_forward
+from meshforge.training.samples import apart_from_training, live_forward, run_tokenizer
 
 
 class Evaluation:
@@ -46,17 +44,12 @@ class Evaluation:
         e = cfg.training.eval
         if e is None:
             return None
-        recorded = tokenizer_of(cfg)
-        if recorded is None:
-            raise ConfigError(["training.eval needs a tokenizer (its tasks are text): set data.tokenizer"])
         args = resolve_model_args(cfg.model)
         try:
-            tok = ByteTokenizer() if recorded == "bytes" else load_tokenizer(recorded)
-            check_vocab(tok, args.vocab_size)
+            tok, recorded = run_tokenizer(cfg, "training.eval", "to read its tasks and files")
             data_cfg = cfg.data.model_copy(update={"paths": list(e.paths), "validation": None})
             if e.paths:  # the held-out files read now: a missing or malformed file stops the run before it starts
                 build_source(data_cfg, cfg.training.seq_len, args.vocab_size, 0)
-            lm = None
             if e.tasks:
                 from meshforge.evaluation.harness import check_tasks, make_lm
 

@@ -48,12 +48,8 @@ class Samples:
         s = cfg.logging.samples
         if s is None:
             return None
-        recorded = tokenizer_of(cfg)
-        if recorded is None:
-            raise ConfigError(["logging.samples needs a tokenizer to read its prompts: set data.tokenizer"])
         try:
-            tok = ByteTokenizer() if recorded == "bytes" else load_tokenizer(recorded)
-            check_vocab(tok, resolve_model_args(cfg.model).vocab_size)
+            tok, _ = run_tokenizer(cfg, "logging.samples", "to read its prompts")
             ids = encode_prompts(s.prompts, tok, s.chat)
             check_prompts(ids, resolve_model_args(cfg.model).max_seq_len, what="logging.samples prompt")
         except MeshforgeError as err:
@@ -82,6 +78,17 @@ class Samples:
                 text = self.tokenizer.decode([t for t in new if t not in self.stop_ids])
                 out.append({"prompt": prompt, "completion": text})
         return out
+
+
+def run_tokenizer(cfg, what: str, why: str):
+    """(the run's tokenizer, checked against the model's vocabulary, as `data.tokenizer` or "bytes" names it) for
+    `what`, which reads text; none is one line."""
+    recorded = tokenizer_of(cfg)
+    if recorded is None:
+        raise ConfigError([f"{what} needs a tokenizer {why}: set data.tokenizer"])
+    tok = ByteTokenizer() if recorded == "bytes" else load_tokenizer(recorded)
+    check_vocab(tok, resolve_model_args(cfg.model).vocab_size)
+    return tok, recorded
 
 
 @contextmanager
