@@ -153,6 +153,9 @@ def test_eval_every_bad_input_is_one_line(tmp_path, capsys):
                                  "file of the wrong shape?)")
     assert "training.eval_every with distributed.pp_size=2 is not supported yet" in problems(
         "training.eval_every=2", tasks, "distributed.pp_size=2", "model.n_layers=2", world_size=2)
+    assert "data.source=synthetic does not read" in problems(
+        "data.source=synthetic", "data.max_files=null", "training.eval_every=2",
+        f"training.eval={{paths: [{folder / 'held_out.py'}]}}")
     assert problems("training.eval_every=2", f"training.eval={{paths: [{tmp_path / 'missing.txt'}]}}").startswith(
         "training.eval.paths: ")
     # from the command line: one line, exit 2, no traceback

@@ -526,9 +526,13 @@ def live_model_support(cfg: Config, world_size: int) -> list[str]:
     for name, instead in uses:
         out += [f"{name} with distributed.{k}={v} is not supported yet: {instead} instead"
                 for k, v in (("pp_size", d.pp_size), ("cp_size", d.cp_size)) if v > 1]
-    if cfg.training.eval is not None and cfg.training.eval.paths and cfg.data.mix:
-        out.append("training.eval.paths with data.mix is not supported yet (which source's settings would read "
-                   "them?): give each source a validation (data.mix[i].validation) instead")
+    if cfg.training.eval is not None and cfg.training.eval.paths:
+        if cfg.data.mix:
+            out.append("training.eval.paths with data.mix is not supported yet (which source's settings would read "
+                       "them?): give each source a validation (data.mix[i].validation) instead")
+        elif cfg.data.source not in ("text", "dataset"):
+            out.append(f"training.eval.paths are read as data.paths, which data.source={cfg.data.source} does not "
+                       "read: evaluate text or dataset files (or drop training.eval.paths)")
     return out
 
 

@@ -11,7 +11,7 @@ live model every `eval_every` steps and at the last step, logged as one record (
 Every rank runs the whole evaluation on the same inputs (the model is sharded as training holds it: FSDP, TP, EP,
 so every rank joins every forward) and gets the same numbers; rank 0 logs them. It runs `apart_from_training`, as
 samples do (training/samples.py): eval mode, no grad, every RNG forked, the data loader untouched, so the losses
-and an exact resume are unchanged (tests/parallel/test_eval_during_training.py). It runs at training's precision
+and an exact resume are unchanged (tests/parallel/test_eval_training.py). It runs at training's precision
 (under bf16 autocast the numbers are bf16's, `meshforge eval` on the checkpoint reads fp32). Pipeline and context
 parallelism are refused by a rule (`live_model_support`).
 """
