@@ -13,6 +13,7 @@ tensor, all-to-all input, p2p tensor), in the order a step issues them:
 
 from __future__ import annotations
 
+import functools
 import math
 
 from meshforge.planning.activations import lowered_passes
@@ -75,10 +76,16 @@ def _stage_passes(cfg, layout: Layout, pp_rank: int, n_layers: int, n_stages: in
     if layout.pp == 1:
         return [None] * n_stages
     pplan = pipeline_plan_of(cfg, layout, n_layers)
-    seq = lowered_passes(pplan.schedule, layout.pp, pp_rank, pplan.n_microbatches, pplan.stages_per_rank)
+    return list(_split_passes(pplan.schedule, layout.pp, pp_rank, pplan.n_microbatches, pplan.stages_per_rank,
+                              n_stages))
+
+
+@functools.lru_cache(maxsize=4096)
+def _split_passes(schedule: str, p: int, r: int, m: int, v: int, n_stages: int) -> tuple:
+    seq = lowered_passes(schedule, p, r, m, v)
     if seq is None:
-        return [None] * n_stages
-    return [[op for op, s in seq if s == i] for i in range(n_stages)]
+        return (None,) * n_stages
+    return tuple(tuple(op for op, s in seq if s == i) for i in range(n_stages))
 
 
 def _grad_norm(mine: list[ParamRec], terms, cfg, layout: Layout, add: AddComm) -> None:
@@ -158,9 +165,8 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
         # the sub-layer but the row-wise projection and its adapters); compiled blocks, which keep the gathered
         # input, send as many gathers (measured with aot_eager, torch 2.13)
         subs = {p.name.rsplit(".", 2)[0]: p.name.rsplit(".", 1)[0] for p in projections if p.tp_dim == 1}
-        trained = [q.name for q in mine_all if q.trainable] if not recompute else []
-        regather = sum(any(n.startswith(sub + ".") and not n.startswith(row + ".") for n in trained)
-                       for sub, row in subs.items())
+        under = _trained_under(mine_all) if not recompute else {}
+        regather = sum(under.get(sub, 0) > under.get(row, 0) for sub, row in subs.items())
         add("tp", "all_gather",
             n_micro * (2 * rows + first + head - frozen_in + (rows if recompute else 0) + regather) * act)
         add("tp", "reduce_scatter", n_micro * (rows + first + head + (rows - n_blocks if recompute else 0)) * act)
@@ -168,6 +174,19 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
     else:
         redo = rows - n_blocks if recompute else 0
         add("tp", "all_reduce", n_micro * ((rows + first + head + redo) * act + cols + loss) + partial)
+
+
+def _trained_under(mine: list[ParamRec]) -> dict[str, int]:
+    """{module path: trainable parameters under it} (every dotted prefix of their names), in one pass: a
+    sub-layer has a trainable parameter outside its row-wise projection when its count exceeds the projection's."""
+    out: dict[str, int] = {}
+    for q in mine:
+        if q.trainable:
+            parts = q.name.split(".")
+            for i in range(1, len(parts)):
+                prefix = ".".join(parts[:i])
+                out[prefix] = out.get(prefix, 0) + 1
+    return out
 
 
 def _shared_inputs(mine: list[ParamRec], cfg) -> int:
