@@ -10,9 +10,10 @@ ones too, except under `if TYPE_CHECKING:`):
     config, planning, recipes           process-free: schema, strategy specs, rules, layout, plans
     distributed                         meshes, strategies, parallelisms, the parallel model runtime
     checkpoint                          stateful parts, commit protocol, resume, HF weight I/O
-    generation                          decoding (KV cache, sampling), `meshforge generate`
+    generation, evaluation              decoding (KV cache, sampling), `meshforge generate`; perplexity and
+                                        lm-eval over a model (`meshforge eval`, and training.eval_every)
     training                            the Trainer and its parts
-    testing, bench, scale, verify, evaluation, cli  tools on top
+    testing, bench, scale, verify, cli  tools on top
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ LAYERS = [
     {"config", "planning", "recipes"},
     {"distributed"},
     {"checkpoint"},
-    {"generation"},
+    {"generation", "evaluation"},
     {"training"},
-    {"testing", "bench", "scale", "verify", "plot", "evaluation", "cli", "__init__", "__main__"},
+    {"testing", "bench", "scale", "verify", "plot", "cli", "__init__", "__main__"},
 ]
 LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 # what a model is made of: names no code outside models/ may spell (the model contract says it instead)

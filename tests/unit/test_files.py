@@ -23,7 +23,7 @@ from meshforge.config.schema import DataConfig
 from meshforge.data import batch_loader, build_source
 from meshforge.data.sources import split_validation
 from meshforge.errors import ConfigError, DataError
-from meshforge.testing.parity import config, single_info
+from meshforge.testing.parity import base_overrides, config, single_info
 from meshforge.training import rundir
 from meshforge.training.trainer import train
 
@@ -387,6 +387,38 @@ def test_a_training_resume_onto_a_changed_corpus_is_one_line(tmp_path, capsys):
     capsys.readouterr()
     assert _train([*run, "checkpoint.allow_changed_inputs=true"], steps=3).start_step == 2
     assert "warning: resuming on changed data" in capsys.readouterr().out
+
+
+def test_a_full_run_resumed_onto_another_init_from_is_one_line_naming_both(tmp_path, capsys):
+    """A full run's checkpoint records the model.init_from folder it started from; a resume naming another folder
+    (a copy: same content), none, or one where the run had none is refused naming both, unless
+    checkpoint.allow_changed_inputs=true (then a warning, and the checkpoint's weights)."""
+    _train([f"run.output_dir={tmp_path / 'src'}", "checkpoint.save_final=true"])
+    assert main(["checkpoint", "export", str(tmp_path / "src"), "--to", str(tmp_path / "a")]) == 0
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    a, b = (tmp_path / "a").resolve(), (tmp_path / "b").resolve()
+    run = [f"run.output_dir={tmp_path / 'run'}", "checkpoint.save_final=true", "checkpoint.resume=auto"]
+    _train([*run, f"model.init_from={a}"])
+    capsys.readouterr()
+    for init, was, now in ((f"model.init_from={b}", a, b), ("model.init_from=null", a, "(unset)")):
+        with pytest.raises(Exception, match=re.escape(f"its run started from model.init_from={was}, this run's "
+                                                      f"model.init_from is {now}: set model.init_from back")) as err:
+            _train([*run, init], steps=3)
+        assert type(err.value).__name__ == "CheckpointError" and len(err.value.problems) == 1
+    assert main(["train", str(Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu.yaml"),
+                 *base_overrides(3), "data.max_files=null", *run, f"model.init_from={b}"]) == 2
+    err = capsys.readouterr().err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert "Traceback" not in err and f"model.init_from={a}, this run's model.init_from is {b}" in line
+    resumed = _train([*run, f"model.init_from={b}", "checkpoint.allow_changed_inputs=true"], steps=3)
+    assert resumed.start_step == 2
+    assert "warning: resuming with another model.init_from" in "".join(capsys.readouterr())
+    # a run that started from a random init, resumed with an init_from added
+    scratch = [f"run.output_dir={tmp_path / 'scratch'}", "checkpoint.save_final=true", "checkpoint.resume=auto"]
+    _train(scratch)
+    with pytest.raises(Exception, match=re.escape("started from model.init_from=(none: a random init), this "
+                                                  f"run's model.init_from is {a}")):
+        _train([*scratch, f"model.init_from={a}"], steps=3)
 
 
 # ------------------------------------------------------------------------------------ training on nothing

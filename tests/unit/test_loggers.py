@@ -1,8 +1,8 @@
 """Experiment tracking and profiling, against the real libraries: one tiny run logs to jsonl, TensorBoard,
 W&B (offline) and MLflow (local file store) and profiles two steps; each store is read back with the
 library's own reader (W&B's offline run file with its protobuf records) and must hold every logged step's
-metrics, the resolved config and the run metadata, and the generated samples (`logging.samples`: a text table in
-TensorBoard, a W&B table, an MLflow JSON artifact). Plus: the old logging booleans map exactly onto
+metrics, the resolved config and the run metadata, the generated samples (`logging.samples`: a text table in
+TensorBoard, a W&B table, an MLflow JSON artifact) and the evaluation scores (`training.eval_every`: eval/* scalars). Plus: the old logging booleans map exactly onto
 `logging.loggers`, a missing extra is one line, a CUDA memory snapshot on CPU is refused in one line."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import struct
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +23,8 @@ STEPS = 4
 # greedy text from the live model at steps 2 and 4 (byte-level: data.source=text)
 SAMPLES = ["data.source=text", "data.max_files=2",
            "logging.samples={prompts: ['def f', 'x|y'], every: 2, max_new_tokens: 5}"]
+# held-out perplexity of the live model at steps 2 and 4 (training.eval_every): eval/* scalars in every logger
+EVAL = ["training.eval_every=2", f"training.eval={{paths: [{Path(__file__).resolve()}]}}"]
 
 
 def _wandb_records(run_dir: str) -> list:
@@ -58,7 +61,7 @@ def tracked_run(tmp_path_factory):
     cfg = load_config(None, base_overrides(STEPS) + [
         f"run.output_dir={out}", "run.name=tracked", "logging.log_every=1", "logging.project=mf-test",
         "logging.loggers=[jsonl,tensorboard,wandb,mlflow]", "profiling.enabled=true", "profiling.steps=[2,3]",
-        *SAMPLES],
+        *SAMPLES, *EVAL],
         world_size=1)
     try:
         res = train(cfg, single_info())
@@ -73,7 +76,9 @@ def test_jsonl_and_metadata(tracked_run):
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r for r in recs if "samples" in r] == res.samples and [r["step"] for r in res.samples] == [2, 4]
     assert [s["prompt"] for s in res.samples[0]["samples"]] == ["def f", "x|y"]
-    recs = [r for r in recs if "samples" not in r]
+    assert [r for r in recs if "eval/ppl" in r] == res.evaluations and [r["step"] for r in res.evaluations] == [2, 4]
+    assert set(res.evaluations[0]) == {"step", "eval/loss", "eval/ppl"}
+    recs = [r for r in recs if "samples" not in r and "eval/ppl" not in r]
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in recs] == res.losses
     meta = json.loads((out / "run_meta.json").read_text())
@@ -96,6 +101,8 @@ def test_tensorboard(tracked_run):
     assert [e.value for e in losses] == pytest.approx(res.losses, rel=1e-6)
     assert {"grad_norm", "lr", "tokens_per_s"} <= set(acc.Tags()["scalars"])
     assert "mfu" not in acc.Tags()["scalars"]  # None on CPU: not logged as a number
+    assert [(e.step, e.value) for e in acc.Scalars("eval/ppl")] == [
+        (r["step"], pytest.approx(r["eval/ppl"], rel=1e-6)) for r in res.evaluations]
     texts = acc.Tensors("samples/text_summary")
     assert [e.step for e in texts] == [2, 4]
     table = texts[-1].tensor_proto.string_val[0].decode()
@@ -116,6 +123,8 @@ def test_wandb_offline(tracked_run):
     assert run.project == "mf-test" and run.display_name == "tracked"
     config = {i.key: json.loads(i.value_json) for i in run.config.update}
     assert config["training"]["max_steps"] == STEPS and config["meta"]["world_size"] == 1
+    evals = [(h["_step"], h["eval/ppl"]) for h in history if "eval/ppl" in h]
+    assert evals == [(r["step"], pytest.approx(r["eval/ppl"], rel=1e-6)) for r in res.evaluations]
     tables = [{i.nested_key[1]: json.loads(i.value_json) for i in r.history.item if i.nested_key[:1] == ["samples"]}
               for r in recs if r.WhichOneof("record_type") == "history"]
     tables = [t for t in tables if t]  # (the rows of steps 2 and 4)
@@ -133,6 +142,9 @@ def test_mlflow_local_store(tracked_run):
     assert run.info.run_name == "tracked" and run.info.status == "FINISHED"
     hist = client.get_metric_history(run.info.run_id, "loss")
     assert sorted((m.step, m.value) for m in hist) == [(s + 1, pytest.approx(v)) for s, v in enumerate(res.losses)]
+    hist = client.get_metric_history(run.info.run_id, "eval/ppl")
+    assert sorted((m.step, m.value) for m in hist) == [(r["step"], pytest.approx(r["eval/ppl"]))
+                                                        for r in res.evaluations]
     assert run.data.params["training.max_steps"] == str(STEPS)
     assert run.data.params["logging.loggers"] == json.dumps(["jsonl", "tensorboard", "wandb", "mlflow"])
     assert run.data.tags["meshforge.world_size"] == "1"

@@ -426,6 +426,11 @@ def load_hf_into(model, hf_dir: str | Path, progress: bool = False) -> list[str]
         for name in theirs:
             if name not in files:
                 raise CheckpointError(f"{hf_dir}: tensor {name} (for {ours}) is missing")
+        for name in theirs:  # integer or boolean data copied into a float parameter would be cast without a word
+            dtype = opened(name).get_slice(name).get_dtype()
+            if dtype.startswith(("I", "U", "BOOL")):
+                raise CheckpointError(f"{files[name]}: tensor {name} (for {ours}) has dtype {dtype}: model weights "
+                                      "are floating point")
         # the full shape, from the files' headers alone: the adapter's transform run on meta tensors
         metas = {n: torch.empty(opened(n).get_slice(n).get_shape(), device="meta") for n in theirs}
         full_shape = tuple(adapter.from_hf(ours, metas).shape)

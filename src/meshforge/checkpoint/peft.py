@@ -332,7 +332,11 @@ def load_peft_adapter(model: nn.Module, pcfg) -> None:
             if key not in left:
                 raise CheckpointError(f"{where / ADAPTER_WEIGHTS}: tensor {key} (for {name}) is missing")
             left.discard(key)
-            return sf.get_tensor(key)
+            t = sf.get_tensor(key)
+            if not t.is_floating_point():  # copied into a float parameter it would be cast without a word
+                raise CheckpointError(f"{where / ADAPTER_WEIGHTS}: tensor {key} (for {name}) has dtype "
+                                      f"{str(t.dtype).removeprefix('torch.')}: adapter weights are floating point")
+            return t
 
         for name, m in modules.items():
             for part in ("lora_A", "lora_B"):

@@ -4,9 +4,11 @@ anything is loaded; a difference is one line naming the parameter or the argumen
 
 And did the model start from the same files? The manifest records `model_inputs`: the content fingerprint
 (`data/fingerprint.py`: full SHA-256 up to 64 MiB a file, sampled blocks above) of the folders the model was
-built from: `model.init_from` and `model.hf_model` (config.json and the safetensors: a LoRA run's frozen base)
-and `peft.init_from` (the PEFT adapter files). A resume from the same folder whose files changed is refused naming
-the file, unless `checkpoint.allow_changed_inputs=true`; `export --merge` refuses a changed base outright.
+built from: `model.init_from` and `model.hf_model` (config.json and the safetensors: a LoRA run's frozen base) and
+`peft.init_from` (the PEFT adapter files). A resume from the same folder whose files changed is refused naming the
+file, and a full run's resume with another `model.init_from` (or one added or dropped) naming both folders, unless
+`checkpoint.allow_changed_inputs=true`; `export --merge` refuses a changed base outright (a LoRA run's resume onto
+another base path is refused by its own check, `peft.check_adapter_checkpoint`).
 """
 
 from __future__ import annotations
@@ -61,9 +63,32 @@ def changed_inputs(saved, mine: dict[str, dict]) -> str | None:
     return diffs[0] + (f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else "") if diffs else None
 
 
+def changed_init_from(saved, mine: dict[str, dict]) -> str | None:
+    """The checkpoint's run started from another `model.init_from` folder than this run names (or from none, or
+    this run names none): both named; None when the same (or the checkpoint predates model-input fingerprints)."""
+    if not isinstance(saved, dict):
+        return None
+    was, now = saved.get("model.init_from"), mine.get("model.init_from")
+    was = was.get("folder") if isinstance(was, dict) else None
+    now = now["folder"] if now else None
+    if was == now:
+        return None
+    return (f"its run started from model.init_from={was or '(none: a random init)'}, this run's model.init_from is "
+            f"{now or '(unset)'}")
+
+
 def check_model_inputs(path: Path, saved, mine: dict[str, dict], allow: bool) -> str | None:
-    """`changed_inputs` on resume: None when equal; a warning line when they differ and `allow`; else one
-    CheckpointError line naming the first changed file."""
+    """On resume: None when the model starts from the same folder (`changed_init_from`) with the same files
+    (`changed_inputs`); a warning line when not and `allow`; else one CheckpointError line naming both folders,
+    or the first changed file."""
+    moved = changed_init_from(saved, mine)
+    if moved is not None and not allow:
+        raise CheckpointError(f"{path}: {moved}: set model.init_from back to resume this run, start a new run "
+                              f"(another run.output_dir, checkpoint.resume=none) to train from the other folder, or "
+                              f"set {fingerprint.ALLOW_KEY}=true to resume anyway (the checkpoint's weights replace "
+                              "the folder's)")
+    if moved is not None:
+        return f"warning: resuming with another model.init_from, {fingerprint.ALLOW_KEY}=true: {moved}"
     what = changed_inputs(saved, mine)
     if what is None:
         return None

@@ -517,14 +517,25 @@ def validation_data(cfg: Config, world_size: int) -> list[str]:
 
 
 @rule
-def samples_support(cfg: Config, world_size: int) -> list[str]:
-    """logging.samples runs the whole sequence through the model on every rank: not through pipeline stages (the
-    schedule drives their forwards) or context parallelism (it splits the sequence)."""
-    d = cfg.distributed
-    if cfg.logging.samples is None:
-        return []
-    return [f"logging.samples with distributed.{k}={v} is not supported yet: generate from a checkpoint with "
-            "`meshforge generate` instead" for k, v in (("pp_size", d.pp_size), ("cp_size", d.cp_size)) if v > 1]
+def live_model_support(cfg: Config, world_size: int) -> list[str]:
+    """logging.samples and training.eval_every run the whole sequence through the live model on every rank: not
+    through pipeline stages (the schedule drives their forwards) or context parallelism (it splits the sequence)."""
+    d, out = cfg.distributed, []
+    uses = [(name, instead) for name, on, instead in (
+        ("logging.samples", cfg.logging.samples is not None, "generate from a checkpoint with `meshforge generate`"),
+        ("training.eval_every", cfg.training.eval_every is not None, "evaluate a checkpoint with `meshforge eval`"))
+        if on]
+    for name, instead in uses:
+        out += [f"{name} with distributed.{k}={v} is not supported yet: {instead} instead"
+                for k, v in (("pp_size", d.pp_size), ("cp_size", d.cp_size)) if v > 1]
+    if cfg.training.eval is not None and cfg.training.eval.paths:
+        if cfg.data.mix:
+            out.append("training.eval.paths with data.mix is not supported yet (which source's settings would read "
+                       "them?): give each source a validation (data.mix[i].validation) instead")
+        elif cfg.data.source not in ("text", "dataset"):
+            out.append(f"training.eval.paths are read as data.paths, which data.source={cfg.data.source} does not "
+                       "read: evaluate text or dataset files (or drop training.eval.paths)")
+    return out
 
 
 @rule

@@ -447,6 +447,28 @@ class FP8Config(Section):
     filter: Literal["auto", "all"] = "auto"
 
 
+class EvalConfig(Section):
+    """What `training.eval_every` evaluates (training/evaluation.py): `meshforge eval` on the live model, its
+    perplexity on held-out files and its scores on local lm-eval tasks, logged as `eval/*` metrics."""
+
+    paths: list[str] = Field(default_factory=list)  # held-out files: perplexity, read as data.* reads training's
+    tasks: list[str] = Field(default_factory=list)  # lm-eval task names, found in `include` (extra `eval`)
+    include: list[str] = Field(default_factory=list)  # folders of lm-eval task YAML (local files only)
+    limit: int | None = Field(None, gt=0)  # at most this many documents per task; None = all
+
+    @model_validator(mode="after")
+    def _something(self) -> EvalConfig:
+        if not self.paths and not self.tasks:
+            raise ValueError("training.eval: no tasks given: set tasks (lm-eval task names, with include: their "
+                             "folders) and/or paths (held-out files for perplexity)")
+        if self.tasks and not self.include:
+            raise ValueError("training.eval.tasks needs training.eval.include: the folders of their task YAML "
+                             "files (tasks are read from local files only)")
+        if self.include and not self.tasks:
+            raise ValueError("training.eval.include is set but training.eval.tasks names no task: name them")
+        return self
+
+
 class TrainingConfig(Section):
     max_steps: int = Field(100, gt=0)
     global_batch_size: int = Field(8, gt=0)  # sequences per optimizer step, whatever the world size
@@ -468,6 +490,16 @@ class TrainingConfig(Section):
     nonfinite: Literal["skip", "stop"] = "stop"
     max_skipped: int = Field(3, gt=0)
     val_every: int = Field(0, ge=0)  # steps between validations (and at the last step) on data.validation; 0 = never
+    # steps between evaluations (and at the last step) of training.eval's files and tasks; None = never
+    eval_every: int | None = Field(None, gt=0)
+    eval: EvalConfig | None = None
+
+    @model_validator(mode="after")
+    def _eval_pair(self) -> TrainingConfig:
+        if (self.eval_every is None) != (self.eval is None):
+            raise ValueError("training.eval_every needs training.eval (what to evaluate: tasks, include, paths) "
+                             "and training.eval needs training.eval_every (how often): set both or neither")
+        return self
 
     @field_validator("precision", mode="before")
     @classmethod

@@ -59,7 +59,7 @@ def _run(args) -> int:
         raise ConfigError(format_validation_error(err, Config)) from None
     data, t = cfg.data, cfg.training
     if args.output:  # checked before any work: never over an input, a checkpoint or a file of another kind
-        from meshforge import outputs
+        import meshforge.outputs as outputs
 
         problem = outputs.check_file(args.output, "--output", _is_results, "a meshforge eval result",
                                      sources=[args.model])
@@ -76,6 +76,11 @@ def _run(args) -> int:
     results = {}
     if t.seq_len > em.args.max_seq_len:
         raise ConfigError(f"training.seq_len={t.seq_len} exceeds the model's max_seq_len={em.args.max_seq_len}")
+    tasks = [x.strip() for x in (args.tasks or "").split(",") if x.strip()]
+    if tasks:  # found and built from their files before any model runs
+        from meshforge.evaluation.harness import check_tasks
+
+        check_tasks(tasks, args.include, args.limit)
     if any(k.startswith("data.") for k in keys):
         from meshforge.evaluation.perplexity import perplexity
 
@@ -83,19 +88,15 @@ def _run(args) -> int:
         for name, r in results["perplexity"].items():
             print(f"perplexity {name}: loss={r['loss']:.4f} ppl={r['ppl']:.4f} tokens={r['tokens']} "
                   f"samples={r['samples']}", flush=True)
-    if args.tasks:
+    if tasks:
         from meshforge.evaluation.harness import make_lm, run_tasks
 
-        tasks = [x.strip() for x in args.tasks.split(",") if x.strip()]
-        missing = [d for d in args.include if not Path(d).is_dir()]
-        if missing:
-            raise ConfigError(f"--include {missing[0]}: not a folder (of lm-eval task YAML files)")
         results["tasks"] = run_tasks(make_lm(em), tasks, args.include, args.limit)
         for task, metrics in results["tasks"].items():
             print(f"task {task}: " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}"
                                               for k, v in metrics.items()), flush=True)
     if args.output:
-        from meshforge import outputs
+        import meshforge.outputs as outputs
 
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)

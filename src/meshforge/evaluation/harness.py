@@ -15,12 +15,13 @@ downloaded, and a task lm-eval cannot find is one line.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from meshforge.errors import ConfigError
-from meshforge.generation.decode import Sampling, generate_ids
+from meshforge.generation.decode import Sampling, full_logits, generate_ids
 
 
 def _lm_eval():
@@ -32,17 +33,23 @@ def _lm_eval():
     return TemplateLM
 
 
-def greedy_until(model, ids: list[int], max_new: int, max_len: int, stop_ids: set[int]) -> list[int]:
-    """Greedy continuation of `ids` by generation's decoding loop (KV cache, `generation/decode.py`), the prompt
-    cut on the left to leave room for `max_new` tokens in the model's `max_len` (as lm-eval's HF model does); stops
-    at a token of `stop_ids` (not returned) or after `max_new` tokens."""
+def greedy_until(model, ids: list[int], max_new: int, max_len: int, stop_ids: set[int], decode=None) -> list[int]:
+    """Greedy continuation of `ids` by generation's decoding loop (KV cache, `generation/decode.py`; or
+    `decode(ids, max_new, stop_ids)`, training's live model), the prompt cut on the left to leave room for `max_new`
+    tokens in the model's `max_len` (as lm-eval's HF model does); stops at a token of `stop_ids` (not returned) or
+    after `max_new` tokens."""
     keep = max(max_len - max_new, 1)
-    out = generate_ids(model, [ids[-keep:]], max_new, Sampling(), stop_ids, max_len)[0]
+    if decode is not None:
+        out = decode(ids[-keep:], max_new, stop_ids)
+    else:
+        out = generate_ids(model, [ids[-keep:]], max_new, Sampling(), stop_ids, max_len)[0]
     return out[:-1] if out and out[-1] in stop_ids else out
 
 
-def make_lm(em, max_length: int | None = None, max_gen_toks: int = 256):
-    """A `MeshforgeLM` (lm-eval's TemplateLM) over an `EvalModel` (`evaluation/model.py`)."""
+def make_lm(em, max_length: int | None = None, max_gen_toks: int = 256, forward=None, decode=None):
+    """A `MeshforgeLM` (lm-eval's TemplateLM) over an `EvalModel` (`evaluation/model.py`). `forward(tokens) ->
+    logits` and `decode` (see `greedy_until`) replace `em.model`'s own: training's live sharded model passes
+    them (training/evaluation.py)."""
     TemplateLM = _lm_eval()
     from lm_eval import utils
 
@@ -51,7 +58,8 @@ def make_lm(em, max_length: int | None = None, max_gen_toks: int = 256):
 
         def __init__(self):
             super().__init__()
-            self.em, self.model = em, em.model
+            self.em, self.model, self.forward, self.decode = em, em.model, forward or em.model, decode
+            self.on = next(em.model.parameters()).device
             self.max_length = max_length or em.args.max_seq_len
             self.max_gen_toks = max_gen_toks
 
@@ -68,8 +76,8 @@ def make_lm(em, max_length: int | None = None, max_gen_toks: int = 256):
         @torch.no_grad()
         def _logprobs(self, inp: list[int], n: int) -> torch.Tensor:
             """Log-probabilities (n, vocab) of the model at the last n positions of `inp`."""
-            x = torch.tensor([inp], device=next(self.model.parameters()).device)
-            return F.log_softmax(self.model(x)[0, -n:].float(), dim=-1)
+            x = torch.tensor([inp], device=self.on)
+            return F.log_softmax(full_logits(self.forward(x))[0, -n:].float(), dim=-1)
 
         def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
             out = []
@@ -102,7 +110,7 @@ def make_lm(em, max_length: int | None = None, max_gen_toks: int = 256):
                     raise ConfigError("meshforge eval: generate_until runs greedy decoding only (a task asked "
                                       "for sampling: set do_sample false / temperature 0 in its YAML)")
                 ids = greedy_until(self.model, self.tok_encode(context), max_new, self.max_length,
-                                   {self.eot_token_id})
+                                   {self.eot_token_id}, self.decode)
                 text = self.tok_decode(ids)
                 for stop in until:  # cut at the first stop string, as lm-eval's models do
                     text = text.split(stop)[0] if stop else text
@@ -112,22 +120,62 @@ def make_lm(em, max_length: int | None = None, max_gen_toks: int = 256):
     return MeshforgeLM()
 
 
-def run_tasks(lm, tasks: list[str], include: list[str], limit: int | None = None, seed: int = 1234) -> dict:
-    """{task: {metric: value}} of lm-eval's `simple_evaluate` on `lm` (any lm-eval LM) for local tasks."""
+def _manager(include: list[str]):
     _lm_eval()
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local task files only: never a download
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    manager = TaskManager(include_path=list(include) or None, include_defaults=False)  # local tasks only
+    return TaskManager(include_path=list(include) or None, include_defaults=False)  # local tasks only
+
+
+def check_tasks(tasks: list[str], include: list[str], limit: int | None = None, who: str = "meshforge eval",
+                flag: str = "--include") -> None:
+    """Every task is found in the `include` folders and builds its requests from its files: a task YAML or data
+    file of the wrong shape (a field its templates name missing, a data file not there) is one line here, before
+    any model runs, not a traceback midway."""
+    missing = [d for d in include if not Path(d).is_dir()]
+    if missing:
+        raise ConfigError(f"{flag} {missing[0]}: not a folder (of lm-eval task YAML files)")
+    manager = _manager(include)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
-        raise ConfigError(f"meshforge eval: task {unknown[0]!r} is not in --include "
-                          f"{', '.join(include) or '(none given)'}: give the folder of its task YAML (tasks are "
-                          "read from local files only)")
-    res = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit, log_samples=False,
-                          bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                          fewshot_random_seed=seed)
+        raise ConfigError(f"{who}: task {unknown[0]!r} is not in {flag} {', '.join(include) or '(none given)'}: "
+                          "give the folder of its task YAML (tasks are read from local files only)")
+    def leaves(d: dict) -> list:
+        return [t for v in d.values() for t in (leaves(v) if isinstance(v, dict) else [v])]
+
+    for name in tasks:
+        try:
+            if hasattr(manager, "load"):  # lm-eval >= 0.4.10: {"tasks": {name: Task}, ...}
+                built = list(manager.load([name])["tasks"].values())
+            else:
+                from lm_eval.tasks import get_task_dict
+
+                built = leaves(get_task_dict([name], manager))
+            for task in built:
+                task.build_all_requests(limit=limit, rank=0, world_size=1)
+        except Exception as err:  # lm-eval's and datasets' own errors, whatever their kind: one line
+            first = (str(err).strip().splitlines() or [""])[0][:300]
+            raise ConfigError(f"{who}: task {name!r} cannot be built from its files (a task YAML or data file of "
+                              f"the wrong shape?): {type(err).__name__}: {first}") from None
+
+
+def run_tasks(lm, tasks: list[str], include: list[str], limit: int | None = None, seed: int = 1234) -> dict:
+    """{task: {metric: value}} of lm-eval's `simple_evaluate` on `lm` (any lm-eval LM) for local tasks (checked
+    by `check_tasks` first)."""
+    manager = _manager(include)
+    from lm_eval import simple_evaluate
+
+    # every rank of a training job runs the whole evaluation as lm-eval's rank 0 (the model's forwards are
+    # collective): lm-eval would return nothing where LOCAL_RANK says otherwise
+    local_rank = os.environ.pop("LOCAL_RANK", None)
+    try:
+        res = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit, log_samples=False,
+                              bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                              fewshot_random_seed=seed)
+    finally:
+        if local_rank is not None:
+            os.environ["LOCAL_RANK"] = local_rank
     return {t: {k.split(",")[0]: v for k, v in m.items() if "," in k and "_stderr" not in k}  # "acc,none" ...
             for t, m in res["results"].items()}

@@ -12,14 +12,17 @@ import torch
 
 from meshforge.data import build_source
 from meshforge.distributed.runtime import packed_positions
+from meshforge.generation.decode import full_logits
 from meshforge.models.loss import lm_loss
 
 MAX_SAMPLES = 2**20  # an endless source (synthetic) is evaluated on this many samples at most
 
 
 @torch.no_grad()
-def perplexity(em, data_cfg, seq_len: int, batch_size: int = 8, max_samples: int | None = None) -> dict:
-    """{source name: {loss, ppl, tokens, samples}} (one entry `data` without a mix)."""
+def perplexity(em, data_cfg, seq_len: int, batch_size: int = 8, max_samples: int | None = None,
+               forward=None) -> dict:
+    """{source name: {loss, ppl, tokens, samples}} (one entry `data` without a mix). `forward(x[, positions,
+    document ids])` replaces `em.model` (training's live sharded model: training/evaluation.py)."""
     if not data_cfg.tokenizer and em.tokenizer_path:  # the model's own tokenizer, unless data.tokenizer says
         data_cfg = data_cfg.model_copy(update={"tokenizer": em.tokenizer_path})
     if data_cfg.mix:
@@ -28,7 +31,8 @@ def perplexity(em, data_cfg, seq_len: int, batch_size: int = 8, max_samples: int
                 for i, n in enumerate(names)}
     else:
         sets = {"data": build_source(data_cfg, seq_len, em.args.vocab_size, 0)}
-    return {name: _one(em.model, src, batch_size, max_samples) for name, src in sets.items()}
+    device = next(em.model.parameters()).device
+    return {name: _one(forward or em.model, device, src, batch_size, max_samples) for name, src in sets.items()}
 
 
 def _samples(source, batch_size: int, max_samples: int | None):
@@ -58,8 +62,7 @@ def _samples(source, batch_size: int, max_samples: int | None):
             yield seqs[:, :-1], seqs[:, 1:]
 
 
-def _one(model, source, batch_size: int, max_samples: int | None) -> dict:
-    device = next(model.parameters()).device
+def _one(model, device, source, batch_size: int, max_samples: int | None) -> dict:
     ce, count, n = 0.0, 0, 0
     for x, y, *docs in _samples(source, batch_size, max_samples):
         x, y = x.to(device), y.to(device)
@@ -68,7 +71,7 @@ def _one(model, source, batch_size: int, max_samples: int | None) -> dict:
             out = model(x, packed_positions(d), d)
         else:
             out = model(x)
-        ce += float(lm_loss(out, y).ce_sum)
+        ce += float(lm_loss(full_logits(out), y).ce_sum)
         count += int((y != -100).sum())
         n += len(x)
     loss = ce / max(1, count)

@@ -50,6 +50,9 @@ class MetricsLogger:
             for sample in record["samples"]:
                 self.info(f"step={record['step']} sample {sample['prompt']!r} -> {sample['completion']!r}")
             return
+        if any(k.startswith("eval/") for k in record):  # an evaluation record (training/evaluation.py)
+            self.info(f"step={record['step']} " + " ".join(f"{k}={_fmt(v)}" for k, v in record.items() if k != "step"))
+            return
         if "val_loss" in record:  # a validation record (training/validation.py)
             self.info(" ".join(f"{k}={_fmt(record.get(k))}" for k in ("step", "val_loss", "val_ppl")) +
                       "".join(f" {k}={_fmt(v)}" for k, v in record.items() if k.startswith("val_loss/")))

@@ -6,22 +6,26 @@ The model is the one training holds, sharded as it is (FSDP, TP, EP): every rank
 same prompts with the same seed (`generation.decode.generate_live`: the whole sequence each token, no KV cache, so
 nothing about the sharded forward changes; with sequence parallelism the sequence is right-padded to a multiple of
 tp_size), and identical logits on every rank (TP's are gathered) give identical tokens, so every rank runs the same
-forwards. It runs in eval mode under `torch.no_grad` with the RNG forked and its own seeded generator, and never
-touches the data loader: the training that follows, and an exact resume, are unchanged (tests/parallel/
-test_samples.py). Pipeline and context parallelism are refused by a rule (`samples_support`).
+forwards. It runs `apart_from_training` (eval mode, `torch.no_grad`, every RNG forked) with its own seeded
+generator, and never touches the data loader: the training that follows, and an exact resume, are unchanged
+(tests/parallel/test_samples.py); in-training evaluation runs the same way (training/evaluation.py). Pipeline and
+context parallelism are refused by a rule (`live_model_support`).
 """
 
 from __future__ import annotations
 
+import random
 import time
+from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from meshforge.checkpoint.hf import tokenizer_of
 from meshforge.data.tokenizer import ByteTokenizer, check_vocab, load_tokenizer
 from meshforge.errors import ConfigError, MeshforgeError
 from meshforge.generation.prompts import check_prompts, encode_prompts
-from meshforge.generation.decode import Sampling, generate_live
+from meshforge.generation.decode import Sampling, full_logits, generate_live
 from meshforge.models import resolve_model_args
 
 
@@ -44,12 +48,8 @@ class Samples:
         s = cfg.logging.samples
         if s is None:
             return None
-        recorded = tokenizer_of(cfg)
-        if recorded is None:
-            raise ConfigError(["logging.samples needs a tokenizer to read its prompts: set data.tokenizer"])
         try:
-            tok = ByteTokenizer() if recorded == "bytes" else load_tokenizer(recorded)
-            check_vocab(tok, resolve_model_args(cfg.model).vocab_size)
+            tok, _ = run_tokenizer(cfg, "logging.samples", "to read its prompts")
             ids = encode_prompts(s.prompts, tok, s.chat)
             check_prompts(ids, resolve_model_args(cfg.model).max_seq_len, what="logging.samples prompt")
         except MeshforgeError as err:
@@ -69,22 +69,55 @@ class Samples:
         return time.perf_counter() - t0
 
     def run(self) -> list[dict]:
-        pm = self.pm
-        devices = [pm.device] if pm.device.type == "cuda" else []
-
-        def forward(x: torch.Tensor):
-            with pm.autocast():
-                return pm.model(x)
-
-        out = []
-        pm.eval()
-        try:
-            with torch.random.fork_rng(devices=devices):
-                for prompt, ids in zip(self.prompts, self.prompt_ids):
-                    new = generate_live(forward, ids, self.max_new, self.sampling, self.stop_ids, self.context,
-                                        pm.device, pad_to=self.pad_to, pad_id=self.tokenizer.pad_id)
-                    text = self.tokenizer.decode([t for t in new if t not in self.stop_ids])
-                    out.append({"prompt": prompt, "completion": text})
-        finally:
-            pm.train()
+        pm, out = self.pm, []
+        forward = live_forward(pm)
+        with apart_from_training(pm):
+            for prompt, ids in zip(self.prompts, self.prompt_ids):
+                new = generate_live(forward, ids, self.max_new, self.sampling, self.stop_ids, self.context,
+                                    pm.device, pad_to=self.pad_to, pad_id=self.tokenizer.pad_id)
+                text = self.tokenizer.decode([t for t in new if t not in self.stop_ids])
+                out.append({"prompt": prompt, "completion": text})
         return out
+
+
+def run_tokenizer(cfg, what: str, why: str):
+    """(the run's tokenizer, checked against the model's vocabulary, as `data.tokenizer` or "bytes" names it) for
+    `what`, which reads text; none is one line."""
+    recorded = tokenizer_of(cfg)
+    if recorded is None:
+        raise ConfigError([f"{what} needs a tokenizer {why}: set data.tokenizer"])
+    tok = ByteTokenizer() if recorded == "bytes" else load_tokenizer(recorded)
+    check_vocab(tok, resolve_model_args(cfg.model).vocab_size)
+    return tok, recorded
+
+
+@contextmanager
+def apart_from_training(pm):
+    """Eval mode, `torch.no_grad` and every RNG forked (torch's on this device, Python's, NumPy's global one): what
+    runs inside leaves the training that follows exactly as it would have been."""
+    devices = [pm.device] if pm.device.type == "cuda" else []
+    py_state, np_state = random.getstate(), np.random.get_state()
+    pm.eval()
+    try:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        pm.train()
+
+
+def live_forward(pm, pad_to: int = 1, pad_id: int = 0):
+    """`forward(tokens[, positions, document ids]) -> full-vocabulary logits` of the live (sharded) model, under
+    training's autocast; tokens alone are right-padded to a multiple of `pad_to` (sequence parallelism) and the
+    logits cut back (causal: padding on the right changes no earlier position)."""
+
+    def forward(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        width = -(-n // pad_to) * pad_to
+        if width != n and not rest:
+            x = torch.nn.functional.pad(x, (0, width - n), value=pad_id)
+        with pm.autocast():
+            return full_logits(pm.model(x, *rest))[:, :n]
+
+    return forward

@@ -58,6 +58,7 @@ from meshforge.training.metrics import device_peak_tflops, max_memory_gib, throu
 from meshforge.training.nonfinite import NonFinitePolicy
 from meshforge.training.optim import build_optimizer, build_scheduler
 from meshforge.training.profiling import StepProfiler
+from meshforge.training.evaluation import Evaluation
 from meshforge.training.samples import Samples
 from meshforge.training.signals import StopSignal
 from meshforge.training.stragglers import StepClock
@@ -73,6 +74,7 @@ class TrainResult:
     skipped_steps: int = 0
     validations: list[dict] = field(default_factory=list)  # {step, val_loss, val_ppl} per validation run
     samples: list[dict] = field(default_factory=list)  # {step, samples: [{prompt, completion}]} (logging.samples)
+    evaluations: list[dict] = field(default_factory=list)  # {step, eval/...} (training.eval_every)
     stopped_by_signal: bool = False
     signal: str | None = None  # the signal that stopped the run ("SIGTERM", "SIGINT", ...)
     parallel_model: ParallelModel | None = None
@@ -98,6 +100,7 @@ class Trainer:
         self.before_write: Callable[[int, Path], None] | None = None  # the same
         self.validation: Validation | None = None  # set by build() when training.val_every > 0
         self.samples: Samples | None = None  # set by build() with logging.samples
+        self.evaluation: Evaluation | None = None  # set by build() with training.eval
         self.data_notes: list[str] = []  # set by build(): lines on data left out, logged at start
         faults.install(self)
 
@@ -130,6 +133,7 @@ class Trainer:
         trainer = cls(cfg, info, mesh_ctx, pm, optimizer, scheduler, loader)
         trainer.validation = Validation.build(cfg, mesh_ctx, pm, val_source)
         trainer.samples = Samples.build(cfg, pm)
+        trainer.evaluation = Evaluation.build(cfg, pm)
         # what of the data did not reach training as written (SFT examples dropped, truncated, left out)
         reports = [getattr(s, "report", None) for s in (source, val_source) if s is not None]
         trainer.data_notes = [f"{'validation ' if i else ''}{r}" for i, r in enumerate(reports) if r
@@ -238,6 +242,8 @@ class Trainer:
                     metrics.t0 += self.validation(self.step, result, log)
                 if self.samples is not None and self.samples.due(self.step):
                     metrics.t0 += self.samples(self.step, result, log)
+                if self.evaluation is not None and self.evaluation.due(self.step):
+                    metrics.t0 += self.evaluation(self.step, result, log)
                 if save:
                     ckpt.maybe_save(self.step, final=final)
                 if signals.poll():
