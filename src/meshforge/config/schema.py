@@ -206,14 +206,19 @@ class PipelineConfig(Section):
     scale_grads_in_schedule: bool = False
     layers_per_stage: int | None = Field(None, gt=0)
     virtual_stages_per_rank: int = Field(1, gt=0)
+    # uneven ends (Llama 3 405B: 0 and 0, the first stage the embedding only, the last the final norm and head only):
+    # blocks on the first / last stage; the other stages share the rest (planning/pipeline_plan.py)
+    first_stage_layers: int | None = Field(None, ge=0)
+    last_stage_layers: int | None = Field(None, ge=0)
 
     @field_validator("pp_schedule")
     @classmethod
     def _known_schedule(cls, v: str) -> str:
         key = v.lower().replace("-", "_")
-        aliases = {"interleaved1f1b": "interleaved_1f1b", "zerobubble": "zero_bubble", "vschedule": "v_schedule"}
+        aliases = {"interleaved1f1b": "interleaved_1f1b", "zerobubble": "zero_bubble", "vschedule": "v_schedule",
+                   "dual_pipe_v": "dualpipev"}
         key = aliases.get(key, key)
-        allowed = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "dfs", "v_schedule", "zero_bubble")
+        allowed = ("1f1b", "gpipe", "interleaved_1f1b", "looped_bfs", "dfs", "v_schedule", "zero_bubble", "dualpipev")
         if key not in allowed:
             raise ValueError(f"unknown pp_schedule {v!r}; choose one of {', '.join(allowed)}")
         return key
