@@ -111,7 +111,8 @@ def test_bad_splits_name_the_numbers(n_layers, pp, kw, local, needle):
      "model.n_layers=4 is not divisible by distributed.pipeline.layers_per_stage=3"),
     (["distributed.pp_size=4", "model.n_layers=4", "distributed.pipeline.pp_microbatch_size=4",
       "training.global_batch_size=8", "training.micro_batch_size=2"], 4, "needs at least pp_size=4 microbatches"),
-    (["distributed.pp_size=2", "model.n_layers=4", "model.tie_embeddings=true"], 2, "tie_embeddings=true cannot be split"),
+    (["distributed.pp_size=2", "model.n_layers=4", "distributed.pipeline.first_stage_layers=3",
+      "distributed.pipeline.last_stage_layers=2"], 2, "= 5 blocks, more than model.n_layers=4: lower them"),
     (["distributed.strategy=ddp", "distributed.pp_size=2", "model.n_layers=4"], 2, "distributed.pp_size=2 is not supported by strategy ddp"),
 ])
 def test_rules_reject_before_launch_with_exit_2(overrides, world, needle, capsys):
@@ -122,6 +123,9 @@ def test_rules_reject_before_launch_with_exit_2(overrides, world, needle, capsys
 
 def test_valid_pp_configs_pass_validation():
     for extra in (["distributed.pipeline.pp_schedule=v_schedule"], ["distributed.pipeline.pp_schedule=dfs"],
+                  ["model.tie_embeddings=true"], ["model.preset=tiny_moe"],  # tied ends and MoE stages run
+                  ["distributed.pipeline.pp_schedule=interleaved_1f1b", "distributed.pipeline.first_stage_layers=0",
+                   "distributed.pipeline.last_stage_layers=0"],
                   ["distributed.pipeline.pp_schedule=interleaved1f1b", "distributed.pipeline.layers_per_stage=1"]):
         load_config(None, ["distributed.pp_size=2", "model.n_layers=4", *extra], world_size=2)
     assert main(["validate", "examples/llama3_70b_tp_pp.yaml", "--world-size", "64"]) == 0

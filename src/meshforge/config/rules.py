@@ -132,16 +132,6 @@ def expert_parallel(cfg: Config, world_size: int) -> list[str]:
     return out
 
 
-@rule
-def moe_sequence_parallel(cfg: Config, world_size: int) -> list[str]:
-    args = _model_args(cfg)
-    if cfg.distributed.sequence_parallel and args is not None and args.is_moe:
-        return [f"distributed.sequence_parallel=true is not supported with a mixture-of-experts model "
-                f"(model.preset={cfg.model.preset!r}): routed experts run on whole sequences; "
-                "set sequence_parallel false"]
-    return []
-
-
 # 6 ----------------------------------------------------------------------------
 @rule
 def sequence_parallel_needs_tp(cfg: Config, world_size: int) -> list[str]:
@@ -247,12 +237,6 @@ def pipeline_split(cfg: Config, world_size: int) -> list[str]:
     if d.pp_size == 1 or args is None:
         return []
     out = []
-    if args.tie_embeddings:
-        out.append(f"model.tie_embeddings=true cannot be split by distributed.pp_size={d.pp_size} (the embedding "
-                   "is on the first stage, the output on the last): set model.tie_embeddings=false or pp_size 1")
-    if args.is_moe:
-        out.append(f"distributed.pp_size={d.pp_size} with a mixture-of-experts model (model.preset="
-                   f"{cfg.model.preset!r}) is not supported yet: set pp_size 1")
     dp = dp_size(cfg, world_size)
     if dp is not None and t.global_batch_size % dp == 0:
         out += pipeline_problems(args.n_layers, d.pp_size, d.pipeline_or_default, t.global_batch_size // dp)

@@ -43,6 +43,7 @@ from meshforge.distributed.context_parallel import load_balanced_indices
 from meshforge.distributed.grad_norm import clip_grad_norm_
 from meshforge.distributed.mesh import MeshContext
 from meshforge.distributed.parallelize import Parallelized, parallelize_model
+from meshforge.distributed.pipeline_ties import TiedEnds, stage_aliases, whole_model_ties
 from meshforge.distributed.runtime import ParallelModel
 from meshforge.errors import ConfigError, PipelinePlanError
 from meshforge.models import (
@@ -95,19 +96,30 @@ def prune_to_stage(model: nn.Module, blocks: tuple[int, ...], first: bool, last:
     return model
 
 
-def build_stage_module(cfg, plan: PipelinePlan, stage: int, device: torch.device, meta: bool) -> nn.Module:
-    """Stage `stage` of the model, with the whole model's parameter names; initialised unless `meta`."""
+def build_stage_module(cfg, plan: PipelinePlan, stage: int, device: torch.device, meta: bool
+                       ) -> tuple[nn.Module, dict[str, str]]:
+    """Stage `stage` of the model, with the whole model's parameter names, initialised unless `meta`; and its
+    copies of weights tied to another stage ({name: the tied weight's first name}, `pipeline_ties`)."""
     model = build_model(cfg.model, device="meta" if meta else None)
     if contract_of(model).pipeline_layout() is None:
         raise ConfigError(f"distributed.pp_size={plan.pp}: the model ({type(model).__name__}) declares no pipeline "
                           "layout: use a built-in model or pp_size 1")
+    ties = whole_model_ties(model)
     prune_to_stage(model, plan.stage_layers[stage], stage == 0, stage == plan.num_stages - 1)
+    aliases = stage_aliases(ties, model)
     if cfg.peft is not None:  # adapters on the stage's own layers, initialised by name like everything else
         apply_lora(model, cfg.peft)
-    if not meta:
-        init_weights(model, cfg.run.seed)  # a function of (seed, name) only: equals the single-process init
+    if not meta:  # a function of (seed, name) only: equals the single-process init (a tied copy: its first name's)
+        init_weights(model, cfg.run.seed, names=aliases)
         model.to(device)
-    return model
+    return model, aliases
+
+
+def aux_loss_weight(plan: PipelinePlan, scale_in_schedule: bool) -> float:
+    """The weight of a microbatch's auxiliary (MoE load-balancing) loss in what the stages backpropagate: 1/n as
+    without PP (a per-microbatch mean over the step's n microbatches), or 1 when the schedule divides every
+    gradient by n itself (`scale_grads_in_schedule`)."""
+    return 1.0 if scale_in_schedule else 1.0 / plan.n_microbatches
 
 
 def _stage_positions(module: nn.Module, seq_shard: int, cp_size: int, cp_rank: int) -> None:
@@ -128,18 +140,69 @@ def _stage_positions(module: nn.Module, seq_shard: int, cp_size: int, cp_rank: i
     module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+class _AuxLossGrad(torch.autograd.Function):
+    """Identity on a stage's output whose backward also gives the stage's auxiliary loss the gradient `coeff`, the
+    weight the loss gives it (Megatron's MoEAuxLossAutoScaler): the aux loss of the stage's MoE layers reaches
+    their routers once per microbatch, through the schedule's own backward of that microbatch, and nothing but the
+    hidden states travels between stages."""
+
+    @staticmethod
+    def forward(ctx, out, aux, coeff: float):
+        ctx.coeff, ctx.aux_shape, ctx.aux_dtype = coeff, aux.shape, aux.dtype
+        # a copy, not a view: zero-bubble schedules detach a stage's outputs in place, which a view refuses (the
+        # input is not kept by anything, so this is a transient second copy of one activation)
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.full(ctx.aux_shape, ctx.coeff, dtype=ctx.aux_dtype, device=grad.device), None
+
+
+def _carry_aux_loss(module: nn.Module, coeff: float) -> None:
+    """A stage that is not the last returns its hidden states, or (hidden states, aux loss) in training (the model
+    contract): the aux loss is attached to the hidden states (`_AuxLossGrad`), so the stage sends one tensor.
+    The last stage's aux loss goes through the loss function, as without PP."""
+
+    def hook(mod, args, out):
+        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.Tensor) and out[1].dim() == 0:
+            return _AuxLossGrad.apply(out[0], out[1], coeff) if out[1].requires_grad else out[0]
+        return out
+
+    module.register_forward_hook(hook)
+
+
+class _Stage(PipelineStage):
+    """torch's stage, dropping at each step's first microbatch the routing decisions (`moe.ignore_router_for_ac`)
+    that a forward without a backward left: torch 2.13's metadata inference runs a stage's forward with autograd
+    on, and its backward only where the stage's input needs a gradient (not on the first stage), so the first
+    real recompute would replay the inference's decision. A step's forwards all come after the previous step's
+    backwards, so nothing a real microbatch recorded is dropped."""
+
+    def __init__(self, *args, routers: list[nn.Module], **kwargs):
+        super().__init__(*args, **kwargs)
+        self._routers = routers
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        if fwd_chunk_id == 0:
+            for router in self._routers:
+                router.forget_routing()
+        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+
 class PipelineParallelModel(ParallelModel):
     """The stages this rank runs (`parts`, in stage order) and the schedule that drives them."""
 
     def __init__(self, parts: list[Parallelized], stage_ids: list[int], plan: PipelinePlan, mesh_ctx: MeshContext,
-                 device: torch.device, precision: str, scale_grads_in_schedule: bool, shell_factory):
+                 device: torch.device, precision: str, scale_grads_in_schedule: bool, shell_factory,
+                 ties: list[list[str]] = (), tied_aliases: dict[int, dict[str, str]] | None = None):
         super().__init__(parts, mesh_ctx, device, precision)
         self.plan, self.stage_ids = plan, stage_ids
         self.scale_in_schedule = scale_grads_in_schedule
         self.pp_group = mesh_ctx.group("pp")
         self.has_first = 0 in stage_ids
         self.has_last = plan.num_stages - 1 in stage_ids
-        self.stages = [PipelineStage(part, s, plan.num_stages, device, group=self.pp_group)
+        self.stages = [_Stage(part, s, plan.num_stages, device, group=self.pp_group,
+                              routers=[m.router for m in contract_of(self.strategy.unwrap(part)).moe_layers()])
                        for part, s in zip(self.parts, stage_ids)]
         # the loss runs on the last stage, under that stage's loss context (vocabulary-parallel loss under TP)
         self.loss_context = parts[stage_ids.index(plan.num_stages - 1)].loss_context if self.has_last \
@@ -148,6 +211,8 @@ class PipelineParallelModel(ParallelModel):
         self._scale: torch.Tensor | None = None  # (dp*cp) / the step's global label count, set per step
         self._merged: nn.Module | None = None
         self._shell_factory = shell_factory
+        stages = {s: self.strategy.unwrap(p) for s, p in zip(stage_ids, self.parts)}
+        self.tied = TiedEnds(stages, ties, tied_aliases or {}, plan.num_stages, plan.stage_rank, mesh_ctx)
         cls = schedule_class(plan.schedule)
         kwargs = {"n_microbatches": plan.n_microbatches, "loss_fn": self._loss_fn,
                   "scale_grads": scale_grads_in_schedule}
@@ -157,10 +222,10 @@ class PipelineParallelModel(ParallelModel):
         parts = lm_loss(output, target)  # inside the loss context `forward_backward` opens
         self._ces.append(parts.ce_sum.detach().float())
         n = self.plan.n_microbatches
-        loss = parts.ce_sum * self._scale  # what the gradients must see, after the schedule's own scaling
-        if parts.aux is not None:
-            loss = loss + parts.aux / n
-        return loss * n if self.scale_in_schedule else loss
+        loss = parts.ce_sum * self._scale * (n if self.scale_in_schedule else 1)  # after the schedule's own scaling
+        if parts.aux is not None:  # the last stage's MoE layers (the others attach theirs: `_carry_aux_loss`)
+            loss = loss + parts.aux * aux_loss_weight(self.plan, self.scale_in_schedule)
+        return loss
 
     def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """One schedule step over this rank's whole batch; returns the mean cross-entropy (same on every rank)."""
@@ -178,6 +243,7 @@ class PipelineParallelModel(ParallelModel):
             self.schedule.step(*args, target=y if self.has_last else None, return_outputs=False)
         for part in self.parts:
             self.strategy.finish_grad_sync(part)
+        self.tied.sum_grads()
         if self.has_last:
             n = self.plan.n_microbatches  # the first step also runs the loss once to infer stage metadata
             if len(self._ces) < n:
@@ -259,9 +325,16 @@ class PipelineParallelModel(ParallelModel):
         return merged
 
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
-        # always the multi-part path: it adds the squares of every stage over the pp group
+        # always the multi-part path: it adds the squares of every stage over the pp group; a tied weight's copy on
+        # the last stage is clipped but not counted (the first stage counts the weight)
         params = [p for part in self.parts for p in part.parameters()]
-        return clip_grad_norm_(params, max_norm, self.mesh_ctx)
+        return clip_grad_norm_(params, max_norm, self.mesh_ctx, uncounted=self.tied.copy_params())
+
+    def optimizer_state_dict(self, optimizer, full: bool = False) -> dict:
+        return self.tied.to_canonical(super().optimizer_state_dict(optimizer, full))
+
+    def load_optimizer_state_dict(self, optimizer, state_dict: dict) -> None:
+        super().load_optimizer_state_dict(optimizer, self.tied.from_canonical(state_dict))
 
 
 def build_pipeline_model(cfg, mesh_ctx: MeshContext, device: torch.device, meta: bool = False
@@ -269,21 +342,25 @@ def build_pipeline_model(cfg, mesh_ctx: MeshContext, device: torch.device, meta:
     plan = plan_for(cfg, mesh_ctx)
     schedule_class(plan.schedule)  # fail before building anything if torch lacks it
     dcfg = cfg.distributed
+    scale_in_schedule = dcfg.pipeline_or_default.scale_grads_in_schedule
     stage_ids = plan.rank_stages(mesh_ctx.pp_rank)
-    parts = []
+    parts, aliases = [], {}
+    ties = whole_model_ties(build_model(cfg.model, device="meta"))
     for s in stage_ids:
-        module = build_stage_module(cfg, plan, s, device, meta)
+        module, aliases[s] = build_stage_module(cfg, plan, s, device, meta)
         seq_shard = mesh_ctx.tp_size if s > 0 and dcfg.sequence_parallel else 1
         if seq_shard > 1 or mesh_ctx.cp_size > 1:
             _stage_positions(module, seq_shard, mesh_ctx.cp_size, mesh_ctx.cp_rank)
         part = parallelize_model(module, mesh_ctx, dcfg, device, compile=cfg.training.compile,
                                  compile_backend=cfg.training.compile_backend)
+        if s != plan.num_stages - 1:
+            _carry_aux_loss(part.model, aux_loss_weight(plan, scale_in_schedule))
         if meta:
-            part.strategy.materialize(part.model, cfg.run.seed)
+            part.strategy.materialize(part.model, cfg.run.seed, names=aliases[s])
         parts.append(part)
 
     def shell():
         return prune_to_stage(build_model(cfg.model, device="meta"), (), first=False, last=False)
 
     return PipelineParallelModel(parts, stage_ids, plan, mesh_ctx, device, cfg.training.precision,
-                                 dcfg.pipeline_or_default.scale_grads_in_schedule, shell_factory=shell)
+                                 scale_in_schedule, shell_factory=shell, ties=ties, tied_aliases=aliases)

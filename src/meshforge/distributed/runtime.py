@@ -155,6 +155,13 @@ class ParallelModel:
         its own wrappers)."""
         return self.parts
 
+    def optimizer_state_dict(self, optimizer, full: bool = False) -> dict:
+        """The optimizer's state by parameter name (checkpoints), through the strategy."""
+        return self.strategy.optimizer_state_dict(self.state_parts(), optimizer, full=full)
+
+    def load_optimizer_state_dict(self, optimizer, state_dict: dict) -> None:
+        self.strategy.load_optimizer_state_dict(self.state_parts(), optimizer, state_dict)
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter as a full CPU tensor under the whole model's names; all ranks must call."""
         out: dict[str, torch.Tensor] = {}

@@ -110,8 +110,9 @@ class Strategy:
     def zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
 
-    def materialize(self, model: nn.Module, seed: int) -> None:
-        """Allocate a meta-device model on the device and initialise it exactly like a full one would be."""
+    def materialize(self, model: nn.Module, seed: int, names: dict[str, str] | None = None) -> None:
+        """Allocate a meta-device model on the device and initialise it exactly like a full one would be (`names`:
+        as `models.init_weights`)."""
 
         def copy(p, full):
             if isinstance(p, DTensor):
@@ -122,7 +123,7 @@ class Strategy:
 
         inner = self.unwrap(model)
         inner.to_empty(device=self.device)
-        init_weights(inner, seed, copy_fn=copy)
+        init_weights(inner, seed, copy_fn=copy, names=names)
 
     # ------------------------------------------------------------------ state dicts (DCP)
     def model_state_dict(self, model: nn.Module, full: bool = False) -> dict:

@@ -104,6 +104,10 @@ class Router(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
         return scores, idx, weights
 
+    def forget_routing(self) -> None:
+        """Drop stored decisions no recompute will replay (a forward whose backward never ran)."""
+        self._routing_fifo.clear()
+
     def _choose(self, scores: torch.Tensor) -> torch.Tensor:
         if not (self.replay_routing and torch.is_grad_enabled()):
             return scores.detach().topk(self.top_k, dim=-1).indices

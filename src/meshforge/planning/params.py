@@ -71,7 +71,8 @@ def model_params(cfg) -> tuple[list[ParamRec], object]:
             if part in ADAPTER_PARTS and styles.get(parent):
                 # LoRA factors follow their base layer's style (distributed/tensor_parallel.py): under colwise B is
                 # split by rows and A whole; under rowwise A is split by columns and B whole
-                tp_dim = {("colwise", "lora_B"): 0, ("rowwise", "lora_A"): 1}.get((styles[parent], part))
+                tp_dim = {("colwise", "lora_B"): 0, ("rowwise", "lora_A"): 1,
+                          ("rowwise_full", "lora_A"): 1}.get((styles[parent], part))
                 partial = tp_dim is None
             full = f"{mname}.{pname}" if mname else pname
             out.append(ParamRec(full, tuple(p.shape), block, tp_dim, id(p) in expert_ids, place, p.requires_grad,

@@ -24,8 +24,8 @@ from typing import Any
 from meshforge.models import plan_modules
 from meshforge.models.shapes import ModuleShape, model_contract, pattern_matches
 
-SHARDED_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_output")
-ALL_STYLES = SHARDED_STYLES + ("sequence_parallel", "sequence_gather", "replicate")
+SHARDED_STYLES = ("colwise", "rowwise", "rowwise_full", "vocab_embedding", "vocab_output")
+ALL_STYLES = SHARDED_STYLES + ("sequence_parallel", "sequence_gather", "sequence_gather_scatter", "replicate")
 
 
 def _kind(mod: Any) -> str | None:

@@ -408,7 +408,8 @@ class MegatronFSDPStrategy(Strategy):
                 w.wait()
 
     # ================================================================== init
-    def materialize(self, model: nn.Module, seed: int) -> None:
+    def materialize(self, model: nn.Module, seed: int, names: dict[str, str] | None = None) -> None:
+        names = names or {}
         for m in model.modules():
             for k, b in list(m._buffers.items()):
                 if b is not None and b.is_meta:
@@ -417,7 +418,7 @@ class MegatronFSDPStrategy(Strategy):
             flat = torch.zeros(u.padded, dtype=torch.float32, device=self.device)
             for s in u.slots:
                 shape = tuple(s.global_shape if s.global_shape is not None else s.shape)
-                full = s.local_of(param_init_tensor(model, s.fqn, shape, seed).to(self.device))
+                full = s.local_of(param_init_tensor(model, names.get(s.fqn, s.fqn), shape, seed).to(self.device))
                 flat[s.offset:s.offset + s.numel].copy_(full.reshape(-1))
             u.set_full_flat(flat)
 
