@@ -457,15 +457,13 @@ def validation_data(cfg: Config, world_size: int) -> list[str]:
 
 @rule
 def packing_support(cfg: Config, world_size: int) -> list[str]:
-    """Packed sequences need the document mask in every attention: the dense model's or the context-parallel one
-    (which masks its load-balanced chunks with the full document ids), not through pipeline stages (they do not
-    carry it yet)."""
-    if not cfg.data.packing:
-        return []
-    d, out = cfg.distributed, []
-    if d.pp_size > 1:
-        out.append(f"data.packing=true with distributed.pp_size={d.pp_size} is not supported yet: set pp_size 1")
-    args = _model_args(cfg)
-    if args is not None and args.is_moe:
-        out.append("data.packing=true with a mixture-of-experts model is not supported yet")
-    return out
+    """Packed sequences need the document mask in every attention: the dense model's, the context-parallel one
+    (which masks its load-balanced chunks with the full document ids), or each pipeline stage's (the ids travel
+    with the microbatch). Context parallelism under pipeline parallelism does not carry them yet: its attention
+    reads the full ids of one micro batch at a time, and a pipeline keeps several in flight."""
+    d = cfg.distributed
+    if cfg.data.packing and d.pp_size > 1 and d.cp_size > 1:
+        return [f"data.packing=true with distributed.pp_size={d.pp_size} and cp_size={d.cp_size} is not supported "
+                "yet (context parallelism's document mask holds one micro batch at a time, a pipeline several): set "
+                "cp_size 1 (packing under pp) or pp_size 1 (packing under cp)"]
+    return []

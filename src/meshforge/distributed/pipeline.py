@@ -44,7 +44,7 @@ from meshforge.distributed.grad_norm import clip_grad_norm_
 from meshforge.distributed.mesh import MeshContext
 from meshforge.distributed.parallelize import Parallelized, parallelize_model
 from meshforge.distributed.pipeline_ties import TiedEnds, stage_aliases, whole_model_ties
-from meshforge.distributed.runtime import ParallelModel
+from meshforge.distributed.runtime import ParallelModel, packed_positions
 from meshforge.errors import ConfigError, PipelinePlanError
 from meshforge.models import (
     build_model,
@@ -227,20 +227,30 @@ class PipelineParallelModel(ParallelModel):
             loss = loss + parts.aux * aux_loss_weight(self.plan, self.scale_in_schedule)
         return loss
 
-    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """One schedule step over this rank's whole batch; returns the mean cross-entropy (same on every rank)."""
-        x = torch.cat([mb[0] for mb in micro_batches]).to(self.device, non_blocking=True)
-        y = torch.cat([mb[1] for mb in micro_batches]).to(self.device, non_blocking=True)
-        self._ces = []
-        count = self.global_label_count([y])
+    def _rank_batch(self, micro_batches: list[tuple[torch.Tensor, ...]], clamp: bool = True):
+        """This rank's whole batch for one schedule step: (inputs, labels, the stages' keyword inputs, the global
+        label count). Packed sequences bring their document ids and restarting positions as keyword inputs, which
+        the schedule splits into microbatches with the inputs and hands to every stage (each masks its attention
+        by document; an MoE stage keeps padding out of its router statistics)."""
+        x, y, *docs = (torch.cat(parts).to(self.device, non_blocking=True) for parts in zip(*micro_batches))
+        count = self.global_label_count([y], clamp=clamp)
+        kwargs = {}
+        if docs:  # (config rules refuse packing with cp under pp: cp's mask reads one micro batch's ids at a time)
+            kwargs = {"positions": packed_positions(docs[0]), "document_ids": docs[0]}
         if self.batch_transform is not None:  # this cp rank's share; the stages add its positions
             x, y, _ = self.batch_transform(x, y)
+        return x, y, kwargs, count
+
+    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+        """One schedule step over this rank's whole batch; returns the mean cross-entropy (same on every rank)."""
+        x, y, kwargs, count = self._rank_batch(micro_batches)
+        self._ces = []
         self._scale = self.mesh_ctx.size("dp_cp") / count
         args = (x,) if self.has_first else ()
         # the loss context (vocabulary-parallel loss under TP) must also cover the loss's backward, which the
         # schedule runs later, outside `_loss_fn`: it wraps the whole step (it only touches the loss ops)
         with self.autocast(), self.loss_context():
-            self.schedule.step(*args, target=y if self.has_last else None, return_outputs=False)
+            self.schedule.step(*args, target=y if self.has_last else None, return_outputs=False, **kwargs)
         for part in self.parts:
             self.strategy.finish_grad_sync(part)
         self.tied.sum_grads()
@@ -248,28 +258,24 @@ class PipelineParallelModel(ParallelModel):
             n = self.plan.n_microbatches  # the first step also runs the loss once to infer stage metadata
             if len(self._ces) < n:
                 raise RuntimeError(f"pipeline computed {len(self._ces)} losses for {n} microbatches")
-            loss = torch.stack(self._ces[-n:]).sum().to(self.device)
-        else:
-            loss = torch.zeros((), device=self.device)
-        dist.broadcast(loss, group=self.pp_group, group_src=self.plan.last_stage_rank)
-        return self.reduce_loss(loss, count)
+        return self.reduce_loss(self._last_stage_sum(), count)
 
-    @torch.no_grad()
-    def evaluate(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward only through the schedule (`schedule.eval`): (cross-entropy sum, label count), every rank."""
-        x = torch.cat([mb[0] for mb in micro_batches]).to(self.device, non_blocking=True)
-        y = torch.cat([mb[1] for mb in micro_batches]).to(self.device, non_blocking=True)
-        count = self.global_label_count([y], clamp=False)
-        if self.batch_transform is not None:
-            x, y, _ = self.batch_transform(x, y)
-        self._ces, self._scale = [], torch.ones((), device=self.device)
-        with self.autocast(), self.loss_context():
-            self.schedule.eval(*((x,) if self.has_first else ()), target=y if self.has_last else None)
+    def _last_stage_sum(self) -> torch.Tensor:
+        """The step's cross-entropy sum (the last `n_microbatches` losses), from the last stage to every pp rank."""
         n = self.plan.n_microbatches
         total = torch.stack(self._ces[-n:]).sum().to(self.device) if self.has_last \
             else torch.zeros((), device=self.device)
         dist.broadcast(total, group=self.pp_group, group_src=self.plan.last_stage_rank)
-        return self.reduce_loss(total, torch.ones((), device=self.device)), count
+        return total
+
+    @torch.no_grad()
+    def evaluate(self, micro_batches: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward only through the schedule (`schedule.eval`): (cross-entropy sum, label count), every rank."""
+        x, y, kwargs, count = self._rank_batch(micro_batches, clamp=False)
+        self._ces, self._scale = [], torch.ones((), device=self.device)
+        with self.autocast(), self.loss_context():
+            self.schedule.eval(*((x,) if self.has_first else ()), target=y if self.has_last else None, **kwargs)
+        return self.reduce_loss(self._last_stage_sum(), torch.ones((), device=self.device)), count
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         """The strategy's groups of every local stage, merged by hyperparameters (and DTensor or not, which

@@ -97,7 +97,7 @@ class ParallelModel:
     def _forward(self, model, micro_batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """(the model's output, the labels it answers) on one micro batch `(inputs, labels[, document ids])`, after
         the batch transform (this rank's cp share); packed sequences (document ids) get positions that restart per
-        document and a document mask (config rules refuse packing with pp)."""
+        document and a document mask (the pipeline hands them to its stages itself)."""
         x, y, *docs = micro_batch
         positions = packed_positions(docs[0]) if docs else None
         if self.batch_transform is not None:

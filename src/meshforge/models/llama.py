@@ -180,9 +180,13 @@ class TransformerBlock(nn.Module):
         # attention_norm, attention, ffn_norm, feed_forward (a FeedForward, or an MoE with experts)
         build_children(self, shapes.block(args))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None,
+                in_document: torch.Tensor | None = None) -> torch.Tensor:
+        """`in_document` (packed sequences, an MoE feed-forward only): (B, S) True where a token belongs to a
+        document, so padding never reaches the router's statistics."""
         h = x + self.attention(self.attention_norm(x), cos, sin, mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+        ff_in = self.ffn_norm(h)
+        return h + (self.feed_forward(ff_in) if in_document is None else self.feed_forward(ff_in, in_document))
 
 
 class Llama(nn.Module):

@@ -11,7 +11,10 @@ Per block, `feed_forward` is an `MoE`:
   aux     -> the Switch-Transformer load-balancing loss coeff * E * sum_e f_e * P_e (f_e: fraction of
              token copies sent to e, not differentiable; P_e: mean router probability of e, differentiable),
              summed over layers and returned by `MoETransformer.forward` as `(logits, aux_loss)` in training,
-             so `models.loss.lm_loss` adds it to the loss and its gradient reaches the router.
+             so `models.loss.lm_loss` adds it to the loss and its gradient reaches the router. With packed
+             sequences only tokens in a document count (document id >= 0; padding is -1): padding is routed and
+             computed like any token but never reaches f_e, P_e or `last_counts`, and attention keeps every
+             document's tokens (so their routing) independent of the other documents of the row.
 
 Why the aux loss is collected as it is: the block keeps `TransformerBlock`'s forward (`h -> h`), so the MoE
 leaves its aux loss on itself (`MoE.aux_loss`) and the model's forward collects it right after each block.
@@ -43,6 +46,7 @@ from torch import nn
 
 from meshforge.models import shapes
 from meshforge.models.args import ModelArgs
+from meshforge.models.attention import document_mask
 from meshforge.models.hf_families import dense_adapter
 from meshforge.models.llama import Llama, rope_cos_sin, swiglu
 from meshforge.models.lora import ExpertLoRA
@@ -207,8 +211,18 @@ class MoE(nn.Module):
         self.aux_grad_scale = 1.0
         self.last_counts: torch.Tensor | None = None  # token copies per expert of the last forward (stats)
 
-    def load_balance_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """coeff * E * sum_e f_e * P_e over the micro batch's tokens.
+    def router_counts(self, idx: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        """Token copies per expert that the router statistics count: all of them, or (packed sequences) those of
+        tokens in a document (`keep`, (T,) bool; padding is in none), without a host sync."""
+        if keep is None:
+            return torch.bincount(idx.reshape(-1), minlength=self.n_experts)
+        weights = keep.unsqueeze(-1).expand_as(idx).reshape(-1).float()
+        return torch.bincount(idx.reshape(-1), weights=weights, minlength=self.n_experts)
+
+    def load_balance_loss(self, scores: torch.Tensor, counts: torch.Tensor,
+                          keep: torch.Tensor | None = None) -> torch.Tensor:
+        """coeff * E * sum_e f_e * P_e over the micro batch's tokens (`keep`: only those in a document, with the
+        matching `router_counts`).
 
         With `stats_reducer` set (context parallelism: the micro batch's tokens are split over the cp ranks),
         the per-expert sums are added over those ranks first, so the value is the single-process one; the
@@ -216,8 +230,12 @@ class MoE(nn.Module):
         because the data-parallel reduction averages it over the cp ranks that each hold one share of it.
         """
         probs = scores if self.router.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
+        if keep is None:
+            n_tok = torch.tensor([float(probs.shape[0])], device=probs.device)
+        else:
+            probs = probs * keep.unsqueeze(-1).to(probs.dtype)
+            n_tok = keep.sum().reshape(1).to(probs.dtype)
         prob_sum = probs.sum(0)
-        n_tok = torch.tensor([float(probs.shape[0])], device=probs.device)
         counts = counts.to(probs.dtype)
         if self.stats_reducer is not None:
             total = self.stats_reducer(torch.cat([prob_sum.detach(), counts, n_tok]))
@@ -225,16 +243,20 @@ class MoE(nn.Module):
             prob_sum = prob_sum + (total[:e] - prob_sum.detach())  # global value, local gradient
             counts, n_tok = total[e:2 * e], total[2 * e:]
         frac = counts / counts.sum().clamp_min(1)
-        aux = self.aux_coeff * self.n_experts * (frac * prob_sum / n_tok).sum()
+        aux = self.aux_coeff * self.n_experts * (frac * prob_sum / n_tok.clamp_min(1)).sum()
         return _ScaleGrad.apply(aux, self.aux_grad_scale) if self.aux_grad_scale != 1.0 else aux
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, in_document: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (..., dim); `in_document` (packed sequences): x's leading shape, True for tokens in a document. Every
+        token is routed and computed; only those in a document count in the router statistics and the aux loss."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         scores, idx, weights = self.router(x)
         flat = idx.reshape(-1)
         counts = torch.bincount(flat, minlength=self.n_experts)
-        aux = self.load_balance_loss(scores, counts)
+        keep = None if in_document is None else in_document.reshape(-1)
+        stat_counts = counts if keep is None else self.router_counts(idx, keep)
+        aux = self.load_balance_loss(scores, stat_counts, keep)
         order = torch.argsort(flat, stable=True)  # token copies grouped by expert, token order inside
         token = order // self.top_k
         xs = x[token]
@@ -246,7 +268,7 @@ class MoE(nn.Module):
             out = out + self.shared_experts(x)
         if not in_backward():  # a checkpoint recompute computes the same, but must not count it again
             self.aux_loss = aux
-            self.last_counts = counts.detach()
+            self.last_counts = stat_counts.detach()
         return out.view(shape)
 
 
@@ -258,14 +280,18 @@ class MoETransformer(Llama):
         """The MoE modules, in layer order (expert parallelism applies to these)."""
         return [m for m in self.modules() if isinstance(m, MoE)]
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None):
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None):
+        """As `Llama.forward`; packed sequences (`document_ids`, padding -1: in no document) also keep padding out
+        of the router statistics and the aux loss."""
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin = rope_cos_sin(positions, self.args.hd, self.args.rope_theta, self.args)
+        packed = () if document_ids is None else (document_mask(document_ids), document_ids >= 0)
         aux = None
         for block in self.layers.values():
-            h = block(h, cos, sin)
+            h = block(h, cos, sin, *packed)
             ff = block.feed_forward
             if ff.aux_loss is not None:
                 aux = ff.aux_loss if aux is None else aux + ff.aux_loss
