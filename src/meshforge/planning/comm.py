@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from meshforge.planning.layout import Layout, MeshAxis
-from meshforge.planning.params import F32, ParamRec
+from meshforge.planning.params import F32, ParamRec, chunk_rows, local_shape
 from meshforge.planning.precision import bf16_compute
 from meshforge.planning.state import pipeline_plan_of, stage_params, terms_of
 from meshforge.planning.terms import AddComm
@@ -46,13 +46,7 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
         add("dp_cp", "all_reduce", 8)  # the global count of label tokens (int64) that normalises the loss
     _grad_norm(mine, terms, cfg, layout, add)
     if layout.pp > 1:
-        pplan = pipeline_plan_of(cfg, layout, args.n_layers)
-        e = 2 if bf16_compute(cfg) else F32
-        act = (pplan.microbatch_size * t.seq_len // layout.cp * args.dim
-               // (layout.tp if cfg.distributed.sequence_parallel else 1))
-        add("pp", "send_recv", 2 * pplan.n_microbatches * act * e * len(pplan.rank_stages(c[MeshAxis.PP])))
-        add("pp", "broadcast", F32)  # the last stage's loss to the other stages
-        add("pp", "all_reduce", F32)  # the stages' squared gradient norms
+        _pipeline(params, terms, args, cfg, layout, c, add)
     if layout.ep > 1 and args.is_moe:
         _expert_parallel(mine, args, cfg, layout, n_micro, add)
     if layout.cp > 1:
@@ -60,12 +54,43 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
     return out
 
 
+def _pipeline(params: list[ParamRec], terms, args, cfg, layout: Layout, c: dict, add: AddComm) -> None:
+    """Per microbatch, each local stage sends its output to the next stage and its input's gradient to the previous
+    one and receives their counterparts (p2p with a stage on another pp rank; a V's turn on one rank passes
+    tensors directly); per step the loss broadcast, the stages' squared norms, and the gradient sum of weights
+    tied across the first and the last stage (the local shards of both ends, on those two pp ranks)."""
+    t = cfg.training
+    pplan = pipeline_plan_of(cfg, layout, args.n_layers)
+    e = 2 if bf16_compute(cfg) else F32
+    act = (pplan.microbatch_size * t.seq_len // layout.cp * args.dim
+           // (layout.tp if cfg.distributed.sequence_parallel else 1))
+    r = c[MeshAxis.PP]
+    links = sum(1 for s in pplan.rank_stages(r) for nb in (s - 1, s + 1)
+                if 0 <= nb < pplan.num_stages and pplan.stage_rank(nb) != r)
+    add("pp", "send_recv", 2 * pplan.n_microbatches * act * e * links)
+    add("pp", "broadcast", F32)  # the last stage's loss to the other stages
+    add("pp", "all_reduce", F32)  # the stages' squared gradient norms
+    ends = (pplan.stage_rank(0), pplan.last_stage_rank)
+    if ends[0] != ends[1] and r in ends:
+        shard = c[MeshAxis.DP_SHARD_CP] if terms.dtensor_grads(cfg, layout) else None
+        add("pp", "all_reduce", F32 * sum(_grad_piece(p, layout, shard) for p in params if p.tied_copy and p.trainable))
+
+
+def _grad_piece(p: ParamRec, layout: Layout, shard: int | None) -> int:
+    """Elements of the local gradient of `p` on this rank: the torch.chunk piece of the data-parallel shard
+    `shard` (gradients that are DTensors over the dp mesh), else the whole local (TP) tensor."""
+    shape = local_shape(p, layout)
+    if shard is None:
+        return math.prod(shape)
+    return chunk_rows(shape[0], layout.dp_shard * layout.cp, shard) * (math.prod(shape) // shape[0] if shape[0] else 0)
+
+
 def _grad_norm(mine: list[ParamRec], terms, cfg, layout: Layout, add: AddComm) -> None:
     """One 4-byte all-reduce per DTensor gradient and mesh dimension it is sharded over (the strategy says whether
     its gradients are DTensors over the dp mesh), and the strategy's own reductions."""
     dtensor = terms.dtensor_grads(cfg, layout)
     n_ep = n_dp = n_tp = 0
-    for p in (p for p in mine if p.trainable):
+    for p in (p for p in mine if p.trainable and not p.copy):  # a tied copy is not counted (pipeline_ties.py)
         if p.expert and layout.ep > 1:
             n_ep += 1
             continue

@@ -6,6 +6,7 @@ terms share and the memo the layout search leans on (it plans hundreds of candid
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -28,6 +29,10 @@ class ParamRec:
     # sequence-sharded) and the LoRA factor kept whole beside a split base layer
     partial_grad: bool = False
     adapter: bool = False  # a LoRA factor (`models.lora.is_adapter_param`), decided once: the search asks often
+    # a first-stage weight a last-stage module also uses (a tied output head): under pipeline parallelism the last
+    # stage holds a copy under this name (distributed/pipeline_ties.py)
+    tied_copy: str | None = None
+    copy: bool = False  # such a copy itself (`planning.state.tied_copy`): its gradient norm is its original's
 
 
 def model_params(cfg) -> tuple[list[ParamRec], object]:
@@ -50,7 +55,7 @@ def model_params(cfg) -> tuple[list[ParamRec], object]:
         styles, _, _ = resolve_plan(one, d.sequence_parallel, d.tp_plan, modules)
     # the stacked expert weights and their per-expert LoRA factors (dim 0 = expert: they shard with EP)
     expert_ids = {id(p) for layer in contract.moe_layers() for p in layer.experts.parameters()}
-    out, seen = [], set()
+    out, seen = [], {}
     for mname, mod in modules.items():
         block = None
         if container is not None and mname.startswith(container + "."):
@@ -58,8 +63,12 @@ def model_params(cfg) -> tuple[list[ParamRec], object]:
         for pname, p in mod.named_parameters(recurse=False):
             key = (id(p), block)
             if key in seen:
+                i = seen[key]
+                if layout is not None and block is None and mname.split(".")[0] in layout.last_stage \
+                        and out[i].place == "first":
+                    out[i] = dataclasses.replace(out[i], tied_copy=f"{mname}.{pname}")
                 continue
-            seen.add(key)
+            seen[key] = len(out)
             place = "block" if block is not None else "other"
             if layout is not None and block is None:
                 top = mname.split(".")[0]

@@ -10,6 +10,7 @@ keeps them, never silently counted as trainable.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from meshforge.planning.layout import Layout, MeshAxis
@@ -41,13 +42,20 @@ def stage_params(params: list[ParamRec], cfg, layout: Layout, pp_rank: int,
 
     def compute():
         stages = []
+        last = pplan.num_stages - 1
         for s in pplan.rank_stages(pp_rank):
             blocks = set(pplan.stage_layers[s])
             stages.append([p for p in params if (p.block in blocks) or (p.place == "first" and s == 0)
-                           or (p.place == "last" and s == pplan.num_stages - 1) or p.place == "other"])
+                           or (p.place == "last" and s == last) or p.place == "other"]
+                          + ([tied_copy(p) for p in params if p.tied_copy] if s == last else []))
         return stages
 
     return memo("stages", params, (pplan, pp_rank), compute)
+
+
+def tied_copy(p: ParamRec) -> ParamRec:
+    """The last stage's copy of a first-stage weight a last-stage module shares (distributed/pipeline_ties.py)."""
+    return dataclasses.replace(p, name=p.tied_copy, place="last", tied_copy=None, copy=True)
 
 
 def pipeline_plan_of(cfg, layout: Layout, n_layers: int | None = None):
