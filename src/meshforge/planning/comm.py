@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from meshforge.planning.layout import Layout, MeshAxis
-from meshforge.planning.params import F32, ParamRec, chunk_rows, local_shape
+from meshforge.planning.params import F32, ParamRec, chunk_rows, local_shape, replicate_grad
 from meshforge.planning.precision import bf16_compute
 from meshforge.planning.state import pipeline_plan_of, stage_params, terms_of
 from meshforge.planning.terms import AddComm
@@ -33,13 +33,17 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
 
     n_micro = t.global_batch_size // layout.dp // t.micro_batch_size
     accum = 1 if layout.pp > 1 else n_micro
+    micro = t.micro_batch_size
+    if layout.pp > 1:  # the pipeline's microbatches carry the per-microbatch traffic
+        pplan = pipeline_plan_of(cfg, layout, args.n_layers)
+        n_micro, micro = pplan.n_microbatches, pplan.microbatch_size
     stages = stage_params(params, cfg, layout, c[MeshAxis.PP], args.n_layers)
     terms = terms_of(cfg)
     for stage in stages:
         terms.comm(stage, cfg, layout, accum, add)
     mine = [p for st in stages for p in st]
     if layout.tp > 1:
-        _tensor_parallel(mine, args, cfg, layout, n_micro, add)
+        _tensor_parallel(mine, args, cfg, layout, n_micro, micro, add)
     # scalars: the loss averaged over the data-parallel ranks and its label-token count
     if layout.world_size > 1 and layout.size("dp_cp") > 1:
         add("dp_cp", "all_reduce", F32)
@@ -48,9 +52,9 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
     if layout.pp > 1:
         _pipeline(params, terms, args, cfg, layout, c, add)
     if layout.ep > 1 and args.is_moe:
-        _expert_parallel(mine, args, cfg, layout, n_micro, add)
+        _expert_parallel(mine, args, cfg, layout, n_micro, micro, add)
     if layout.cp > 1:
-        _context_parallel(mine, args, cfg, layout, n_micro, add)
+        _context_parallel(mine, args, cfg, layout, n_micro, micro, add)
     return out
 
 
@@ -95,15 +99,15 @@ def _grad_norm(mine: list[ParamRec], terms, cfg, layout: Layout, add: AddComm) -
             n_ep += 1
             continue
         n_dp += dtensor
-        # (without FSDP the vocab-parallel embedding's grad is Replicate)
-        n_tp += layout.tp > 1 and p.tp_dim is not None and (dtensor or p.place != "first")
+        n_tp += layout.tp > 1 and p.tp_dim is not None and (dtensor or not replicate_grad(p, layout))
     add("ep", "all_reduce", n_ep * F32 * (1 + (dtensor and layout.size(MeshAxis.EP_SHARD) > 1)))
     add("dp_cp", "all_reduce", n_dp * F32)
     add("tp", "all_reduce", n_tp * F32)
     terms.norm_comm(cfg, layout, add)
 
 
-def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micro: int, add: AddComm) -> None:
+def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micro: int, micro: int,
+                     add: AddComm) -> None:
     """Per micro batch (measured on torch's DTensor styles). Without sequence parallelism: an all-reduce of the
     activations (tokens x dim) after each row-wise projection and the vocabulary-parallel embedding (forward), of
     the input gradient of each column-wise projection and of the output head (backward). With it, each sub-layer
@@ -117,7 +121,7 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
     sum of exponentials and target logit of every token (3 x tokens x 4 bytes)."""
     d, t = cfg.distributed, cfg.training
     e = 2 if bf16_compute(cfg) else F32
-    tokens = t.micro_batch_size * t.seq_len // layout.cp
+    tokens = micro * t.seq_len // layout.cp
     act = tokens * args.dim * e
     mine = [p for p in mine_all if p.tp_dim is not None and not p.adapter]
     in_blocks = [p for p in mine if p.block is not None]
@@ -143,39 +147,55 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
     # optimizer step (measured, torch 2.13, dp 1)
     partial = 2 * F32 * sum(math.prod(p.shape) for p in mine_all if p.partial_grad and p.trainable)
     if d.sequence_parallel:
-        # without checkpointing a sub-layer (the parent of its row-wise projection) keeps the sequence shard of its
-        # gathered input and gathers it again in backward, if a trainable parameter reads that input (anything in
-        # the sub-layer but the row-wise projection and its adapters); compiled blocks, which keep the gathered
-        # input, send as many gathers (measured with aot_eager, torch 2.13)
-        subs = {p.name.rsplit(".", 2)[0]: p.name.rsplit(".", 1)[0] for p in in_blocks if p.tp_dim == 1}
-        regather = 0 if recompute else sum(
-            any(q.trainable and q.name.startswith(sub + ".") and not q.name.startswith(row + ".")
-                for q in mine_all) for sub, row in subs.items())
+        g, regather = _gathered_sublayers(mine_all, in_blocks, recompute)
+        whole = sum(1 for p in in_blocks if p.whole_out)  # all-reduced whole (an MoE's shared experts), not scattered
         add("tp", "all_gather",
-            n_micro * (2 * rows + first + head - frozen_in + (rows if recompute else 0) + regather) * act)
-        add("tp", "reduce_scatter", n_micro * (rows + first + head + (rows - n_blocks if recompute else 0)) * act)
-        add("tp", "all_reduce", n_micro * ((cols - skip) * act + loss) + partial)
+            n_micro * (2 * g + first + head - frozen_in + (g if recompute else 0) + regather) * act)
+        add("tp", "reduce_scatter",
+            n_micro * (rows - whole + first + head + (rows - n_blocks if recompute else 0)) * act)
+        add("tp", "all_reduce", n_micro * ((cols - skip + whole) * act + loss) + partial)
     else:
         redo = rows - n_blocks if recompute else 0
         add("tp", "all_reduce", n_micro * ((rows + cols - skip + first + head + redo) * act + loss) + partial)
 
 
-def _expert_parallel(mine: list[ParamRec], args, cfg, layout: Layout, n_micro: int, add: AddComm) -> None:
+def _gathered_sublayers(mine_all: list[ParamRec], in_blocks: list[ParamRec], recompute: bool) -> tuple[int, int]:
+    """(sub-layers that gather the sequence, those of them that gather it again in backward). Each gathers its
+    input in forward and the gradient of its (re-sharded) output in backward: a dense sub-layer through its
+    row-wise projection's reduce-scatter, an MoE through its own re-sharding (`sequence_gather_scatter`). Without
+    checkpointing a sub-layer keeps the sequence shard of its gathered input and gathers it again in backward, if
+    a trainable parameter reads that input (anything in the sub-layer but its row-wise projections and their
+    adapters); compiled blocks, which keep the gathered input, send as many gathers (measured with aot_eager,
+    torch 2.13)."""
+    subs = {p.seq_sub for p in mine_all if p.seq_sub is not None and p.block is not None}
+    rows: dict[str, set[str]] = {}
+    for p in in_blocks:
+        if p.tp_dim == 1:
+            rows.setdefault(p.seq_sub, set()).add(p.name.rsplit(".", 1)[0])
+    regather = 0 if recompute else sum(
+        any(q.trainable and q.seq_sub == sub and not any(q.name.startswith(r + ".") for r in rows.get(sub, ()))
+            for q in mine_all) for sub in subs)
+    return len(subs), regather
+
+
+def _expert_parallel(mine: list[ParamRec], args, cfg, layout: Layout, n_micro: int, micro: int,
+                     add: AddComm) -> None:
     """Each token's top_k copies go to their experts and back, forward and backward (what one rank receives
     depends on the routing: this is the balanced count); first the per-expert counts (int64)."""
     t = cfg.training
     e = 2 if bf16_compute(cfg) else F32
-    tokens = t.micro_batch_size * t.seq_len // layout.cp
+    tokens = micro * t.seq_len // layout.cp
     moe_layers = len({p.block for p in mine if p.expert})
     add("ep", "all_to_all", n_micro * moe_layers * (4 * tokens * args.top_k * args.dim * e + args.n_experts * 8))
 
 
-def _context_parallel(mine: list[ParamRec], args, cfg, layout: Layout, n_micro: int, add: AddComm) -> None:
+def _context_parallel(mine: list[ParamRec], args, cfg, layout: Layout, n_micro: int, micro: int,
+                      add: AddComm) -> None:
     """Per attention layer and micro batch: all-gather of the local K/V in forward, again in backward, and a
     reduce-scatter of the K/V gradients (distributed/context_parallel.py); checkpointing adds the forward's."""
     t = cfg.training
     e = 2 if bf16_compute(cfg) else F32
     layers = len({p.block for p in mine if p.block is not None})
-    kv = 2 * t.micro_batch_size * (args.n_kv_heads // layout.tp) * t.seq_len * args.hd * e
+    kv = 2 * micro * (args.n_kv_heads // layout.tp) * t.seq_len * args.hd * e
     add("cp", "all_gather", n_micro * layers * kv * (3 if cfg.distributed.ac_mode else 2))
     add("cp", "reduce_scatter", n_micro * layers * kv)

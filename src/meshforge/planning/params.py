@@ -33,6 +33,9 @@ class ParamRec:
     # stage holds a copy under this name (distributed/pipeline_ties.py)
     tied_copy: str | None = None
     copy: bool = False  # such a copy itself (`planning.state.tied_copy`): its gradient norm is its original's
+    # sequence parallelism: the sub-layer module that gathers the sequence for it (style sequence_gather[_scatter])
+    seq_sub: str | None = None
+    whole_out: bool = False  # a row-wise projection whose output is all-reduced whole (style rowwise_full)
 
 
 def model_params(cfg) -> tuple[list[ParamRec], object]:
@@ -85,8 +88,19 @@ def model_params(cfg) -> tuple[list[ParamRec], object]:
                 partial = tp_dim is None
             full = f"{mname}.{pname}" if mname else pname
             out.append(ParamRec(full, tuple(p.shape), block, tp_dim, id(p) in expert_ids, place, p.requires_grad,
-                                partial, is_adapter_param(full)))
+                                partial, is_adapter_param(full), seq_sub=_gathering(mname, styles),
+                                whole_out=style == "rowwise_full"))
     return out, args
+
+
+def _gathering(mname: str, styles: dict[str, str]) -> str | None:
+    """The nearest module at or above `mname` that gathers the sequence (sequence parallelism), or None."""
+    name = mname
+    while name:
+        if styles.get(name) in ("sequence_gather", "sequence_gather_scatter"):
+            return name
+        name = name.rpartition(".")[0]
+    return None
 
 
 def _with_lora(one, modules: dict, peft):
@@ -139,6 +153,13 @@ def local_shape(p: ParamRec, layout: Layout) -> list[int]:
     return s
 
 
+def replicate_grad(p: ParamRec, layout: Layout) -> bool:
+    """Without FSDP the vocabulary-parallel embedding's gradient arrives Replicate (each tp rank holds the whole
+    vocab x dim gradient, measured with torch 2.13), except for a weight tied across pipeline stages, whose
+    gradient is placed as the weight to be summed with the last stage's (distributed/pipeline_ties.py)."""
+    return p.tp_dim is not None and p.place == "first" and not (p.tied_copy and layout.pp > 1)
+
+
 def local_numel(p: ParamRec, layout: Layout) -> int:
     return math.prod(local_shape(p, layout))
 
@@ -165,7 +186,7 @@ def alike(stage: list[ParamRec]) -> list[tuple[ParamRec, int]]:
     def compute():
         kinds: dict = {}
         for p in stage:
-            k = (p.shape, p.tp_dim, p.expert, p.trainable, p.place == "first")
+            k = (p.shape, p.tp_dim, p.expert, p.trainable, p.place == "first", bool(p.tied_copy))
             rep, n = kinds.get(k, (p, 0))
             kinds[k] = (rep, n + 1)
         return list(kinds.values())
