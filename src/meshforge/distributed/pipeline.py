@@ -26,6 +26,13 @@ pp_size > 1) returns a `PipelineParallelModel`:
   n_microbatches, so the loss is multiplied by it first.
 - The logged loss (the cross-entropy sum) is broadcast from the last stage's
   rank over the pp group, then summed over dp and divided by the count.
+- Packed sequences: the document ids and restarting positions are keyword inputs of the schedule step, which
+  splits them into microbatches with the inputs and hands them to every stage.
+- MoE stages (`pipeline_moe.py`): each non-last stage attaches its aux loss to its output, counted once per
+  microbatch; weights tied across the first and the last stage (`pipeline_ties.py`): the last stage holds a
+  copy, the two gradients are summed every step.
+- Uneven ends and any number of stages per rank come from the plan (`first_stage_layers`, `last_stage_layers`,
+  `virtual_stages_per_rank`): a stage may hold no block (the embedding alone, the head alone).
 """
 
 from __future__ import annotations
@@ -36,13 +43,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torch.distributed.pipelining import PipelineStage, schedules
+from torch.distributed.pipelining import schedules
 from torch.distributed.tensor import DTensor
 
 from meshforge.distributed.context_parallel import load_balanced_indices
 from meshforge.distributed.grad_norm import clip_grad_norm_
 from meshforge.distributed.mesh import MeshContext
 from meshforge.distributed.parallelize import Parallelized, parallelize_model
+from meshforge.distributed.pipeline_moe import Stage, aux_loss_weight, carry_aux_loss
 from meshforge.distributed.pipeline_ties import TiedEnds, stage_aliases, whole_model_ties
 from meshforge.distributed.runtime import ParallelModel, packed_positions
 from meshforge.errors import ConfigError, PipelinePlanError
@@ -96,15 +104,15 @@ def prune_to_stage(model: nn.Module, blocks: tuple[int, ...], first: bool, last:
     return model
 
 
-def build_stage_module(cfg, plan: PipelinePlan, stage: int, device: torch.device, meta: bool
-                       ) -> tuple[nn.Module, dict[str, str]]:
+def build_stage_module(cfg, plan: PipelinePlan, stage: int, device: torch.device, meta: bool,
+                       ties: list[list[str]] = ()) -> tuple[nn.Module, dict[str, str]]:
     """Stage `stage` of the model, with the whole model's parameter names, initialised unless `meta`; and its
-    copies of weights tied to another stage ({name: the tied weight's first name}, `pipeline_ties`)."""
+    copies of weights tied to another stage ({name: the tied weight's first name}, `pipeline_ties`; `ties`: the
+    whole model's tied names)."""
     model = build_model(cfg.model, device="meta" if meta else None)
     if contract_of(model).pipeline_layout() is None:
         raise ConfigError(f"distributed.pp_size={plan.pp}: the model ({type(model).__name__}) declares no pipeline "
                           "layout: use a built-in model or pp_size 1")
-    ties = whole_model_ties(model)
     prune_to_stage(model, plan.stage_layers[stage], stage == 0, stage == plan.num_stages - 1)
     aliases = stage_aliases(ties, model)
     if cfg.peft is not None:  # adapters on the stage's own layers, initialised by name like everything else
@@ -113,13 +121,6 @@ def build_stage_module(cfg, plan: PipelinePlan, stage: int, device: torch.device
         init_weights(model, cfg.run.seed, names=aliases)
         model.to(device)
     return model, aliases
-
-
-def aux_loss_weight(plan: PipelinePlan, scale_in_schedule: bool) -> float:
-    """The weight of a microbatch's auxiliary (MoE load-balancing) loss in what the stages backpropagate: 1/n as
-    without PP (a per-microbatch mean over the step's n microbatches), or 1 when the schedule divides every
-    gradient by n itself (`scale_grads_in_schedule`)."""
-    return 1.0 if scale_in_schedule else 1.0 / plan.n_microbatches
 
 
 def _stage_positions(module: nn.Module, seq_shard: int, cp_size: int, cp_rank: int) -> None:
@@ -140,55 +141,6 @@ def _stage_positions(module: nn.Module, seq_shard: int, cp_size: int, cp_rank: i
     module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
-class _AuxLossGrad(torch.autograd.Function):
-    """Identity on a stage's output whose backward also gives the stage's auxiliary loss the gradient `coeff`, the
-    weight the loss gives it (Megatron's MoEAuxLossAutoScaler): the aux loss of the stage's MoE layers reaches
-    their routers once per microbatch, through the schedule's own backward of that microbatch, and nothing but the
-    hidden states travels between stages."""
-
-    @staticmethod
-    def forward(ctx, out, aux, coeff: float):
-        ctx.coeff, ctx.aux_shape, ctx.aux_dtype = coeff, aux.shape, aux.dtype
-        # a copy, not a view: zero-bubble schedules detach a stage's outputs in place, which a view refuses (the
-        # input is not kept by anything, so this is a transient second copy of one activation)
-        return out.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, torch.full(ctx.aux_shape, ctx.coeff, dtype=ctx.aux_dtype, device=grad.device), None
-
-
-def _carry_aux_loss(module: nn.Module, coeff: float) -> None:
-    """A stage that is not the last returns its hidden states, or (hidden states, aux loss) in training (the model
-    contract): the aux loss is attached to the hidden states (`_AuxLossGrad`), so the stage sends one tensor.
-    The last stage's aux loss goes through the loss function, as without PP."""
-
-    def hook(mod, args, out):
-        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], torch.Tensor) and out[1].dim() == 0:
-            return _AuxLossGrad.apply(out[0], out[1], coeff) if out[1].requires_grad else out[0]
-        return out
-
-    module.register_forward_hook(hook)
-
-
-class _Stage(PipelineStage):
-    """torch's stage, dropping at each step's first microbatch the routing decisions (`moe.ignore_router_for_ac`)
-    that a forward without a backward left: torch 2.13's metadata inference runs a stage's forward with autograd
-    on, and its backward only where the stage's input needs a gradient (not on the first stage), so the first
-    real recompute would replay the inference's decision. A step's forwards all come after the previous step's
-    backwards, so nothing a real microbatch recorded is dropped."""
-
-    def __init__(self, *args, routers: list[nn.Module], **kwargs):
-        super().__init__(*args, **kwargs)
-        self._routers = routers
-
-    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
-        if fwd_chunk_id == 0:
-            for router in self._routers:
-                router.forget_routing()
-        return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
-
-
 class PipelineParallelModel(ParallelModel):
     """The stages this rank runs (`parts`, in stage order) and the schedule that drives them."""
 
@@ -201,7 +153,7 @@ class PipelineParallelModel(ParallelModel):
         self.pp_group = mesh_ctx.group("pp")
         self.has_first = 0 in stage_ids
         self.has_last = plan.num_stages - 1 in stage_ids
-        self.stages = [_Stage(part, s, plan.num_stages, device, group=self.pp_group,
+        self.stages = [Stage(part, s, plan.num_stages, device, group=self.pp_group,
                               routers=[m.router for m in contract_of(self.strategy.unwrap(part)).moe_layers()])
                        for part, s in zip(self.parts, stage_ids)]
         # the loss runs on the last stage, under that stage's loss context (vocabulary-parallel loss under TP)
@@ -223,7 +175,7 @@ class PipelineParallelModel(ParallelModel):
         self._ces.append(parts.ce_sum.detach().float())
         n = self.plan.n_microbatches
         loss = parts.ce_sum * self._scale * (n if self.scale_in_schedule else 1)  # after the schedule's own scaling
-        if parts.aux is not None:  # the last stage's MoE layers (the others attach theirs: `_carry_aux_loss`)
+        if parts.aux is not None:  # the last stage's MoE layers (the others attach theirs: `carry_aux_loss`)
             loss = loss + parts.aux * aux_loss_weight(self.plan, self.scale_in_schedule)
         return loss
 
@@ -353,14 +305,14 @@ def build_pipeline_model(cfg, mesh_ctx: MeshContext, device: torch.device, meta:
     parts, aliases = [], {}
     ties = whole_model_ties(build_model(cfg.model, device="meta"))
     for s in stage_ids:
-        module, aliases[s] = build_stage_module(cfg, plan, s, device, meta)
+        module, aliases[s] = build_stage_module(cfg, plan, s, device, meta, ties)
         seq_shard = mesh_ctx.tp_size if s > 0 and dcfg.sequence_parallel else 1
         if seq_shard > 1 or mesh_ctx.cp_size > 1:
             _stage_positions(module, seq_shard, mesh_ctx.cp_size, mesh_ctx.cp_rank)
         part = parallelize_model(module, mesh_ctx, dcfg, device, compile=cfg.training.compile,
                                  compile_backend=cfg.training.compile_backend)
         if s != plan.num_stages - 1:
-            _carry_aux_loss(part.model, aux_loss_weight(plan, scale_in_schedule))
+            carry_aux_loss(part.model, aux_loss_weight(plan, scale_in_schedule))
         if meta:
             part.strategy.materialize(part.model, cfg.run.seed, names=aliases[s])
         parts.append(part)
