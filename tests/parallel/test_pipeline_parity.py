@@ -15,10 +15,10 @@ PP2 (interleaved) x TP2 with sequence parallelism.
 
 The layouts of issue 28, against their own single-process references:
 - MoE stages (`tiny_moe`, 4 blocks; the reference's micro batches are the pipeline's microbatches, the aux loss
-  being a per-microbatch statistic): PP2 zero_bubble with scale_grads_in_schedule and PP2 interleaved with full
-  activation checkpointing and routing replay (N=2); PP2 x EP2 (interleaved, full AC, routing replay), PP2 x EP2 x
-  CP2 (zero_bubble), PP2 x TP2 with sequence parallelism (N=4); checkpoints across the layouts: PP2 x EP2 resumes a
-  single-process step 5 (N=4), and EP2 without PP (N=2, after the N=4 launch) resumes PP2 x EP2's step 5.
+  being a per-microbatch statistic): PP2 zero_bubble with scale_grads_in_schedule (N=2); PP2 x EP2 (interleaved,
+  full activation checkpointing, routing replay), PP2 x EP2 x CP2 (zero_bubble), PP2 x TP2 with sequence
+  parallelism (N=4); checkpoints across the layouts: PP2 x EP2 resumes a single-process step 5 (N=4), and EP2
+  without PP (N=2, after the N=4 launch) resumes PP2 x EP2's step 5.
 - tied embeddings: PP2 1f1b (the ends on two ranks), DualPipeV with an embedding-only first and a head-only last
   stage (both ends on rank 0), stages built on meta (N=2); PP2 x TP2 (N=4); the tied run's checkpoint holds the
   names a run without PP writes, and a run without PP resumes it.
@@ -58,14 +58,15 @@ TIED = BASE + ["model.tie_embeddings=true"]
 ENDS = ["distributed.pipeline.first_stage_layers=0", "distributed.pipeline.last_stage_layers=0"]
 REPLAY = ["distributed.activation_checkpointing=full", "distributed.moe.ignore_router_for_ac=true"]
 # MoE tolerances. Top-k routing is discrete: a ~1e-7 roundoff flips a near-tie and AdamW at lr 1e-2 turns it into
-# ~lr-sized weight steps (TORCH_NOTES), and more so under TP/CP, whose reductions round differently. Measured over
-# these 10 steps WITHOUT pipeline parallelism (same micro batches): TP2 loss 6.1e-6, grad norm 1.13e-3, weights
-# 1.9e-3; CP2 x dp2 loss 1.25e-5, grad norm 1.73e-3, weights 3.3e-3 -- and with it: PP2 x TP2(+SP) 6.1e-6 /
-# 1.13e-3 / 1.9e-3, PP2 x EP2 x CP2 1.2e-5 / 1.75e-3 / 3.3e-3. So losses to 2e-5, grad norms to 3e-3, weights to
-# 5e-3; and the first EARLY steps, before any flip, tight: a wrong aux-loss weight (x2 moves step 1's grad norm by
-# 3.1e-4, micro batches of 4 instead of 2 by 2.7e-4) fails there (measured there: <= 5.0e-6 grad norm, <= 8.6e-8
-# loss).
-MOE_LOSS_RTOL, MOE_WEIGHT_ATOL, MOE_GRAD_NORM_RTOL = 2e-5, 5e-3, 3e-3
+# ~lr-sized weight steps (TORCH_NOTES), and more so under TP/CP, whose reductions round differently (and a schedule
+# accumulates a step's microbatch gradients in its own order). Measured over these 10 steps WITHOUT pipeline
+# parallelism (same micro batches): TP2 loss 6.1e-6, grad norm 1.13e-3, weights 1.9e-3; CP2 x dp2 loss 1.25e-5,
+# grad norm 1.73e-3, weights 3.3e-3 -- and with it: PP2 x TP2+SP 6.3e-6 / 1.13e-3 / 1.9e-3, PP2 x EP2 x CP2 1.2e-5
+# (1f1b) and 1.9e-5 (zero_bubble) / 1.75e-3 / 3.3e-3, all from the last steps. So losses to 4e-5, grad norms to
+# 3e-3, weights to 5e-3; and the first EARLY steps, before any flip, tight: a wrong aux-loss weight (x2 moves step
+# 1's grad norm by 3.1e-4, micro batches of 4 instead of 2 by 2.7e-4) fails there (measured there: <= 4.7e-6 grad
+# norm, <= 8.6e-8 loss).
+MOE_LOSS_RTOL, MOE_WEIGHT_ATOL, MOE_GRAD_NORM_RTOL = 4e-5, 5e-3, 3e-3
 EARLY, EARLY_GRAD_NORM_RTOL, EARLY_LOSS_RTOL = 3, 2e-5, 1e-6
 
 
@@ -116,7 +117,6 @@ CONFIGS_2.update({
 MOE_2 = {
     "moe pp2 zero_bubble scale_grads_in_schedule": pp(2, "zero_bubble", "distributed.pipeline.scale_grads_in_schedule=true",
                                                       base=MOE),
-    "moe pp2 interleaved + full AC, routing replay": pp(2, "interleaved_1f1b", *REPLAY, base=MOE),
     # resumes (without PP, EP2 at N=2) what PP2 x EP2 saved at step 5 in the N=4 launch, which runs first
     "moe ep2 resumes pp2 x ep2 step 5": MOE + ["distributed.ep_size=2", f"checkpoint.resume={MOE_PP_EP_DIR / 'step_5'}"],
 }
