@@ -114,6 +114,9 @@ def test_bad_splits_name_the_numbers(n_layers, pp, kw, local, needle):
     (["distributed.pp_size=2", "model.n_layers=4", "distributed.pipeline.first_stage_layers=3",
       "distributed.pipeline.last_stage_layers=2"], 2, "= 5 blocks, more than model.n_layers=4: lower them"),
     (["distributed.strategy=ddp", "distributed.pp_size=2", "model.n_layers=4"], 2, "distributed.pp_size=2 is not supported by strategy ddp"),
+    (["distributed.pp_size=2", "distributed.cp_size=2", "model.n_layers=4", "data.source=dataset", "data.max_files=null",
+      "data.paths=[examples/data/prompt_completion_tiny.jsonl]", "data.format=prompt_completion", "data.packing=true"],
+     4, "data.packing=true with distributed.pp_size=2 and cp_size=2 is not supported yet"),
 ])
 def test_rules_reject_before_launch_with_exit_2(overrides, world, needle, capsys):
     rc = main(["validate", "examples/tiny_cpu.yaml", *overrides, "--world-size", str(world)])
