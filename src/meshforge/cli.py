@@ -73,7 +73,10 @@ def _nodes(args):
 
 def cmd_train(args) -> int:
     from meshforge.config import ConfigError, load_config
+    from meshforge.launch import launch_env_problems
 
+    if problems := launch_env_problems():
+        return _fail(problems)
     nodes = _nodes(args)
     if isinstance(nodes, list):
         return _fail(nodes)
@@ -96,8 +99,11 @@ def cmd_train(args) -> int:
 
 def run_training(cfg) -> int:
     from meshforge.distributed.env import apply_slurm_env
+    from meshforge.launch import stop_with_launcher
     from meshforge.training.trainer import train
 
+    if _under_launcher():  # a rank of meshforge's launcher, torchrun or srun: it never outlives its launcher
+        stop_with_launcher()
     apply_slurm_env()  # under srun: RANK before it is read here
     rank = int(os.environ.get("RANK", 0))
     try:

@@ -9,29 +9,117 @@
   numbers, strings, lists, dicts). A rank that raises reports `Type: message` (a `MeshforgeError` its
   problems), its traceback kept aside; the launch's `error` is one line naming the first failing rank.
 
+No process outlives the launcher that started it (`stop_with_launcher`, called first thing in every launched
+process: `_worker` here, `meshforge train` under a launcher, also one started by torchrun or srun, and the agent
+`launch` starts): the kernel kills it when its parent dies (Linux `PR_SET_PDEATHSIG`), and a watchdog thread
+polling the parent's pid does the same wherever that is not available. SIGKILL, however the launcher ended
+(SIGKILL included): a worker whose launcher is gone saves nothing and commits nothing (a save it was making
+stays `.partial`, removed by the next run); its run lock is stale and the next run takes it over.
+
 This module is the only place meshforge spells out a torchrun command line.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import importlib.util
 import json
 import os
+import runpy
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+LAUNCHER_PID = "MESHFORGE_LAUNCHER_PID"  # set by a meshforge launcher: the pid its processes follow
 # variables of an enclosing launch that must not leak into a nested one
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
-               "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
-               "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE")
+LAUNCH_VARS = (LAUNCHER_PID, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
+               "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
+               "TORCHELASTIC_ERROR_FILE")
+
+
+# what torchrun and srun tell a process about its place in the job: whole numbers (a port: 1..65535)
+_COUNTS = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "SLURM_NTASKS", "SLURM_NNODES")
+_INDICES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID")
+
+
+def launch_env_problems(env: dict[str, str] | None = None) -> list[str]:
+    """One line per launcher variable that cannot be right (not a whole number, a rank outside the world, a port
+    outside 1..65535): a traceback later otherwise."""
+    env = os.environ if env is None else env
+    problems, values = [], {}
+    for key in (*_COUNTS, *_INDICES, "MASTER_PORT"):
+        raw = env.get(key)
+        if raw is None:
+            continue
+        low = 1 if key in _COUNTS or key == "MASTER_PORT" else 0
+        high = 65535 if key == "MASTER_PORT" else None
+        if not raw.strip().isdigit() or int(raw) < low or (high is not None and int(raw) > high):
+            span = f"{low}..{high}" if high else f"a whole number >= {low}"
+            problems.append(f"environment variable {key}={raw!r} must be {span} (torchrun and srun set it; unset it "
+                            "to run one process)")
+        else:
+            values[key] = int(raw)
+    for rank, world in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
+        if rank in values and world in values and values[rank] >= values[world]:
+            problems.append(f"environment variable {rank}={values[rank]} is outside {world}={values[world]}")
+    return problems
+
+
+def address_in_use(err: BaseException) -> bool:
+    """Whether a rendezvous failed because its port is taken (torch's DistNetworkError, or a RuntimeError)."""
+    text = str(err)
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
+
+
+_TIED = False
+
+
+def stop_with_launcher(poll_s: float = 0.5) -> None:
+    """End this process (SIGKILL) as soon as the launcher that started it is gone, whatever ended the launcher.
+    The launcher is `$MESHFORGE_LAUNCHER_PID` when a meshforge launcher set it (read once, then removed, so a
+    process this one starts follows its own parent), else this process's parent (torchrun's agent, srun's
+    slurmstepd). Idempotent."""
+    global _TIED
+    want = os.environ.pop(LAUNCHER_PID, "")
+    if _TIED:
+        return
+    parent = int(want) if want.isdigit() and int(want) != os.getpid() else os.getppid()
+    if parent <= 1:  # started by init itself: there is no launcher to follow
+        return
+    _TIED = True
+    if sys.platform.startswith("linux"):
+        try:
+            pr_set_pdeathsig = 1
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass  # the watchdog below still follows the launcher
+    if os.getppid() != parent:  # it died before the prctl took effect
+        _launcher_gone(parent)
+    threading.Thread(target=_watch_launcher, args=(parent, poll_s), name="meshforge-lifeline", daemon=True).start()
+
+
+def _watch_launcher(parent: int, poll_s: float) -> None:
+    while os.getppid() == parent:
+        time.sleep(poll_s)
+    _launcher_gone(parent)
+
+
+def _launcher_gone(parent: int) -> None:
+    try:
+        print(f"meshforge: the launcher (pid {parent}) is gone: process {os.getpid()} stops now, saving nothing",
+              file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # its stderr went with it
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass(frozen=True)
@@ -77,8 +165,16 @@ def run_cli(nproc: int, argv: list[str], nodes: Nodes | None = None, shutdown_ti
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
+    def forward(signum, _frame):  # what torch's agent does for the signals it handles itself
+        raise SignalException(f"process {os.getpid()} got signal {signum}", sigval=signal.Signals(signum))
+
     extra = [f"--shutdown-timeout={shutdown_timeout}"] if shutdown_timeout else []
     largs = get_args_parser().parse_args([*extra, *torchrun_args(nproc, ["-m", "meshforge", *argv], nodes)])
+    had = os.environ.get(LAUNCHER_PID)
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # the ranks follow this process (`stop_with_launcher`)
+    # torch's agent passes SIGTERM/SIGINT/SIGHUP/SIGQUIT on to the ranks; SIGUSR1 (preemption) would end this
+    # process at once and leave the ranks running: pass it on the same way
+    old_usr1 = signal.signal(signal.SIGUSR1, forward)
     try:
         run(largs)
     except SignalException as err:
@@ -88,6 +184,11 @@ def run_cli(nproc: int, argv: list[str], nodes: Nodes | None = None, shutdown_ti
               file=sys.stderr, flush=True)
         return code
     except Exception as err:  # noqa: BLE001 - ChildFailedError carries the failing ranks' exit codes
+        if address_in_use(err):  # the agent's own rendezvous store (node 0)
+            endpoint = nodes.rdzv_endpoint if nodes else "the standalone rendezvous"
+            print(f"error: --rdzv-endpoint {endpoint}: its port is in use (another job or a leftover process "
+                  "holds it): choose another port", file=sys.stderr)
+            return 2
         if type(err).__name__ != "ChildFailedError":
             raise
         failures = getattr(err, "failures", {})
@@ -96,6 +197,12 @@ def run_cli(nproc: int, argv: list[str], nodes: Nodes | None = None, shutdown_ti
         print(f"error: {len(failures)} of {nproc} processes failed (exit codes {codes}; the first failing rank's: "
               f"{code}); their messages are above", file=sys.stderr)
         return code
+    finally:
+        signal.signal(signal.SIGUSR1, old_usr1)
+        if had is None:
+            os.environ.pop(LAUNCHER_PID, None)
+        else:
+            os.environ[LAUNCHER_PID] = had
     return 0
 
 
@@ -141,9 +248,10 @@ def launch(target: str, spec: Any = None, nproc: int = 1, timeout: float = 900, 
         (out / "spec.json").write_text(json.dumps(spec))
         entry = ["-m", "meshforge.launch", target, str(out)]
         cmd = [sys.executable, *entry] if nproc == 1 else \
-            [sys.executable, "-m", "torch.distributed.run", *torchrun_args(nproc, entry)]
+            [sys.executable, "-m", "meshforge.launch", AGENT, *torchrun_args(nproc, entry)]
         base = {k: v for k, v in (os.environ if env is None else env).items() if k not in LAUNCH_VARS}
         base.setdefault("OMP_NUM_THREADS", "1")
+        base[LAUNCHER_PID] = str(os.getpid())  # the agent (or the one process) follows this one
         t0 = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base, cwd=cwd,
                                 start_new_session=True)
@@ -183,6 +291,7 @@ def _worker(target: str, out_dir: str) -> int:
     """Inside each launched process: run the target, write this rank's result or error."""
     import torch
 
+    stop_with_launcher()
     out, rank = Path(out_dir), int(os.environ.get("RANK", "0"))
     spec = json.loads((out / "spec.json").read_text())
     try:
@@ -207,5 +316,19 @@ def exit_process(code: int) -> None:
     os._exit(code)
 
 
+AGENT = "--agent"  # `python -m meshforge.launch --agent TORCHRUN_ARGS`: torchrun that follows its launcher
+
+
+def _agent(torchrun_argv: list[str]) -> None:
+    """torchrun's agent, tied to the process that started it; its ranks follow it in turn."""
+    stop_with_launcher()
+    os.environ[LAUNCHER_PID] = str(os.getpid())
+    sys.argv = ["torch.distributed.run", *torchrun_argv]
+    runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
+
+
 if __name__ == "__main__":
-    exit_process(_worker(sys.argv[1], sys.argv[2]))
+    if sys.argv[1] == AGENT:
+        _agent(sys.argv[2:])
+    else:
+        exit_process(_worker(sys.argv[1], sys.argv[2]))

@@ -4,6 +4,8 @@ One panel per metric against step: loss (with `val_loss` dashed where a run logg
 tokens/s and memory (GiB); one colour per run, the same in every panel, labelled by the run's name
 (`run_meta.json` / `config.yaml`, else its directory). A run lacking a metric (or logging it as null, as MFU
 is on CPU) draws no line in that panel. matplotlib is an extra, imported only here (`meshforge[plot]`).
+The output (`meshforge.outputs`) is a new file or an earlier PNG, replaced in one step once the new one is whole;
+a path that cannot be written is one line.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+import meshforge.outputs as outputs
 from meshforge.errors import MeshforgeError
 
 PANELS = [("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "grad norm"), ("tokens_per_s", "tokens/s"),
@@ -30,12 +33,16 @@ def read_run(run_dir: str) -> tuple[str, list[dict]]:
         raise MeshforgeError(f"{run_dir}: no metrics.jsonl (is it a run directory with logging.loggers "
                              "including jsonl?)")
     records = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as err:
+        raise MeshforgeError(f"{path} cannot be read ({err.strerror or type(err).__name__})") from None
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             raise MeshforgeError(f"{path}:{n} is not a JSON line") from None
         if isinstance(rec, dict) and isinstance(rec.get("step"), int):
             records.append(rec)
@@ -48,7 +55,7 @@ def _label(run_dir: Path) -> str:
     meta = run_dir / "run_meta.json"
     try:
         return json.loads(meta.read_text())["config"]["run"]["name"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return run_dir.resolve().name
 
 
@@ -57,8 +64,23 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def _is_png(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(8) == b"\x89PNG\r\n\x1a\n"
+    except OSError:
+        return False
+
+
 def plot_runs(run_dirs: list[str], output: str) -> dict[str, int]:
     """Draw every run into `output`; returns {panel metric: number of curves drawn}."""
+    out = Path(output)
+    problem = outputs.check_file(out, "--output", _is_png, "a PNG", sources=[Path(d) / "metrics.jsonl"
+                                                                              for d in run_dirs])
+    if problem is None and out.suffix.lower() != ".png":
+        problem = f"--output={output} must end in .png (meshforge plot writes PNG)"
+    if problem is not None:
+        raise MeshforgeError(problem)
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -88,10 +110,17 @@ def plot_runs(run_dirs: list[str], output: str) -> dict[str, int]:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     axes[-1].axis("off")
-    out = Path(output)
-    out.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(out)
+    tmp = outputs.temp_beside(out, ".png")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(tmp, format="png")
+        outputs.publish_file(tmp, out)
+    except OSError as err:
+        raise MeshforgeError(f"--output={output} cannot be written ({err.strerror or type(err).__name__}): "
+                             "choose a writable path") from None
+    finally:
+        tmp.unlink(missing_ok=True)
     return counts
 
 

@@ -15,6 +15,11 @@
   upcasts the unsharded bf16 gradient to its reduce dtype (fp32) after the first one and adds the rest into it
   (torch's FSDPParam.unsharded_accumulated_grad); the result equals, bit for bit, the fp32 sum of each
   micro-batch's own reduced gradient (checked by hand with defer_fsdp_grad_sync=false too: also equal).
+- training.precision=bf16_params under ddp (bf16 replicas, fp32 masters in every rank's optimizer, the fp32 main
+  gradients averaged by the strategy, here with accumulation) and megatron_fsdp (fp32 main buffers, bf16 compute
+  buffers) reproduce the one-process bf16_params run bitwise (without clipping, whose coefficient a sharded norm
+  moves by ~1e-7: measured losses and weights equal; megatron_fsdp's weights are its fp32 masters, compared
+  rounded to the bf16 parameters they make).
 """
 
 import traceback
@@ -53,8 +58,14 @@ COMPILED = {
 # activations by their own amax, one process by the whole sequence's, so the runs differ by fp8 rounding
 # (the overrides and steps of test_float8_parity.py: the suite computes that single-process reference once)
 FP8, FP8_STEPS = list(_FP8_PARITY), _FP8_PARITY_STEPS
+# bf16_params where the masters are replicated (ddp) or in megatron_fsdp's main buffers: bitwise without clipping
+BF16_EXACT = BF16 + ["training.grad_clip=null"]
+# (the reference with the same micro batches: bf16 gradients are rounded per micro batch)
+BF16_BITWISE = {"bf16_params_ddp_accum": BF16_EXACT + ["training.micro_batch_size=1", "distributed.strategy=ddp"],
+                "bf16_params_megatron_fsdp": BF16_EXACT + ["distributed.strategy=megatron_fsdp"]}
 N2 = {**{k: (v, STEPS) for k, v in COMPILED.items()},
       "bf16_params_fsdp2": (BF16 + ["distributed.strategy=fsdp2"], STEPS),
+      **{k: (v, STEPS) for k, v in BF16_BITWISE.items()},
       "fp8_cp2": (FP8 + ["distributed.cp_size=2"], FP8_STEPS)}
 
 
@@ -68,7 +79,7 @@ def fast_step_job(spec: dict, info) -> dict:
             res = train(config(overrides, steps, info.world_size), info)
             out[name] = {"losses": res.losses, "grad_norms": res.grad_norms}
             out[name]["graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-            if name.startswith("bf16"):  # the logits, in the dtype the blocks computed in
+            if name == "bf16_params_fsdp2":  # the logits, in the dtype the blocks computed in
                 out[name]["accumulation"] = _accumulation(res.parallel_model)
                 model = res.parallel_model.model.eval()
                 with torch.no_grad():
@@ -126,3 +137,13 @@ def test_fp8_with_context_parallelism_tracks_one_process(reference, group):
     compare(ref, got, "fp8_cp2", LOSS_RTOL_FP8_CP, None, GRAD_NORM_RTOL_FP8_CP)
     assert abs(got.losses[0] - ref.losses[0]) <= FIRST_LOSS_RTOL_FP8_CP * ref.losses[0], (ref.losses, got.losses)
     assert abs(got.grad_norms[0] - ref.grad_norms[0]) <= FIRST_GRAD_NORM_RTOL_FP8_CP * ref.grad_norms[0]
+
+
+@pytest.mark.parametrize("name", list(BF16_BITWISE))
+def test_bf16_params_under_ddp_and_megatron_fsdp_is_bitwise(reference, group, name):
+    overrides = [o for o in BF16_BITWISE[name] if not o.startswith("distributed.")]
+    ref, got = reference(overrides, STEPS), results_of({name: group("fast step n2")[name]})[name]
+    bf16 = {k: v.bfloat16() for k, v in got.weights.items()}  # (megatron_fsdp's: the fp32 masters)
+    got = type(got)(got.losses, got.grad_norms, bf16, got.error)
+    ref = type(ref)(ref.losses, ref.grad_norms, {k: v.bfloat16() for k, v in ref.weights.items()})
+    compare(ref, got, name, loss_rtol=1e-6, weight_atol=0.0, grad_norm_rtol=1e-6)  # (loss: the sum order, 1 ulp)

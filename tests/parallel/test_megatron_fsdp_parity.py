@@ -31,6 +31,10 @@ ROOT = Path(__file__).resolve().parents[2]
 RESHARD_DIR = Path(os.environ["MESHFORGE_TEST_SHARED"]) / "megatron_reshard"
 pytestmark = pytest.mark.dist
 LOSS_RTOL, WEIGHT_ATOL = 1e-5, 5e-5
+# under TP the fused loss (the default) is vocabulary-parallel: its split log-sum-exp rounds differently from one
+# process's, which AdamW at lr 1e-2 turns into final weights 6.4e-5 apart over 10 steps (measured: tp2_dp2; losses
+# 1e-7; the same under fsdp2, tests/parallel/test_fused_loss_parity.py)
+WEIGHT_ATOL_TP = 1e-4
 MODES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 FULL = os.environ.get("MESHFORGE_FULL_MATRIX") == "1"
 
@@ -106,7 +110,8 @@ def test_parity_n2(reference, group, name):
 
 @pytest.mark.parametrize("name", list(N4))
 def test_parity_n4(reference, group, name):
-    compare(reference(), results_of(group("megatron_fsdp parity n4"))[name], name, LOSS_RTOL, WEIGHT_ATOL)
+    compare(reference(), results_of(group("megatron_fsdp parity n4"))[name], name, LOSS_RTOL,
+            WEIGHT_ATOL_TP if "tp2" in name else WEIGHT_ATOL)
 
 
 def test_bridge_spelling_maps_to_megatron_fsdp():

@@ -99,7 +99,8 @@ def test_validation_from_files_and_held_out_split_is_disjoint(tmp_path):
     assert train_src.num_samples + val_src.num_samples == 64 and val_src.num_samples == 10
     files = config([v for v in VAL if "fraction" not in v] + [f"data.validation.paths=[{DATA}]"], 1, world_size=1)
     t2, v2 = split_validation(files.data, build_source(files.data, 32, 256, 7), 32, 256, 7)
-    assert v2.num_samples == t2.num_samples == 64 and v2.digest() == t2.digest()
+    assert v2.num_samples == t2.num_samples == 64 and v2.digest() == build_source(files.data, 32, 256, 7).digest()
+    assert {f"validation {k}": v for k, v in v2.inputs.items()}.items() <= t2.inputs.items()  # resume checks them
 
 
 def test_validation_keys_go_together():

@@ -4,7 +4,8 @@ reach (its name spelled only in its spec and runtime modules), and process-free 
 Layers (a package may import only packages of its own layer or below; every import counts, function-local
 ones too, except under `if TYPE_CHECKING:`):
 
-    errors, launch, progress            leaves: the error classes, the process launcher, progress bars
+    errors, launch, outputs, progress   leaves: the error classes, the process launcher, where outputs may go,
+                                        progress bars
     models, data                        plain models behind one contract; token sources and the loader
     config, planning, recipes           process-free: schema, strategy specs, rules, layout, plans
     distributed                         meshes, strategies, parallelisms, the parallel model runtime
@@ -26,7 +27,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "meshforge"
 LAYERS = [
-    {"errors", "launch", "progress"},
+    {"errors", "launch", "outputs", "progress"},
     {"models", "data"},
     {"config", "planning", "recipes"},
     {"distributed"},

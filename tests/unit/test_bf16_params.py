@@ -138,11 +138,12 @@ def test_resume_is_bitwise_exact_and_the_checkpoint_holds_the_fp32_masters(tmp_p
 
 
 @pytest.mark.parametrize("overrides, world_size, words", [
-    (["distributed.strategy=ddp"], 2, "no fsdp2 sharding"),
-    (["distributed.strategy=fsdp2", "distributed.tp_size=2"], 2, "no fsdp2 sharding"),
-    (["distributed.strategy=megatron_fsdp"], 1, "megatron_fsdp keeps its own"),
-    (["distributed.pp_size=2"], 2, "pp_size=2"),
+    (["distributed.strategy=fsdp2", "distributed.tp_size=2"], 2, "needs data or context parallel size > 1"),
+    (["distributed.strategy=fsdp2", "distributed.tp_size=2", "distributed.pp_size=2"], 4,
+     "needs data or context parallel size > 1"),
+    (["distributed.strategy=megatron_fsdp", "distributed.grad_reduce_in_fp32=false"], 2, "grad_reduce_in_fp32"),
     (["distributed.strategy=fsdp2", "distributed.mp_policy.param_dtype=fp32"], 2, "contradicts"),
+    (["distributed.strategy=ddp", "distributed.static_graph=true"], 2, "static_graph=true is not read"),
 ])
 def test_rules_say_where_it_runs(overrides, world_size, words):
     with pytest.raises(ConfigError) as err:
@@ -150,9 +151,14 @@ def test_rules_say_where_it_runs(overrides, world_size, words):
     assert words in str(err.value) and len(str(err.value).splitlines()) == 1
 
 
-def test_fsdp2_sharded_and_world_size_one_are_accepted():
+def test_every_built_in_strategy_and_pipeline_stages_are_accepted():
+    """Where the masters live: the optimizer's (world size 1, pipeline stages without dp, every ddp replica),
+    fsdp2's fp32 shards, megatron_fsdp's main buffers (also with TP)."""
     for overrides, ws in ([], 1), (["distributed.strategy=ddp"], 1), (["distributed.strategy=fsdp2"], 1), \
-            (["distributed.strategy=fsdp2"], 2):  # fsdp2 at one rank is inactive: the masters are the optimizer's
+            (["distributed.strategy=fsdp2"], 2), (["distributed.strategy=ddp"], 2), \
+            (["distributed.strategy=megatron_fsdp"], 1), (["distributed.strategy=megatron_fsdp"], 2), \
+            (["distributed.strategy=megatron_fsdp", "distributed.tp_size=2"], 4), \
+            (["distributed.pp_size=2"], 2), (["distributed.pp_size=2", "distributed.tp_size=2"], 8):
         load_config(None, ["model.preset=tiny", "data.source=synthetic"] + BF16 + overrides, world_size=ws)
 
 

@@ -108,7 +108,7 @@ def test_too_long_truncates_or_drops(tmp_path):
     assert t.num_samples == 2 and x.tolist() == [[97, 98, 99, 100]] and y.tolist() == [[-100, -100, 100, 101]]
     d = ExampleSource([path], "prompt_completion", ByteTokenizer(), 4, "answer", "drop")
     assert d.num_samples == 1 and d.dropped == 1 and d.batch([0])[0].tolist() == [[97, 98, 0, 0]]
-    with pytest.raises(DataError, match="no example fits"):
+    with pytest.raises(DataError, match="none left to train on"):
         ExampleSource([path], "prompt_completion", ByteTokenizer(), 1, "answer", "drop")
 
 

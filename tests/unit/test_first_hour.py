@@ -286,3 +286,48 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_130(tmp_path, capsys, monkeypa
     assert "interrupted (Ctrl-C) at step 2: saved, exiting 130" in captured.err
     assert (tmp_path / "run" / "checkpoints" / "LATEST").read_text().strip() == "step_2"
     assert signal.getsignal(signal.SIGINT) is before
+
+
+# ------------------------------------------------------------------- environment faults at start-up (issue 26)
+@pytest.mark.parametrize("env, fragment", [
+    ({"RANK": "abc"}, "RANK='abc' must be a whole number >= 0"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "two"}, "SLURM_NTASKS='two' must be a whole number >= 1"),
+    ({"RANK": "3", "WORLD_SIZE": "2"}, "RANK=3 is outside WORLD_SIZE=2"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "70000"}, "MASTER_PORT='70000' must be 1..65535"),
+])
+def test_launcher_variables_that_cannot_be_right_are_one_line(env, fragment, tmp_path, capsys, monkeypatch):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert cli.main(["train", "examples/tiny_cpu.yaml", f"run.output_dir={tmp_path}/run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and fragment in err[0], err
+
+
+@pytest.fixture
+def taken_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def test_a_rendezvous_port_in_use_is_one_line(taken_port, tmp_path, capsys):
+    rc = cli.main(["train", "examples/tiny_cpu.yaml", "--nproc-per-node", "2", "--nnodes", "1", "--node-rank", "0",
+                   "--rdzv-endpoint", f"127.0.0.1:{taken_port}", f"run.output_dir={tmp_path}/run"])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert rc == 2 and len(err) == 1 and f"127.0.0.1:{taken_port}: its port is in use" in err[0], err
+
+
+def test_a_master_port_in_use_is_one_line(taken_port, tmp_path, capsys, monkeypatch):
+    """A rank started by torchrun or srun whose MASTER_PORT another process holds (rank 0 serves the store)."""
+    import meshforge.launch
+
+    monkeypatch.setattr(meshforge.launch, "stop_with_launcher", lambda: None)  # this test process has no launcher
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(taken_port)}.items():
+        monkeypatch.setenv(key, value)
+    assert cli.main(["train", "examples/tiny_cpu.yaml", f"run.output_dir={tmp_path}/run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"MASTER_PORT=127.0.0.1:{taken_port}: the port is in use" in err[0], err

@@ -37,11 +37,16 @@ def test_filter_auto_keeps_small_matmuls_and_refuses_a_model_with_none_to_conver
         apply_float8(build_model(ModelConfig(preset="tiny")), FP8Config(enabled=True), torch.device("cpu"), False)
 
 
-def test_fp8_rules_refuse_tp_and_pp_and_old_gpus(monkeypatch):
-    cfg = Config.model_validate({"training": {"fp8": {"enabled": True}}, "distributed": {"tp_size": 2}})
-    assert any(p.startswith("training.fp8.enabled=true runs with data parallelism") for p in check(cfg, 2))
-    ok = Config.model_validate({"training": {"fp8": {"enabled": True}}, "distributed": {"strategy": "megatron_fsdp"}})
-    assert not any("fp8" in p for p in check(ok, 2))
+def test_fp8_rules_take_tp_and_pp_and_refuse_rowwise_tp_and_old_gpus(monkeypatch):
+    for dist, ws in (({"tp_size": 2}, 2), ({"tp_size": 2, "sequence_parallel": True}, 2), ({"pp_size": 2}, 2),
+                     ({"pp_size": 2, "tp_size": 2}, 8), ({"strategy": "megatron_fsdp"}, 2)):
+        ok = Config.model_validate({"training": {"fp8": {"enabled": True}}, "distributed": dist})
+        assert not any("fp8" in p for p in check(ok, ws)), dist
+    rowwise = Config.model_validate({"training": {"fp8": {"enabled": True, "recipe": "rowwise"}},
+                                     "distributed": {"tp_size": 2}})
+    assert [p for p in check(rowwise, 2) if "fp8" in p] == [
+        "training.fp8.recipe=rowwise with distributed.tp_size=2 is not supported (torchao's per-row scales on "
+        "tensor-parallel shards differ from one process's): set training.fp8.recipe=tensorwise"]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # an A100
     with pytest.raises(ConfigError, match="compute capability 8.9"):
         apply_float8(build_model(ModelConfig(preset="tiny")), FP8Config(enabled=True, filter="all"),
@@ -79,3 +84,26 @@ def test_keep_fp8_transpose_cache_is_inert_and_says_so():
     cfg = load_config(None, ["model.preset=tiny", "data.source=synthetic", "distributed.strategy=megatron_fsdp",
                              "distributed.keep_fp8_transpose_cache=true"], world_size=1)
     assert any("keep_fp8_transpose_cache" in w and "no effect" in w for w in warnings(cfg, 1))
+
+
+def test_tensor_parallel_takes_torchao_float8_styles_for_tensorwise_linears_only():
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+    from meshforge.distributed.float8 import float8_tp_styles
+    from meshforge.planning.tp_plan import resolve_plan
+
+    for recipe, sp in (("tensorwise", False), ("tensorwise", True), ("rowwise", False)):
+        model = build_model(ModelConfig(preset="tiny"))
+        apply_float8(model, FP8Config(enabled=True, filter="all", recipe=recipe), torch.device("cpu"), False)
+        resolved = resolve_plan(model, sp, None)[0]
+        styles = float8_tp_styles(model, resolved, sp)
+        if recipe == "rowwise":  # torch's own styles; the per-row casts happen inside Float8Linear
+            assert styles == {}
+            continue
+        assert {n for n, st in styles.items() if isinstance(st, Float8ColwiseParallel)} == \
+            {n for n, st in resolved.items() if st == "colwise"}
+        rows = {n for n, st in resolved.items() if st == "rowwise"}
+        assert {n for n, st in styles.items() if isinstance(st, Float8RowwiseParallel)} == rows
+        assert "output" not in styles and "tok_embeddings" not in styles  # the vocabulary layers stay
+    plain = build_model(ModelConfig(preset="tiny"))
+    assert float8_tp_styles(plain, resolve_plan(plain, False, None)[0], False) == {}

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from meshforge.config.rules import check, fused_loss_on
+from meshforge.config.rules import check, warnings
+from meshforge.planning.precision import fused_loss_note, fused_loss_on
 from meshforge.config.schema import Config, ModelConfig
 from meshforge.models import build_model, contract_of, init_weights
 from meshforge.models.loss import IGNORE_INDEX, HeadInput, chunked_cross_entropy, lm_loss
@@ -110,7 +111,7 @@ def _loss_peak_bytes(fused: bool, vocab=128_256, dim=16, tokens=96) -> int:
     head = torch.nn.Linear(dim, vocab, bias=False)
     labels = torch.randint(0, vocab, (1, tokens), generator=g)
     with _PeakBytes() as meter:
-        out = HeadInput(hidden, head.weight, torch.float32) if fused else head(hidden)
+        out = HeadInput(hidden, head.weight) if fused else head(hidden)
         lm_loss(out, labels, chunk_tokens=16).mean.backward()
         del out
     return meter.peak
@@ -125,21 +126,33 @@ def test_fused_loss_peak_bytes_drop_at_least_4x_at_vocab_128k():
 
 
 def test_fused_loss_config_rules():
-    cfg = Config.model_validate({"training": {"fused_loss": True}, "distributed": {"tp_size": 2}})
-    assert any(p.startswith("training.fused_loss=true cannot run here (tp_size=2") for p in check(cfg, 2))
-    auto = Config.model_validate({"distributed": {"tp_size": 2}})
-    assert auto.training.fused_loss == "auto" and not any("fused_loss" in p for p in check(auto, 2))
-    assert not fused_loss_on(auto)
-    # layouts that free the head's weight right after forward: auto takes the plain loss, true is refused
-    for dist in ({"strategy": "fsdp2", "reshard_after_forward": True}, {"strategy": "megatron_fsdp"}):
-        auto = Config.model_validate({"distributed": dist})
-        assert not fused_loss_on(auto) and not any("fused_loss" in p for p in check(auto, 2))
+    # every layout runs it: TP (vocabulary-parallel), PP (last stage), resharding fsdp2, megatron_fsdp in any mode
+    for dist in ({"tp_size": 2}, {"tp_size": 2, "sequence_parallel": True}, {"pp_size": 2},
+                 {"strategy": "fsdp2", "reshard_after_forward": True}, {"strategy": "megatron_fsdp"}):
         forced = Config.model_validate({"training": {"fused_loss": True}, "distributed": dist})
-        assert any(p.startswith("training.fused_loss=true cannot run here") for p in check(forced, 2)), dist
-    keeps = Config.model_validate({"distributed": {"strategy": "megatron_fsdp",
-                                                   "data_parallel_sharding_strategy": "optim_grads"}})
-    assert fused_loss_on(keeps) and fused_loss_on(Config())
+        assert not any("fused_loss" in p for p in check(forced, 2)), dist
+        auto = Config.model_validate({"distributed": dist})
+        assert fused_loss_on(auto) and fused_loss_note(auto) is None, dist
+    # a model whose forward returns logits: auto takes the plain loss and says so; true is refused in one line
+    auto = Config.model_validate({"model": {"hf_model": "some/folder"}})
+    assert not fused_loss_on(auto)
+    assert fused_loss_note(auto).startswith("training.fused_loss=auto takes the plain loss (model.hf_model")
+    assert fused_loss_note(auto) in warnings(auto, 1)
+    forced = Config.model_validate({"model": {"hf_model": "some/folder"}, "training": {"fused_loss": True}})
+    assert [p for p in check(forced, 1) if "fused_loss" in p] == [
+        "training.fused_loss=true cannot run here (model.hf_model: the transformers model's forward returns "
+        "logits): set training.fused_loss=auto"]
+    off = Config.model_validate({"model": {"hf_model": "some/folder"}, "training": {"fused_loss": False}})
+    assert fused_loss_note(off) is None  # asked for: nothing to say
 
 
 def test_foreign_model_cannot_fuse():
     assert contract_of(torch.nn.Sequential(torch.nn.Linear(2, 2))).set_fused_loss(True) is False
+
+
+def test_auto_taking_the_plain_loss_is_in_the_plan_notes():
+    from meshforge.planning.plan import _notes
+
+    auto = Config.model_validate({"model": {"hf_model": "some/folder"}})
+    assert fused_loss_note(auto) in _notes(auto)
+    assert not any("fused_loss" in n for n in _notes(Config.model_validate({"distributed": {"tp_size": 2}})))

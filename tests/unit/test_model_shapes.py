@@ -15,16 +15,24 @@ import meshforge.models as models
 import meshforge.planning.estimate as estimate
 import meshforge.planning.tp_plan as tp_plan
 from meshforge.cli import main
-from meshforge.models import PRESETS, build_model, meta_modules, plan_modules
-from meshforge.models.shapes import describe
+from meshforge.models import PRESETS, build_model, meta_modules, plan_modules, resolve_model_args
+from meshforge.models.hf_families import FAMILIES
 from meshforge.testing.parity import config
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_VARIANTS = [{}, {"tie_embeddings": True}, {"qkv_bias": True}, {"attention_bias": True},
                  {"qk_norm": True, "tie_embeddings": True}]
-MOE_VARIANTS = [{}, {"n_shared_experts": 0}, {"qk_norm": True, "tie_embeddings": True}]
+MOE_VARIANTS = [{}, {"n_shared_experts": 0}, {"qk_norm": True, "tie_embeddings": True},
+                {"router_bias_update_rate": 1e-3}]
+# DeepSeek-V3: q without compression, MoE only, dense only, biases + tied head + no shared experts
+DEEPSEEK_VARIANTS = [{"q_lora_rank": 0}, {"first_k_dense": 0}, {"first_k_dense": 2},
+                     {"attention_bias": True, "tie_embeddings": True, "n_shared_experts": 0}]
 CASES = ([(name, {}) for name in PRESETS] + [("tiny", v) for v in TINY_VARIANTS[1:]]
-         + [("tiny_moe", v) for v in MOE_VARIANTS[1:]])
+         + [("tiny_moe", v) for v in MOE_VARIANTS[1:]] + [("tiny_deepseek", v) for v in DEEPSEEK_VARIANTS])
+
+
+def describe(args):
+    return FAMILIES[args.family].describe(args)
 
 
 def _params(model) -> list[tuple[str, tuple[int, ...], int]]:
@@ -55,7 +63,9 @@ LORA = [("tiny", {}, ["*_proj"], ("embeddings", "norms"), 0.0),
         ("tiny", {"qkv_bias": True, "attention_bias": True}, ["o_proj", "down_proj"], ("norms",), 0.0),
         ("tiny_moe", {}, ["*"], ("embeddings", "norms"), 0.0),
         ("tiny_moe", {"tie_embeddings": True}, ["experts.down_proj", "k_proj"], (), 0.0),
-        ("tiny_moe", {"n_shared_experts": 0, "qk_norm": True}, ["experts.gate_up_proj"], ("norms",), 0.0)]
+        ("tiny_moe", {"n_shared_experts": 0, "qk_norm": True}, ["experts.gate_up_proj"], ("norms",), 0.0),
+        ("tiny_deepseek", {}, ["*"], ("embeddings", "norms"), 0.0),
+        ("tiny_deepseek", {"q_lora_rank": 0, "first_k_dense": 2}, ["q_proj", "kv_*", "down_proj"], ("norms",), 0.1)]
 
 
 @pytest.mark.parametrize("preset,over,targets,freeze,dropout", LORA)
@@ -95,6 +105,9 @@ PLANS = [
      "peft={rank: 4, target_modules: [experts.down_proj, q_proj], dropout: 0, freeze: [norms]}"],
     ["moe_ep_cpu.yaml", "--world-size", "2", "distributed.strategy=megatron_fsdp", "distributed.ep_size=1",
      "peft={rank: 4, target_modules: ['*'], dropout: 0}"],
+    # two block shapes (dense, then MoE), latent attention under TP, balancing loads under EP
+    ["tiny_cpu.yaml", "--world-size", "8", "model.preset=tiny_deepseek", "model.n_layers=3", "distributed.tp_size=2",
+     "distributed.ep_size=2", "model.router_bias_update_rate=0.01"],
 ]
 
 
@@ -107,12 +120,20 @@ def test_plan_equals_the_meta_model_path(argv, capsys, monkeypatch):
     assert _plan_json(capsys, argv) == described
 
 
-def test_plan_modules_stand_in_for_every_block():
-    cfg = config(["model.preset=tiny_moe", "model.n_layers=3"]).model
+@pytest.mark.parametrize("over", [["model.preset=tiny_moe", "model.n_layers=3"],
+                                  ["model.preset=tiny_deepseek", "model.n_layers=5", "model.first_k_dense=2"]])
+def test_plan_modules_stand_in_for_every_block(over):
+    cfg = config(over).model
     (_, modules), (_, described) = meta_modules(cfg), plan_modules(cfg)
     assert list(described) == list(modules)
     assert {n: getattr(m, "kind", None) for n, m in described.items()} == \
         {n: type(m).__name__ for n, m in modules.items()}
+    # each block stands under its own shape: the whole model's modules, names and parameter shapes
+    whole = build_model(resolve_model_args(cfg), device="meta")
+    assert sorted(described) == sorted(n for n, _ in whole.named_modules())
+    for name, mod in whole.named_modules():
+        assert [(n, tuple(p.shape)) for n, p in mod.named_parameters(recurse=False)] == \
+            [(n, tuple(p.shape)) for n, p in described[name].named_parameters(recurse=False)], name
 
 
 def test_plan_of_the_70b_example_imports_no_torch():

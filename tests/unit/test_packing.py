@@ -120,7 +120,7 @@ def test_moe_router_statistics_count_documents_only(moe):
     for layer, sc, c in zip(layers, scores[:len(layers)], counts):
         kept = sc[keep]
         n = torch.bincount(kept.topk(layer.top_k, -1).indices.reshape(-1), minlength=layer.n_experts).float()
-        assert torch.equal(c, n)  # only the documents' token copies
+        assert torch.equal(c, n.long())  # only the documents' token copies
         want = want + layer.aux_coeff * layer.n_experts * (n / n.sum() * kept.mean(0)).sum()  # scores: softmax
     assert abs(aux.item() - want.item()) <= 1e-6 * want.item(), (aux.item(), want.item())
     assert aux.item() == aux2.item() and all(torch.equal(a, b) for a, b in zip(counts, counts2))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from meshforge.cli import main
-from meshforge.config.rules import fused_loss_on
+from meshforge.planning.precision import fused_loss_on
 from meshforge.models import blocks_of, build_model, contract_of, init_weights
 from meshforge.models.loss import lm_loss
 from meshforge.planning.estimate import activation_bytes, model_params

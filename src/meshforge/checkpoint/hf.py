@@ -29,7 +29,15 @@ from meshforge.checkpoint.paths import follow_umask, publish_checkpoint, publish
 from meshforge.checkpoint.safe_dcp import dcp_load, dcp_tensor_shapes
 from meshforge.distributed.master_weights import write_param
 from meshforge.errors import CheckpointError
-from meshforge.models import HF_PREFIX, ModelArgs, args_from_hf_config, build_model, contract_of, hf_config_dict
+from meshforge.models import (
+    HF_PREFIX,
+    ModelArgs,
+    args_from_hf_config,
+    build_model,
+    contract_of,
+    hf_config_dict,
+    persistent_buffers,
+)
 from meshforge.progress import track
 from meshforge.models.lora import is_adapter_param
 
@@ -66,7 +74,7 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, shard_mb: int =
     model = build_model(ModelArgs(**manifest["model_args"]), device="meta")  # names and adapter, no memory
     adapter = _adapter(model, ckpt_dir)
     shapes = dcp_tensor_shapes(ckpt_dir)
-    names = [n for n, _ in model.named_parameters(remove_duplicate=False) if adapter.hf_names(n)]  # tied: once
+    names = [n for n, _ in _state(model) if adapter.hf_names(n)]  # tied: once
     missing = [k for k in names if f"model.{k}" not in shapes]
     if missing:
         raise CheckpointError(f"{ckpt_dir}: parameter {missing[0]} is missing from the checkpoint")
@@ -175,6 +183,12 @@ def export_hf_model(ckpt_dir: Path, out_dir: Path, manifest: dict, shard_mb: int
             written.update({k: sf.get_slice(k).get_shape() for k in sf.keys()})  # noqa: SIM118
     return {"files": len(files), "tensors": len(written), "dir": str(out_dir), "tokenizer": tokenizer is not None,
             "bytes": sum(torch.Size(v).numel() * 4 for v in written.values())}
+
+
+def _state(model) -> list[tuple[str, torch.Tensor]]:
+    """What a checkpoint holds of a model, by name: its parameters (tied ones under each name), then the buffers it
+    keeps (an MoE router's selection bias)."""
+    return list(model.named_parameters(remove_duplicate=False)) + persistent_buffers(model)
 
 
 def _stacked_experts(model) -> set[str]:
@@ -291,7 +305,8 @@ def _hf_tensor_files(hf_dir: Path) -> dict[str, Path]:
 
 
 # model.* values that do not change the weights or the logits: a run may differ from config.json in them
-_FREE_ARGS = {"init_std", "max_seq_len", "bos_token_id", "eos_token_id", "head_dim"}
+_FREE_ARGS = {"init_std", "max_seq_len", "bos_token_id", "eos_token_id", "head_dim",
+              "aux_loss_coeff", "router_bias_update_rate"}  # (training choices: the balancing of the experts)
 
 
 def hf_model_args(hf_dir: Path, what: str = "model.init_from") -> ModelArgs:
@@ -340,7 +355,7 @@ def load_hf_into(model, hf_dir: str | Path, progress: bool = False) -> list[str]
     files = _hf_tensor_files(hf_dir)
     if args is not None:
         whole = build_model(args, device="meta")
-        expected = {t for n, _ in whole.named_parameters(remove_duplicate=False) for t in adapter.hf_names(n)}
+        expected = {t for n, _ in _state(whole) for t in adapter.hf_names(n)}
         unused = sorted(set(files) - expected)
         if unused:
             raise CheckpointError(f"{files[unused[0]]}: tensor {unused[0]} is not a parameter of this "
@@ -361,7 +376,7 @@ def load_hf_into(model, hf_dir: str | Path, progress: bool = False) -> list[str]
         read_whole.append(name)
         return opened(name).get_tensor(name)
 
-    params = list(model.named_parameters(remove_duplicate=False))
+    params = _state(model)
     for ours, p in track(params, "import: tensors", enabled=progress):
         if is_adapter_param(ours):
             continue  # LoRA adapters are not base weights (`peft.init_from` loads them)

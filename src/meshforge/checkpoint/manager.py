@@ -95,6 +95,7 @@ class CheckpointManager:
         self.cfg, self.mesh_ctx, self.info = cfg, mesh_ctx, info
         self.sharded = {n: p for n, p in parts.items() if isinstance(p, ShardedPart)}  # into DCP
         self.per_rank = {n: p for n, p in parts.items() if not isinstance(p, ShardedPart)}  # trainer_state files
+        self.resumed_from: Path | None = None  # the checkpoint `resume` loaded
         self.root = checkpoint_dir(cfg)
         self.fmt = resolved_ckpt_format(cfg)
         self.rank, self.world = info.rank, info.world_size
@@ -272,6 +273,7 @@ class CheckpointManager:
         dcp_load(state, path, no_dist=not dist_on())
         for name, part_state in state.items():
             self.sharded[name].load_state_dict(part_state)
+        self.resumed_from = path  # the run directory asks: a step-0 start from here is a fresh run
         if partial is not None:
             log(f"loaded {len(partial)} model tensors from {path} (checkpoint.allow_partial_load; the others keep "
                 "their initialisation; no optimizer state): starting at step 0")

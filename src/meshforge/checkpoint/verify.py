@@ -5,12 +5,14 @@ anything is loaded; a difference is one line naming the parameter or the argumen
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 from meshforge.checkpoint.collectives import all_gather_object
 from meshforge.checkpoint.safe_dcp import dcp_tensor_shapes
 from meshforge.errors import CheckpointError
+from meshforge.models import ModelArgs
 
 
 def _names(keys, limit: int = 5) -> str:
@@ -47,6 +49,8 @@ def check_same_model(path: Path, manifest: dict, model_state: dict, model_args: 
     keys = check_model_keys(path, mine, allow_partial)
     keys = None if keys is None else keys & set(model_state)  # what this rank loads
     saved, mine = manifest.get("model_args"), json.loads(json.dumps(model_args))  # as stored
+    if isinstance(saved, dict):  # a field added since the checkpoint was saved had its default value then
+        saved = {**json.loads(json.dumps(dataclasses.asdict(ModelArgs()))), **saved}
     diff = [f"{k}={saved.get(k)!r} (this model {mine.get(k)!r})" for k in sorted(set(saved) | set(mine))
             if saved.get(k) != mine.get(k)] if isinstance(saved, dict) else []
     if diff and not allow_partial:

@@ -17,8 +17,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from meshforge.config.strategies import dp_size, either, strategy_specs
-from meshforge.models import resolve_model_args
+from meshforge.models import FAMILIES, resolve_model_args
 from meshforge.planning.layout import Layout
+from meshforge.planning.precision import fused_loss_conflict, fused_loss_note
 from meshforge.planning.pipeline_plan import pipeline_problems
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ def expert_parallel(cfg: Config, world_size: int) -> list[str]:
         out.append(f"distributed.ep_size={d.ep_size} must divide dp_size*cp_size = {dp}*{d.cp_size} = "
                    f"{dp * d.cp_size}: choose an ep_size that divides it")
     args = _model_args(cfg)
-    if args is None:
+    if args is None or args.hf_model:  # (a transformers model's experts: hf_model_experts)
         return out
     if not args.is_moe:
         out.append(f"distributed.ep_size={d.ep_size} needs a mixture-of-experts model, but model.preset="
@@ -222,9 +223,6 @@ def model_fits_data(cfg: Config, world_size: int) -> list[str]:
             if val % d.tp_size:
                 out.append(f"model.{name}={val} is not divisible by distributed.tp_size={d.tp_size}: "
                            "tensor parallelism splits attention heads evenly")
-        if args.pad_token_id is not None:
-            out.append(f"model.pad_token_id={args.pad_token_id} with distributed.tp_size={d.tp_size} is not supported "
-                       "(the padding row is a global row of a vocabulary-sharded embedding): set tp_size 1")
     return out
 
 
@@ -306,23 +304,6 @@ def peft_composes(cfg: Config, world_size: int) -> list[str]:
     return out
 
 
-def fused_loss_conflict(cfg: Config) -> str | None:
-    """Why the fused loss cannot run in this layout (None: it can). `training.fused_loss=auto` then takes the plain
-    loss; an explicit true is refused."""
-    d = cfg.distributed
-    if d.tp_size > 1 or d.pp_size > 1:
-        return (f"tp_size={d.tp_size}, pp_size={d.pp_size}: tensor parallelism computes a vocabulary-parallel loss "
-                "on sharded logits and pipeline stages keep the plain loss")
-    freed = d.spec.head_freed_after_forward
-    return freed(d.options) if freed is not None else None
-
-
-def fused_loss_on(cfg: Config) -> bool:
-    """`training.fused_loss`: auto fuses where the layout allows (see `fused_loss_conflict`)."""
-    setting = cfg.training.fused_loss
-    return fused_loss_conflict(cfg) is None if setting == "auto" else bool(setting)
-
-
 @rule
 def fused_loss_layout(cfg: Config, world_size: int) -> list[str]:
     why = fused_loss_conflict(cfg) if cfg.training.fused_loss is True else None
@@ -340,12 +321,10 @@ def hf_model_keys(cfg: Config, world_size: int) -> list[str]:
     given = set(m.overrides()) | {"init_from"} | ({"preset"} if m.preset != "tiny" else set())  # tiny: the default
     out = [f"model.{k} cannot be set {what} (its config.json gives the model): remove it"
            for k in sorted(m.model_fields_set & given)]
-    for key, value, on in (("data.packing", "true", cfg.data.packing), ("training.fused_loss", "true",
-                                                                         t.fused_loss is True),
+    for key, value, on in (("data.packing", "true", cfg.data.packing),  # (fused_loss: `fused_loss_layout`)
                            ("training.fp8.enabled", "true", t.fp8.enabled), ("peft", "(LoRA)", cfg.peft is not None),
                            ("distributed.pp_size", d.pp_size, d.pp_size > 1),
                            ("distributed.cp_size", d.cp_size, d.cp_size > 1),
-                           ("distributed.ep_size", d.ep_size, d.ep_size > 1),
                            ("distributed.sequence_parallel", "true", d.sequence_parallel)):
         if on:
             out.append(f"{key}={value} is not supported {what} (the transformers model's forward takes token ids "
@@ -357,12 +336,53 @@ def hf_model_keys(cfg: Config, world_size: int) -> list[str]:
 
 
 @rule
-def fp8_layout(cfg: Config, world_size: int) -> list[str]:
+def hf_model_builds(cfg: Config, world_size: int) -> list[str]:
+    """A `model.hf_model` transformers can build, that runs on token ids, is causal and can start from the seed
+    (checked by running it when it fits `models.hf_auto.PROBE_PARAMS_MAX`, else by the trainer before the first
+    collective) and has blocks."""
+    args = _model_args(cfg)
+    if not cfg.model.hf_model or args is None:
+        return []
+    from meshforge.models import probe_model
+
+    try:
+        model = probe_model(args)
+        if not any(p.is_meta for p in model.parameters()):
+            model.check_seeded_start(cfg.run.seed)  # (refused for a parameter with no seeded initialisation)
+    except ValueError as err:
+        return [str(err)]
+    if not cfg.distributed.block_classes and not model.blocks():
+        return [f"model.hf_model={cfg.model.hf_model}: {type(model.hf).__name__} declares no blocks (no "
+                "_no_split_modules, no ModuleList of layers): set distributed.block_classes to its layer class"]
+    return []
+
+
+@rule
+def hf_model_experts(cfg: Config, world_size: int) -> list[str]:
+    """Expert parallelism on a `model.hf_model` shards its transformers experts modules (models/hf_auto_moe.py):
+    refused for a model without them or with experts meshforge cannot split, and the expert count must divide."""
     d = cfg.distributed
-    if cfg.training.fp8.enabled and (d.tp_size > 1 or d.pp_size > 1):
-        names = ", ".join(strategy_specs())
-        return [f"training.fp8.enabled=true runs with data parallelism ({names}) and cp only, not "
-                f"tp_size={d.tp_size} / pp_size={d.pp_size}: set training.fp8.enabled=false or tp_size=pp_size=1"]
+    if not cfg.model.hf_model or d.ep_size == 1 or _model_args(cfg) is None:
+        return []
+    from meshforge.models import plan_modules
+
+    try:
+        problem = plan_modules(cfg.model)[0].expert_parallel_problem(d.ep_size)
+    except ValueError:  # a model that cannot be built: hf_model_builds says why
+        return []
+    return [f"distributed.ep_size={d.ep_size} with model.hf_model={cfg.model.hf_model}: {problem}"] if problem else []
+
+
+@rule
+def fp8_layout(cfg: Config, world_size: int) -> list[str]:
+    """training.fp8 runs with every strategy, TP (torchao's float8 styles), CP and PP stages (distributed/float8.py);
+    under TP with tensorwise scales only: torchao's per-row scales on tensor-parallel shards are not one process's
+    (measured on a column-wise + row-wise pair at tp 2: outputs 3.2e-3 relative apart and weight gradients 2.8%,
+    where tensorwise scales agree to 3.4e-7 and exactly)."""
+    f, d = cfg.training.fp8, cfg.distributed
+    if f.enabled and f.recipe == "rowwise" and d.tp_size > 1:
+        return [f"training.fp8.recipe=rowwise with distributed.tp_size={d.tp_size} is not supported (torchao's per-row "
+                "scales on tensor-parallel shards differ from one process's): set training.fp8.recipe=tensorwise"]
     return []
 
 
@@ -375,25 +395,32 @@ def compile_backend_read(cfg: Config, world_size: int) -> list[str]:
     return []
 
 
+_BF16_MASTERS = ("unsharded", "fp32_shards", "replicated", "main_buffers")  # StrategySpec.bf16_params
+
+
 @rule
 def bf16_params_layout(cfg: Config, world_size: int) -> list[str]:
-    """bf16_params keeps fp32 master weights in one of two places: the optimizer (the model unwrapped: world size
-    1) or the fp32 shards of a strategy whose spec keeps them there (`bf16_params="fp32_shards"`: its
-    mixed-precision policy gathers bf16), over dp*cp > 1."""
+    """bf16_params keeps fp32 master weights where the strategy's spec says (`StrategySpec.bf16_params`):
+    "unsharded": in the optimizer beside the bf16 model (world size 1); "fp32_shards": its fp32 shards gathered
+    in bf16 over dp*cp > 1, else (nothing but pipeline stages) as unsharded, per stage; "replicated": every dp
+    rank's optimizer beside bf16 replicas, the fp32 main gradients averaged by the strategy; "main_buffers": its
+    own fp32 main buffers beside bf16 compute buffers. Any other text says why the strategy cannot run it."""
     if cfg.training.precision != "bf16_params":
         return []
     d, fix = cfg.distributed, "set training.precision=bf16 (autocast over fp32 parameters)"
-    spec = d.spec
-    if d.pp_size > 1:
-        return [f"training.precision=bf16_params does not run with pp_size={d.pp_size}: {fix}"]
-    if spec.bf16_params not in ("unsharded", "fp32_shards"):
-        return [f"training.precision=bf16_params: {spec.bf16_params}; {fix}"]
-    sharded = spec.bf16_params == "fp32_shards" and (dp_size(cfg, world_size) or 1) * d.cp_size > 1
-    if world_size > 1 and not sharded:
-        able = either([s.name for s in strategy_specs().values() if s.bf16_params == "fp32_shards"])
-        return [f"training.precision=bf16_params keeps fp32 master weights at world size 1 or in {able}'s fp32 shards "
-                f"(data or context parallel size > 1), not with strategy {d.strategy} over {world_size} ranks with "
-                f"no {able} sharding: set distributed.strategy={able} with dp or cp > 1, or {fix}"]
+    spec, mode = d.spec, d.spec.bf16_params
+    if mode not in _BF16_MASTERS:
+        return [f"training.precision=bf16_params: {mode}; {fix}"]
+    dp_cp = (dp_size(cfg, world_size) or 1) * d.cp_size
+    if mode == "fp32_shards" and dp_cp == 1 and d.tp_size > 1:
+        return [f"training.precision=bf16_params with distributed.tp_size={d.tp_size} needs data or context "
+                f"parallel size > 1 under {spec.name} (its fp32 shards are the masters): add dp or cp ranks, "
+                f"or {fix}"]
+    if mode == "unsharded" and world_size > 1:
+        able = either([s.name for s in strategy_specs().values() if s.bf16_params in _BF16_MASTERS[1:]])
+        return [f"training.precision=bf16_params keeps fp32 master weights in the optimizer of an unwrapped model "
+                f"(world size 1) under strategy {d.strategy}, not over {world_size} ranks: set "
+                f"distributed.strategy={able}, or {fix}"]
     return spec.bf16_params_rule(cfg, world_size) if spec.bf16_params_rule is not None else []
 
 
@@ -419,6 +446,9 @@ def warnings(cfg: Config, world_size: int | None = None) -> list[str]:
         out.append("distributed.moe is ignored because ep_size=1")
     for fn in d.spec.warnings:
         out += fn(cfg, ws)
+    fused = fused_loss_note(cfg)
+    if fused:
+        out.append(fused)
     out += _ignored_tracking_keys(cfg)
     set_options = sorted(d.options.model_fields_set)
     if ws == 1 and set_options:
@@ -459,11 +489,18 @@ def validation_data(cfg: Config, world_size: int) -> list[str]:
 def packing_support(cfg: Config, world_size: int) -> list[str]:
     """Packed sequences need the document mask in every attention: the dense model's, the context-parallel one
     (which masks its load-balanced chunks with the full document ids), or each pipeline stage's (the ids travel
-    with the microbatch). Context parallelism under pipeline parallelism does not carry them yet: its attention
-    reads the full ids of one micro batch at a time, and a pipeline keeps several in flight."""
-    d = cfg.distributed
-    if cfg.data.packing and d.pp_size > 1 and d.cp_size > 1:
-        return [f"data.packing=true with distributed.pp_size={d.pp_size} and cp_size={d.cp_size} is not supported "
-                "yet (context parallelism's document mask holds one micro batch at a time, a pipeline several): set "
-                "cp_size 1 (packing under pp) or pp_size 1 (packing under cp)"]
-    return []
+    with the microbatch); an MoE model also keeps padding out of its router statistics, if its family's model
+    takes the ids. Context parallelism under pipeline parallelism does not carry them yet: its attention reads the
+    full ids of one micro batch at a time, and a pipeline keeps several in flight."""
+    if not cfg.data.packing:
+        return []
+    d, out = cfg.distributed, []
+    if d.pp_size > 1 and d.cp_size > 1:
+        out.append(f"data.packing=true with distributed.pp_size={d.pp_size} and cp_size={d.cp_size} is not "
+                   "supported yet (context parallelism's document mask holds one micro batch at a time, a pipeline "
+                   "several): set cp_size 1 (packing under pp) or pp_size 1 (packing under cp)")
+    args = _model_args(cfg)
+    if args is not None and args.is_moe and not FAMILIES[args.family].moe_packing:
+        out.append(f"data.packing=true with a mixture-of-experts model of model.family={args.family} is not "
+                   "supported yet")
+    return out

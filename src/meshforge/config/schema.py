@@ -431,6 +431,9 @@ class CheckpointConfig(Section):
     # resume refuses a checkpoint whose model args or tensor names differ from this model's; true loads the
     # tensors both have (fine-tuning a changed model) and starts at step 0 without optimizer state
     allow_partial_load: bool = False
+    # resume refuses a checkpoint whose inputs changed since it was saved (data files, tokenizer, validation files,
+    # data settings: docs/data.md "fingerprints"), naming the first; true resumes on the changed inputs anyway
+    allow_changed_inputs: bool = False
     grace_period_s: float = Field(120.0, gt=0)
 
     @field_validator("resume", mode="before")

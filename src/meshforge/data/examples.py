@@ -8,8 +8,12 @@
 
 `loss_on: answer` puts labels only on answer tokens (completion + EOS; assistant turns), `all` on every token.
 A sequence longer than `seq_len + 1` tokens is cut to its first `seq_len + 1` tokens (`too_long: truncate`) or
-left out of the data set (`drop`); shorter ones are padded with labels of -100. Each example is one sample, so
-the loader's guarantees (global batch k the same at any world size, exact resume) hold unchanged.
+left out of the data set (`drop`); shorter ones are padded with labels of -100. An example left with no label
+token (its answer lies beyond `seq_len + 1` tokens) is left out too, so every sample, and every global batch,
+carries label tokens: none trains on nothing with a loss of 0. What was dropped, truncated and left out is
+counted (`report`, logged at start); when fewer than `MIN_KEPT` (10%) of the examples read remain, the source
+is refused in one line. Each example is one sample, so the loader's guarantees (global batch k the same at any
+world size, exact resume) hold unchanged.
 
 `packing`: examples are packed, in data order, into rows of `seq_len + 1` tokens (an example that does not fit in
 what is left of a row starts the next one); a row is then one sample, with document ids 0, 1, ... (padding has id
@@ -24,10 +28,12 @@ import hashlib
 
 import numpy as np
 
+from meshforge.data import fingerprint
 from meshforge.data.records import field, iter_records
 from meshforge.errors import DataError
 
 IGNORE_INDEX = -100  # no loss here: the torch / Hugging Face convention (models.loss reads the same value)
+MIN_KEPT = 0.1  # fewer examples left than this share of those read: refused (docs/data.md)
 
 
 def prompt_completion(rec: dict, where: str, tok, loss_on: str) -> tuple[list[int], list[bool]]:
@@ -72,19 +78,26 @@ class ExampleSource:
         self.seq_len, self.name, self.packing = seq_len, f"{fmt}:" + ",".join(str(p) for p in paths), packing
         n = seq_len + 1
         h = hashlib.sha256(f"{fmt}:{loss_on}:{too_long}:{seq_len}:{packing}".encode())
-        self.dropped = 0
+        self.read = self.dropped = self.truncated = self.unlabelled = 0
         examples = []
         for where, rec in iter_records(paths):
+            self.read += 1
             ids, mask = FORMATS[fmt](rec, where, tok, loss_on)
             if len(ids) > n:
                 if too_long == "drop":
                     self.dropped += 1
                     continue
                 ids, mask = ids[:n], mask[:n]
+                self.truncated += 1
+            if not any(mask[1:]):  # a label predicts token t+1 from t: the first token is never one
+                self.unlabelled += 1
+                continue
             examples.append((ids, mask))
-        if not examples:
-            raise DataError(f"data: no example fits training.seq_len+1={n} tokens ({self.dropped} dropped by "
-                            "data.too_long=drop); raise training.seq_len or use data.too_long=truncate")
+        self.report = self._report(paths, n, too_long, len(examples))
+        if len(examples) < max(1, MIN_KEPT * self.read):
+            raise DataError(f"data: {self.report.removeprefix('data: ')}: {'none' if not examples else 'too few'} "
+                            f"left to train on (meshforge refuses fewer than {MIN_KEPT:.0%}); raise "
+                            "training.seq_len, shorten the examples, or use data.too_long=truncate")
         rows = [[e] for e in examples]
         if packing:
             rows, used = [], n
@@ -108,7 +121,21 @@ class ExampleSource:
             h.update(a)
         self.num_samples = len(rows)
         self.n_docs = np.array([len(row) for row in rows], dtype=np.int64)  # padding's stored id, per row
-        self._digest = h.hexdigest()[:16]
+        self.inputs = {**fingerprint.files("data.paths", paths), **tok.fingerprint(),
+                       **fingerprint.settings(format=fmt, loss_on=loss_on, too_long=too_long, packing=packing,
+                                              seq_len=seq_len),
+                       "data examples (tokenized)": f"rows={len(rows)} sha256={h.hexdigest()[:32]}"}
+
+    def _report(self, paths, n: int, too_long: str, kept: int) -> str | None:
+        """One line on what did not reach training as it was written (None when everything did)."""
+        if not (self.dropped or self.truncated or self.unlabelled):
+            return None
+        parts = ([f"{self.dropped} dropped (longer than training.seq_len+1={n} tokens, data.too_long={too_long})"]
+                 if self.dropped else []) + \
+                ([f"{self.truncated} truncated to {n} tokens"] if self.truncated else []) + \
+                ([f"{self.unlabelled} left out (no answer token within the first {n} tokens)"]
+                 if self.unlabelled else [])
+        return f"data: {self.read} examples in {', '.join(map(str, paths))}: {', '.join(parts)}; {kept} remain"
 
     def batch(self, indices: list[int]) -> tuple[np.ndarray, ...]:
         """(inputs, labels[, document ids]), each (len(indices), seq_len): a label is the next token where it
@@ -126,4 +153,4 @@ class ExampleSource:
         return int(self.tokens.max())
 
     def digest(self) -> str:
-        return self._digest
+        return fingerprint.digest(self.inputs)

@@ -4,13 +4,16 @@ Global batch k is always the same `global_batch_size` samples, in the same order
 whatever the world size and micro batch size: sample positions k*G .. k*G+G-1 of
 a seeded per-epoch permutation. Data-parallel rank r takes the contiguous slice
 [r*G/D, (r+1)*G/D) of it and splits that into micro batches. The only state is k,
-so `load_state_dict` resumes with exactly the next batch.
+so `load_state_dict` resumes with exactly the next batch; the state also holds the
+data's fingerprint, and a resume onto changed data is refused (`fingerprint.py`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from meshforge.data.fingerprint import check_resume
 
 
 class BatchGeometry:
@@ -37,9 +40,11 @@ class BatchGeometry:
 
 class ShardedBatchLoader(BatchGeometry):
     def __init__(self, source, global_batch_size: int, micro_batch_size: int, dp_rank: int = 0,
-                 dp_size: int = 1, seed: int = 0, shuffle: bool = True):
+                 dp_size: int = 1, seed: int = 0, shuffle: bool = True, allow_changed_inputs: bool = False):
         super().__init__(global_batch_size, micro_batch_size, dp_rank, dp_size)
         self.source, self.seed, self.shuffle = source, seed, shuffle
+        self.allow_changed_inputs = allow_changed_inputs
+        self.resume_note: str | None = None  # set by a resume onto changed data that was allowed
         self.step = 0
         self._perm_epoch, self._perm = -1, None
 
@@ -77,13 +82,16 @@ class ShardedBatchLoader(BatchGeometry):
         return out
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "seed": self.seed, "global_batch_size": self.G, "source": self.source.digest()}
+        return {"step": self.step, "seed": self.seed, "global_batch_size": self.G, "source": self.source.digest(),
+                "inputs": dict(self.source.inputs)}
 
     def load_state_dict(self, state: dict) -> None:
-        for key, mine in (("seed", self.seed), ("global_batch_size", self.G), ("source", self.source.digest())):
+        """Resume at the saved step; the batch settings must match, and the data too (`fingerprint.py`)."""
+        for key, mine in (("seed", self.seed), ("global_batch_size", self.G)):
             if key in state and state[key] != mine:
                 raise ValueError(f"data loader state was saved with {key}={state[key]!r} but this run has {mine!r}; "
                                  "resume with the same data and batch settings")
+        self.resume_note = check_resume(state, self.source.inputs, self.allow_changed_inputs)
         self.step = int(state["step"])
 
     def cursor(self) -> None:

@@ -30,13 +30,36 @@ def _arrow_batches(path: Path):
     raise DataError(f"data.paths: {path} is not an Arrow IPC file or stream")
 
 
-def _utf8_lines(f, path: Path) -> Iterator[str]:
-    n = 0
+def _line_of(data: bytes, offset: int) -> int:
+    return data.count(b"\n", 0, offset) + 1
+
+
+def text_bytes(path: Path, key: str = "data.paths") -> bytes:
+    """A text file's bytes, checked: one DataError line naming the file (and the line) when it cannot be read,
+    holds a NUL byte (a binary file; byte-level data also ends each document with NUL) or is not UTF-8."""
     try:
-        for n, line in enumerate(f, 1):  # noqa: B007 - n names the line a decoding error is on
-            yield line
-    except UnicodeDecodeError:
-        raise DataError(f"data.paths: {path} is not UTF-8 text (near line {n + 1})") from None
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise DataError(f"{key}: {path} cannot be read ({err.strerror or type(err).__name__})") from None
+    if (nul := data.find(b"\0")) >= 0:
+        raise DataError(f"{key}: {path} is a binary file, not text (a NUL byte on line {_line_of(data, nul)}): "
+                        "leave it out of the inputs")
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DataError(f"{key}: {path} is not UTF-8 text (line {_line_of(data, err.start)}, byte {err.start}): "
+                        "convert it to UTF-8 or leave it out") from None
+    return data
+
+
+def _utf8_lines(f, path: Path) -> Iterator[str]:
+    """The lines of a file opened in binary, decoded one by one, so an error names the line it is on."""
+    for n, raw in enumerate(f, 1):
+        try:
+            yield raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise DataError(f"data.paths: {path} is not UTF-8 text (line {n}, byte {err.start} of the line)") \
+                from None
 
 
 def _iter_file(path: Path) -> Iterator[dict]:
@@ -60,7 +83,11 @@ def _iter_file(path: Path) -> Iterator[dict]:
             ds = ds["train"]
         yield from ds
     elif path.suffix in (".jsonl", ".json"):
-        with open(path, encoding="utf-8") as f:
+        try:
+            f = open(path, "rb")
+        except OSError as err:
+            raise DataError(f"data.paths: {path} cannot be read ({err.strerror or type(err).__name__})") from None
+        with f:
             for n, line in enumerate(_utf8_lines(f, path), 1):
                 if not line.strip():
                     continue
@@ -69,6 +96,8 @@ def _iter_file(path: Path) -> Iterator[dict]:
                 except json.JSONDecodeError as err:
                     raise DataError(f"data.paths: {path} line {n} is not JSON ({err.msg}); expected one JSON "
                                     "object per line") from None
+                except RecursionError:
+                    raise DataError(f"data.paths: {path} line {n} is nested too deeply to be a record") from None
                 if not isinstance(rec, dict):
                     raise DataError(f"data.paths: {path} line {n} is a {type(rec).__name__}, not a JSON object")
                 yield rec
@@ -131,7 +160,4 @@ def positioned_documents(files: Iterable[Path], text_field: str | None, file: in
                 if fi > file or ri >= record:
                     yield fi, ri, field(rec, text_field, where)
             continue
-        try:
-            yield fi, 0, f.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise DataError(f"data.paths: {f} is not UTF-8 text (a tokenizer reads text)") from None
+        yield fi, 0, text_bytes(f).decode("utf-8")

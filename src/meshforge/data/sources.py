@@ -4,6 +4,9 @@ A source is a random-access sequence of fixed-length samples: `sample(i)` return
 `seq_len + 1` token ids (input and the shifted label). Text and tokenized sources
 cut their token stream into non-overlapping windows; synthetic samples are a pure
 function of (seed, i), so any rank can produce any sample without coordination.
+Every source carries `inputs`, the fingerprint of everything it read (`fingerprint.py`: each file, the
+tokenizer, the settings; validation files join the training source's), and `digest()` of it: what the loader
+saves and a resume compares.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from meshforge.data import fingerprint
 from meshforge.errors import DataError
 
 
@@ -39,10 +43,13 @@ def expand_paths(patterns: list[str], folders: bool = False) -> list[Path]:
 
 
 def byte_tokens(files: list[Path]) -> np.ndarray:
-    """Byte-level tokenization: each byte is one token (vocab 256); files are joined by a NUL byte."""
+    """Byte-level tokenization: each byte is one token (vocab 256); files are joined by a NUL byte. Only UTF-8
+    text is read (`records.text_bytes`): a binary file is refused, naming it."""
+    from meshforge.data.records import text_bytes
+
     chunks = []
     for f in files:
-        chunks.append(np.frombuffer(f.read_bytes(), dtype=np.uint8))
+        chunks.append(np.frombuffer(text_bytes(f), dtype=np.uint8))
         chunks.append(np.zeros(1, dtype=np.uint8))
     if not chunks:
         raise DataError("data: no text files to read")
@@ -50,14 +57,20 @@ def byte_tokens(files: list[Path]) -> np.ndarray:
 
 
 class TokenStreamSource:
-    """Non-overlapping windows of `seq_len + 1` tokens over one token array (in memory or memory-mapped)."""
+    """Non-overlapping windows of `seq_len + 1` tokens over one token array (in memory or memory-mapped).
+    `inputs`: the fingerprint of the files the tokens came from (default: a hash of every token)."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, name: str):
+    def __init__(self, tokens: np.ndarray, seq_len: int, name: str, inputs: dict[str, str] | None = None):
         self.tokens, self.seq_len, self.name = tokens, seq_len, name
         self.num_samples = (len(tokens) - 1) // seq_len
         if self.num_samples < 1:
             raise DataError(f"data: {name} holds {len(tokens)} tokens, fewer than one sequence of "
                             f"training.seq_len+1 = {seq_len + 1}")
+        if inputs is None:
+            h = hashlib.sha256(np.ascontiguousarray(tokens).view(np.uint8))
+            inputs = {f"tokens: {name}": f"n={len(tokens)} sha256={h.hexdigest()[:32]}",
+                      **fingerprint.settings(seq_len=seq_len)}
+        self.inputs = inputs
 
     def sample(self, i: int) -> np.ndarray:
         s = (i % self.num_samples) * self.seq_len
@@ -70,9 +83,7 @@ class TokenStreamSource:
         return int(self.tokens.max())
 
     def digest(self) -> str:
-        h = hashlib.sha256(f"{self.name}:{len(self.tokens)}:{self.seq_len}".encode())
-        h.update(np.asarray(self.tokens[:4096]).tobytes())
-        return h.hexdigest()[:16]
+        return fingerprint.digest(self.inputs)
 
 
 class SyntheticSource:
@@ -82,6 +93,7 @@ class SyntheticSource:
         self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
         self.num_samples = 2**40
         self.name = "synthetic"
+        self.inputs = fingerprint.settings(source="synthetic", vocab_size=vocab_size, seq_len=seq_len, seed=seed)
 
     def sample(self, i: int) -> np.ndarray:
         return self.samples([i])[0]
@@ -103,7 +115,7 @@ class SyntheticSource:
         return self.vocab_size - 1
 
     def digest(self) -> str:
-        return f"synthetic-{self.vocab_size}-{self.seq_len}-{self.seed}"
+        return fingerprint.digest(self.inputs)
 
 
 def load_token_file(path: str) -> np.ndarray:
@@ -151,7 +163,10 @@ def build_source(data_cfg, seq_len: int, vocab_size: int, seed: int):
     if data_cfg.tokenizer:  # byte-level data and token files are checked by the ids they hold, below
         check_vocab(tok, vocab_size)
     if data_cfg.source == "tokenized":
-        src = TokenStreamSource(load_token_file(data_cfg.path), seq_len, data_cfg.path)
+        tokens = load_token_file(data_cfg.path)
+        inputs = {**fingerprint.files("data.path", [data_cfg.path]),
+                  **fingerprint.settings(source="tokenized", seq_len=seq_len)}
+        src = TokenStreamSource(tokens, seq_len, data_cfg.path, inputs)
     elif data_cfg.source == "dataset":
         paths = record_paths(expand_paths(data_cfg.paths, folders=True))
         if data_cfg.streaming:  # read and tokenized while training (data/streaming.py)
@@ -160,7 +175,9 @@ def build_source(data_cfg, seq_len: int, vocab_size: int, seed: int):
             return StreamingTextSource(paths, tok, data_cfg.text_field, seq_len, vocab_size)
         if data_cfg.format == "text":
             name = f"{tok.name}:" + ",".join(data_cfg.paths)
-            src = TokenStreamSource(text_tokens(documents(paths, data_cfg.text_field), tok), seq_len, name)
+            inputs = {**fingerprint.files("data.paths", paths), **tok.fingerprint(),
+                      **fingerprint.settings(source="dataset", text_field=data_cfg.text_field, seq_len=seq_len)}
+            src = TokenStreamSource(text_tokens(documents(paths, data_cfg.text_field), tok), seq_len, name, inputs)
         else:
             from meshforge.data.examples import ExampleSource
 
@@ -171,10 +188,12 @@ def build_source(data_cfg, seq_len: int, vocab_size: int, seed: int):
         if data_cfg.max_files:
             files = files[:data_cfg.max_files]
         name = ",".join(data_cfg.paths) if data_cfg.paths else "python-stdlib"
+        inputs = {**fingerprint.files("data.paths", files), **tok.fingerprint(),
+                  **fingerprint.settings(source="text", seq_len=seq_len)}
         if data_cfg.tokenizer:
-            src = TokenStreamSource(text_tokens(documents(files), tok), seq_len, f"{tok.name}:{name}")
+            src = TokenStreamSource(text_tokens(documents(files), tok), seq_len, f"{tok.name}:{name}", inputs)
         else:
-            src = TokenStreamSource(byte_tokens(files), seq_len, name)
+            src = TokenStreamSource(byte_tokens(files), seq_len, name, inputs)
     if src.max_token() >= vocab_size:
         raise DataError(f"data: token id {src.max_token()} in {src.name} is outside model.vocab_size={vocab_size}")
     return src
@@ -187,6 +206,9 @@ class SubsetSource:
         self.source, self.indices, self.tag = source, np.asarray(indices, dtype=np.int64), tag
         self.num_samples, self.seq_len = len(self.indices), source.seq_len
         self.name = f"{source.name}[{tag}]"
+        split = hashlib.sha256(self.indices.tobytes()).hexdigest()[:32]
+        self.inputs = {**source.inputs, "data split": f"{tag} samples={self.num_samples} sha256={split}"}
+        self.report = getattr(source, "report", None)  # what the whole source left out (SFT examples)
         if hasattr(source, "batch"):
             self.batch = self._batch  # a method, not a lambda: the source pickles (spawned data workers)
 
@@ -203,9 +225,7 @@ class SubsetSource:
         return self.source.max_token()
 
     def digest(self) -> str:
-        h = hashlib.sha256(f"{self.source.digest()}:{self.tag}:{self.num_samples}".encode())
-        h.update(self.indices[:4096].tobytes())
-        return h.hexdigest()[:16]
+        return fingerprint.digest(self.inputs)
 
 
 SPLIT_SEED = 0x5EED  # the held-out split is a property of the data, the same for every run.seed
@@ -230,16 +250,22 @@ def split_validation(data_cfg, source, seq_len: int, vocab_size: int, seed: int)
     else:
         vcfg = data_cfg.model_copy(update={"paths": list(val.paths), "validation": None, "max_files": None,
                                            "streaming": False})  # validation batches are read in memory
-    return source, build_source(vcfg, seq_len, vocab_size, seed)
+    val_source = build_source(vcfg, seq_len, vocab_size, seed)
+    # a resume checks the validation files too: they join the fingerprint the training loader saves
+    source.inputs = {**source.inputs, **{f"validation {k}": v for k, v in val_source.inputs.items()}}
+    return source, val_source
 
 
-def batch_loader(source, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int, seed: int):
-    """The loader of `source`: random access (`ShardedBatchLoader`, seeded shuffle) or a stream, in order."""
+def batch_loader(source, global_batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int, seed: int,
+                 allow_changed_inputs: bool = False):
+    """The loader of `source`: random access (`ShardedBatchLoader`, seeded shuffle) or a stream, in order.
+    `allow_changed_inputs` (checkpoint.allow_changed_inputs): a resume onto changed data warns instead of failing."""
     from meshforge.data.loader import ShardedBatchLoader
 
     if getattr(source, "streaming", False):
         from meshforge.data.streaming import StreamingBatchLoader
 
-        return StreamingBatchLoader(source, global_batch_size, micro_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+        return StreamingBatchLoader(source, global_batch_size, micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                                    allow_changed_inputs=allow_changed_inputs)
     return ShardedBatchLoader(source, global_batch_size, micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
-                              seed=seed)
+                              seed=seed, allow_changed_inputs=allow_changed_inputs)

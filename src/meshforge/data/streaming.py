@@ -18,12 +18,13 @@ file up to `record` without tokenizing them.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from meshforge.data import fingerprint
+from meshforge.data.fingerprint import check_resume
 from meshforge.data.loader import BatchGeometry
 from meshforge.errors import DataError
 
@@ -37,6 +38,9 @@ class StreamingTextSource:
         self.paths, self.tok, self.text_field = list(paths), tokenizer, text_field
         self.seq_len, self.vocab_size = seq_len, vocab_size
         self.name = f"{tokenizer.name}:stream:" + ",".join(str(p) for p in self.paths)
+        self.inputs = {**fingerprint.files("data.paths", self.paths), **tokenizer.fingerprint(),
+                       **fingerprint.settings(source="dataset", streaming=True, text_field=text_field,
+                                              seq_len=seq_len)}
 
     def records(self, file: int, record: int):
         """(file, record, token ids + EOS) from that position on, to the end of the last file."""
@@ -50,19 +54,17 @@ class StreamingTextSource:
             yield fi, ri, ids
 
     def digest(self) -> str:
-        h = hashlib.sha256(f"{self.name}:{self.text_field}:{self.seq_len}".encode())
-        for p in self.paths:
-            h.update(f"{p}:{p.stat().st_size if p.is_file() else 0}".encode())
-        return h.hexdigest()[:16]
+        return fingerprint.digest(self.inputs)
 
 
 class StreamingBatchLoader(BatchGeometry):
     """`ShardedBatchLoader`'s interface over a `StreamingTextSource`: batches in stream order, one after another."""
 
     def __init__(self, source: StreamingTextSource, global_batch_size: int, micro_batch_size: int,
-                 dp_rank: int = 0, dp_size: int = 1):
+                 dp_rank: int = 0, dp_size: int = 1, allow_changed_inputs: bool = False):
         super().__init__(global_batch_size, micro_batch_size, dp_rank, dp_size)
-        self.source = source
+        self.source, self.allow_changed_inputs = source, allow_changed_inputs
+        self.resume_note: str | None = None
         self.step = 0
         self.position = (0, 0, 0, 0)  # (epoch, file, record, token offset) of the next window's first token
         self._reader = None  # (records iterator, pending [(file, record, ids)]) positioned at self.position
@@ -131,13 +133,13 @@ class StreamingBatchLoader(BatchGeometry):
 
     def state_dict(self) -> dict:
         return {"step": self.step, "position": list(self.position), "global_batch_size": self.G,
-                "source": self.source.digest()}
+                "source": self.source.digest(), "inputs": dict(self.source.inputs)}
 
     def load_state_dict(self, state: dict) -> None:
-        for key, mine in (("global_batch_size", self.G), ("source", self.source.digest())):
-            if state.get(key) != mine:
-                raise ValueError(f"data loader state was saved with {key}={state.get(key)!r} but this run has "
-                                 f"{mine!r}; resume with the same data and batch settings")
+        if state.get("global_batch_size") != self.G:
+            raise ValueError(f"data loader state was saved with global_batch_size={state.get('global_batch_size')!r} "
+                             f"but this run has {self.G!r}; resume with the same data and batch settings")
+        self.resume_note = check_resume(state, self.source.inputs, self.allow_changed_inputs)
         if "position" not in state:
             raise ValueError("data loader state holds no stream position (saved without data.streaming)")
         self.seek(int(state["step"]), state["position"])

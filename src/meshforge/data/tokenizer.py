@@ -48,6 +48,9 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def fingerprint(self) -> dict[str, str]:
+        return {}  # no files: "byte-level" is in every source's name
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         raise DataError("data.format=chat needs a tokenizer with a chat template: set data.tokenizer to a "
                         "tokenizer folder (e.g. one made by `meshforge data tokenizer train`)")
@@ -89,6 +92,12 @@ class HFTokenizer:
         pad = self._special_id("pad_token", [])
         self.pad_id = self.eos_id if pad is None else pad
         self.has_chat_template = self._hf is not None and bool(getattr(self._hf, "chat_template", None))
+
+    def fingerprint(self) -> dict[str, str]:
+        """Its files, for a resume's check (`fingerprint.py`)."""
+        from meshforge.data.fingerprint import files
+
+        return files("data.tokenizer", [self.name])
 
     def _special_id(self, attr: str, fallbacks: list[str]) -> int | None:
         if self._hf is not None and getattr(self._hf, attr, None) is not None:
@@ -152,11 +161,10 @@ def train_tokenizer(patterns: list[str], vocab_size: int, output: str) -> tuple[
                                      initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
 
     def texts():  # file by file, so the progress shows (rich on a terminal, plain lines otherwise)
+        from meshforge.data.records import text_bytes
+
         for f in track(files, "tokenizer train: files read"):
-            try:
-                yield Path(f).read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as err:
-                raise DataError(f"data tokenizer train: {f}: not readable UTF-8 text ({err})") from None
+            yield text_bytes(Path(f), "data tokenizer train").decode("utf-8")
 
     try:
         tok.train_from_iterator(texts(), trainer, length=len(files))

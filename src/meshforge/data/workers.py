@@ -92,6 +92,10 @@ class BackgroundLoader:
     def step(self) -> int:
         return self.loader.step
 
+    @property
+    def resume_note(self) -> str | None:
+        return self.loader.resume_note
+
     def _start(self) -> None:
         from torchdata.stateful_dataloader import StatefulDataLoader
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from meshforge.distributed.master_weights import cast_to_bf16_with_masters
+from meshforge.distributed.master_weights import keep_masters
 from meshforge.distributed.mesh import MeshContext
-from meshforge.distributed.parallelize import parallelize_model
+from meshforge.distributed.parallelize import parallelize_model, set_fused_loss
 from meshforge.distributed.pipeline import build_pipeline_model
 from meshforge.distributed.runtime import ParallelModel
-from meshforge.config.rules import fused_loss_on
 from meshforge.errors import ConfigError
-from meshforge.models import blocks_of, build_model, contract_of, init_weights, load_folder_weights
+from meshforge.models import blocks_of, build_model, init_weights, load_folder_weights
 from meshforge.models.lora import apply_lora
 
 
@@ -46,12 +45,10 @@ def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device, load_
     model = meta_probe if meta else build_model(cfg.model)
     if cfg.peft is not None:  # before init and wrapping: adapters initialise by name, strategies see them frozen
         apply_lora(model, cfg.peft)
-    if not contract_of(model).set_fused_loss(fused_loss_on(cfg)) and cfg.training.fused_loss is True:
-        raise ConfigError(f"training.fused_loss=true: {type(model).__name__} returns logits and cannot hand the "
-                          "loss its output head; set training.fused_loss=auto or false")
+    fused = set_fused_loss(model, cfg)
     if not meta:
-        init_weights(model, cfg.run.seed)
-        try:
+        try:  # (a model.hf_model whose parameter has no seeded initialisation is refused here: one line)
+            init_weights(model, cfg.run.seed)
             load_folder_weights(model)  # a model.hf_model folder's own weights
         except ValueError as err:
             raise ConfigError(str(err)) from None
@@ -60,9 +57,8 @@ def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device, load_
         model.to(device)
     part = parallelize_model(model, mesh_ctx, cfg.distributed, device, compile=cfg.training.compile,
                              fp8=cfg.training.fp8, precision=cfg.training.precision,
-                             compile_backend=cfg.training.compile_backend)
+                             compile_backend=cfg.training.compile_backend, fused_loss=fused)
     if meta:
         part.strategy.materialize(part.model, cfg.run.seed)
-    if cfg.training.precision == "bf16_params" and not part.strategy.active:
-        cast_to_bf16_with_masters(part.model)  # the fp32 masters live in the optimizer (master_weights.py)
+    keep_masters(part.model, part.strategy, cfg.training.precision)  # bf16_params: where the fp32 masters live
     return ParallelModel([part], mesh_ctx, device, cfg.training.precision)

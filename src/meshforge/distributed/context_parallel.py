@@ -115,30 +115,31 @@ class _CPGroup:
         self.group, self.size, self.rank = group, cp_size, cp_rank
 
     def gather_kv(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Local (B, H, S/cp, D) k, v -> full-sequence k, v in global token order."""
-        kv = torch.stack([k, v]).contiguous()
+        """Local (B, H, S/cp, Dk) k and (B, H, S/cp, Dv) v -> full-sequence k, v in global token order (k and v
+        travel side by side on the feature dim: their widths may differ, as in DeepSeek's latent attention)."""
+        kv = torch.cat([k, v], dim=-1).contiguous()
         out = kv.new_empty((self.size * kv.shape[0],) + tuple(kv.shape[1:]))
         _all_gather(out, kv, self.group)
-        out = out.unflatten(0, (self.size, kv.shape[0]))  # (cp, 2, B, H, S/cp, D)
+        out = out.unflatten(0, (self.size, kv.shape[0]))  # (cp, B, H, S/cp, Dk + Dv)
         c = kv.shape[-2] // 2
         # rank j holds chunks j and 2cp-1-j: first halves in rank order, then second halves in reverse
-        early = out[..., :c, :].movedim(0, -3).flatten(-3, -2)  # (2, B, H, cp*c, D)
+        early = out[..., :c, :].movedim(0, -3).flatten(-3, -2)  # (B, H, cp*c, Dk + Dv)
         late = out.flip(0)[..., c:, :].movedim(0, -3).flatten(-3, -2)
         full = torch.cat([early, late], dim=-2)
-        return full[0], full[1]
+        return full[..., :k.shape[-1]], full[..., k.shape[-1]:]
 
     def reduce_scatter_kv(self, dk: torch.Tensor, dv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gradients of full k, v (global order) -> summed gradients of this rank's local k, v."""
-        full = torch.stack([dk, dv])  # (2, B, H, S, D)
+        full = torch.cat([dk, dv], dim=-1)  # (B, H, S, Dk + Dv)
         s = full.shape[-2]
         c = s // (2 * self.size)
-        chunks = full.unflatten(-2, (2 * self.size, c))  # (2, B, H, 2cp, c, D)
+        chunks = full.unflatten(-2, (2 * self.size, c))  # (B, H, 2cp, c, Dk + Dv)
         early, late = chunks[..., : self.size, :, :], chunks[..., self.size:, :, :].flip(-3)
-        per_rank = torch.cat([early, late], dim=-2)  # (2, B, H, cp, 2c, D)
-        per_rank = per_rank.movedim(-3, 0).flatten(0, 1).contiguous()  # (cp*2, B, H, 2c, D)
-        out = per_rank.new_empty((2,) + tuple(per_rank.shape[1:]))
+        per_rank = torch.cat([early, late], dim=-2)  # (B, H, cp, 2c, Dk + Dv)
+        per_rank = per_rank.movedim(-3, 0).flatten(0, 1).contiguous()  # (cp*B, H, 2c, Dk + Dv)
+        out = per_rank.new_empty((dk.shape[0],) + tuple(per_rank.shape[1:]))
         _reduce_scatter(out, per_rank, self.group)
-        return out[0], out[1]
+        return out[..., :dk.shape[-1]], out[..., dk.shape[-1]:]
 
     def local_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None) -> torch.Tensor:
         """Exact causal attention of this rank's two query chunks against the full-sequence k, v; with the full

@@ -140,8 +140,17 @@ def init_distributed(device: str = "auto", timeout_minutes: float = 10.0) -> Dis
         return DistInfo(0, 1, 0, dev, None)
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes),
-                                device_id=dev if dev.type == "cuda" else None)
+        try:
+            dist.init_process_group(backend, timeout=datetime.timedelta(minutes=timeout_minutes),
+                                    device_id=dev if dev.type == "cuda" else None)
+        except Exception as err:  # noqa: BLE001 - torch's DistNetworkError or RuntimeError, by message
+            from meshforge.launch import address_in_use
+
+            if not address_in_use(err):
+                raise
+            raise ConfigError(f"MASTER_ADDR:MASTER_PORT={os.environ.get('MASTER_ADDR')}:"
+                              f"{os.environ.get('MASTER_PORT')}: the port is in use (another job or a leftover "
+                              "process holds it): set another MASTER_PORT") from None
     return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), dev, backend)
 
 

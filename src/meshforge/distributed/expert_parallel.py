@@ -31,6 +31,13 @@ Context parallelism (`share_moe_batch_stats`, called by parallelize after apply_
 tokens are split over the cp ranks, so the load-balancing loss's per-expert sums are added over the cp
 group (exact single-process value) and its gradient scaled by cp (the dp_cp averaging divides it).
 
+Auxiliary-loss-free balancing (`update_router_biases`, called by the runtime after each optimizer step): every MoE
+layer whose router updates its selection bias (`model.router_bias_update_rate`) counted the token copies it sent
+to each expert during the step; those loads are summed over the ranks that saw different tokens (dp x cp, which
+holds the ep ranks; tp ranks see the same tokens) with ONE all-reduce of all layers' loads, on the device, and each
+router moves its bias from the global load (models/moe.py `Router.update_bias`). Nothing reads a tensor back to
+the host, and every rank applies the same update to its replica of the bias.
+
 `AllToAllDispatcher.stats` counts what moved (rows and bytes per direction, tokens per local expert) for
 `benchmarks/moe_dispatch.py`.
 """
@@ -178,6 +185,20 @@ def share_moe_batch_stats(model: nn.Module, mesh_ctx) -> None:
     for layer in contract_of(model).moe_layers():
         layer.stats_reducer = _SumOverGroup(mesh_ctx.group("cp"))
         layer.aux_grad_scale = float(mesh_ctx.cp_size)
+
+
+def update_router_biases(parts: list[nn.Module], mesh_ctx) -> None:
+    """Auxiliary-loss-free balancing at the step boundary (module docstring): one all-reduce over dp_cp of every
+    balancing layer's load, then each layer's bias update. No-op for models without such layers."""
+    layers = [(layer, load) for part in parts for layer in contract_of(part).moe_layers()
+              if (load := layer.balance_load()) is not None]
+    if not layers:
+        return
+    loads = torch.stack([load for _, load in layers])
+    if mesh_ctx.world_size > 1 and mesh_ctx.size("dp_cp") > 1:
+        dist.all_reduce(loads, group=mesh_ctx.group("dp_cp"))
+    for (layer, _), load in zip(layers, loads, strict=True):
+        layer.update_balance(load)
 
 
 def dispatch_stats(model: nn.Module) -> list[dict]:

@@ -7,9 +7,19 @@ the amax of the whole (all-reduced) weight, so every rank casts exactly as one p
 
 Which linears convert: never the output head (its logits need the precision; the contract's `vocab_output`);
 `filter: auto` keeps torchao's size heuristic (only matmuls large enough to gain on H100), `all` converts every
-linear whose dimensions divide by 16 (a float8 matmul requirement). Converted before TP-free parallelisms,
+linear whose dimensions divide by 16 (a float8 matmul requirement). Converted before every parallelism,
 activation checkpointing and compile wrap the blocks, and before the strategy (fsdp2's float8 all-gather
 needs `Float8Linear` when `fully_shard` runs).
+
+Under tensor parallelism (`float8_tp_styles`, after torchtitan): tensorwise-scaled linears take torchao's float8
+styles, which cast each module's input (and its output's gradient) to float8 on the DTensor, so the amax and
+the scale are the whole tensor's, as in one process. Under sequence parallelism the gathers stay in high
+precision: the sub-layer's input is gathered by meshforge's own `sequence_gather` (which keeps only the shard for
+backward), not by torchao's `PrepareFloat8ModuleInput` (a float8 gather), and the row-wise output's gradient is
+gathered before its float8 cast (gloo cannot move float8 tensors; on NCCL that costs 2 bytes an element instead
+of 1). Rowwise-scaled linears keep torch's styles (their per-row scales are computed on the DTensors inside
+`Float8Linear`). A pipeline stage is converted
+like a whole model (`pipeline.py` hands each stage the run's fp8 settings).
 """
 
 from __future__ import annotations
@@ -62,3 +72,55 @@ def apply_float8(model: nn.Module, fp8cfg, device: torch.device, fsdp2_sharded: 
         raise ConfigError(f"training.fp8: no linear layer of the model qualifies (filter={fp8cfg.filter}, "
                           f"{before} linears, dims must divide by 16): use training.fp8.filter=all or disable fp8")
     return converted
+
+
+def _is_float8(module: nn.Module) -> bool:
+    return type(module).__name__ == "Float8Linear"
+
+
+def _tensorwise(module: nn.Module) -> bool:
+    from torchao.float8.config import ScalingGranularity
+
+    return module.config.cast_config_input.scaling_granularity == ScalingGranularity.TENSORWISE
+
+
+def float8_tp_styles(model: nn.Module, resolved: dict[str, str], sequence_parallel: bool) -> dict:
+    """{module name: torchao float8 style} for the tensorwise float8 linears of a resolved TP plan (colwise,
+    rowwise); every other entry keeps its ordinary style."""
+    if not any(_is_float8(m) for m in model.modules()):
+        return {}
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel
+
+    def fp8(name: str) -> bool:
+        m = model.get_submodule(name)
+        return _is_float8(m) and _tensorwise(m)
+
+    out: dict = {}
+    for name, style in resolved.items():
+        if style == "colwise" and fp8(name):
+            out[name] = Float8ColwiseParallel()
+        elif style == "rowwise" and fp8(name):
+            out[name] = _float8_rowwise(sequence_parallel)
+    return out
+
+
+def _float8_rowwise(sequence_parallel: bool):
+    """torchao's `Float8RowwiseParallel`; under sequence parallelism its output's gradient is cast to float8
+    after the backward all-gather, not before (the same scale: the whole gradient's amax), so no collective
+    moves float8 data (gloo cannot: `all_gather` of float8_e4m3fn fails with "Invalid scalar type")."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torchao.float8.float8_scaling_utils import NoopFwToFloat8BwDynamic
+    from torchao.float8.float8_tensor_parallel import Float8RowwiseParallel
+
+    if not sequence_parallel:
+        return Float8RowwiseParallel(output_layouts=Replicate())
+
+    class Float8RowwiseSequenceParallel(Float8RowwiseParallel):
+        @staticmethod
+        def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+            outputs = NoopFwToFloat8BwDynamic.apply(outputs, mod.linear_mm_config,
+                                                    mod.config.cast_config_grad_output.target_dtype)
+            outputs = outputs.redistribute(placements=output_layouts, async_op=True)
+            return outputs.to_local() if use_local_output else outputs
+
+    return Float8RowwiseSequenceParallel(output_layouts=Shard(1))

@@ -36,7 +36,8 @@ def apply_fsdp(model: nn.Module, strategy: FSDP2Strategy, experts: list[nn.Modul
        backward needs at once; none under pipeline parallelism (a stage's parameters stay gathered across
        micro batches); `reshard_after_forward` overrides both.
     4. the root: everything left (embedding, final norm, head), kept gathered after forward unless
-       `reshard_after_forward` is true.
+       `reshard_after_forward` is true; kept under the fused loss whatever it says (the loss reads the head's
+       weight after forward, and the root's backward, which runs first, would gather it again at once).
     """
     moe = strategy.dcfg.moe_or_default
     dense, reshard_moe = strategy.mesh_ctx.dp_shard_mesh(), bool(moe.reshard_after_forward)
@@ -51,7 +52,7 @@ def apply_fsdp(model: nn.Module, strategy: FSDP2Strategy, experts: list[nn.Modul
     for i, block in enumerate(blocks):
         fully_shard(block, mesh=dense, reshard_after_forward=strategy.reshard(i < len(blocks) - 1), **leaf)
     fully_shard(model, mesh=dense, mp_policy=strategy.mp_policy(True), offload_policy=leaf["offload_policy"],
-                reshard_after_forward=strategy.reshard(False))
+                reshard_after_forward=strategy.reshard(False) and not strategy.head_read_after_forward)
     return model
 
 
@@ -79,8 +80,15 @@ class FSDP2Strategy(Strategy):
         return self.mesh_ctx.world_size > 1 and self.mesh_ctx.size("dp_cp") > 1
 
     @property
+    def holds_masters(self) -> bool:
+        return self.active  # its fp32 shards, gathered in bf16
+
+    @property
     def float8_all_gather(self) -> bool:
-        return self.active
+        # not under TP: torchao scales the float8 gather from the amax over the fsdp mesh only, so each tp shard
+        # of a weight would get its own scale (measured: grad norm 1.1e-4 off one process at the first step, where
+        # gathering the high-precision shards and casting the TP DTensor gives 1e-7)
+        return self.active and self.mesh_ctx.tp_size == 1
 
     def mp_policy(self, root: bool) -> MixedPrecisionPolicy:
         mp = self.options.mp_policy
@@ -95,6 +103,12 @@ class FSDP2Strategy(Strategy):
     def offload(self) -> OffloadPolicy:
         return CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.options.offload_policy \
             else OffloadPolicy()
+
+    @property
+    def param_device(self) -> torch.device:
+        # offloaded shards live on the host: fully_shard refuses them anywhere else at its lazy init ("FSDP
+        # parameters should be materialized on CPU when enabling CPU offloading")
+        return torch.device("cpu") if self.active and self.options.offload_policy else self.device
 
     def reshard(self, default: bool) -> bool:
         """`reshard_after_forward` when set, else `default`, and never under pipeline parallelism."""

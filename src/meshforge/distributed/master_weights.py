@@ -141,6 +141,13 @@ def cast_to_bf16_with_masters(model: nn.Module) -> None:
     model.to(torch.bfloat16)  # the buffers, and any parameter not cast above
 
 
+def keep_masters(model: nn.Module, strategy, precision: str) -> None:
+    """training.precision=bf16_params on a model (or pipeline stage) whose strategy does not keep the fp32 masters
+    itself (`Strategy.holds_masters`): cast it to bf16, the masters then live in the optimizer."""
+    if precision == "bf16_params" and not strategy.holds_masters:
+        cast_to_bf16_with_masters(model)
+
+
 @torch.no_grad()
 def write_param(p: torch.Tensor, value: torch.Tensor) -> None:
     """Load a weight into a parameter: into its fp32 master where it has one (bf16_params), then the master's

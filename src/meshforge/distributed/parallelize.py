@@ -35,7 +35,8 @@ from meshforge.distributed.mesh import MeshContext
 from meshforge.distributed.strategy import Strategy, build_strategy
 from meshforge.distributed.tensor_parallel import apply_tp
 from meshforge.errors import ConfigError
-from meshforge.models import blocks_of
+from meshforge.models import blocks_of, contract_of
+from meshforge.planning.precision import fused_loss_on
 
 
 @dataclass
@@ -52,15 +53,16 @@ class Parallelized:
 
 def parallelize_model(model: nn.Module, mesh_ctx: MeshContext, dcfg, device: torch.device | None = None,
                       compile: bool | str = False, fp8=None, precision: str = "fp32",
-                      compile_backend: str = "inductor") -> Parallelized:
+                      compile_backend: str = "inductor", fused_loss: bool = False) -> Parallelized:
     device = device or torch.device("cpu")
     strategy = build_strategy(dcfg, mesh_ctx, device)
     strategy.param_dtype = torch.bfloat16 if precision == "bf16_params" else None
+    strategy.head_read_after_forward = fused_loss
     out = Parallelized(model, strategy)
     if fp8 is not None and fp8.enabled:  # module swap first: everything after wraps the float8 linears
         apply_float8(model, fp8, device, strategy.float8_all_gather)
     if mesh_ctx.tp_size > 1:
-        out.loss_context = apply_tp(model, mesh_ctx, dcfg) or contextlib.nullcontext
+        out.loss_context = apply_tp(model, mesh_ctx, dcfg)
     if mesh_ctx.cp_size > 1:
         out.batch_transform = apply_cp(model, mesh_ctx, dcfg)
         share_moe_batch_stats(model, mesh_ctx)  # MoE aux loss over the whole micro batch (no-op for dense)
@@ -72,6 +74,16 @@ def parallelize_model(model: nn.Module, mesh_ctx: MeshContext, dcfg, device: tor
         apply_compile(blocks, compile_backend)
     out.model = strategy.parallelize(model)
     return out
+
+
+def set_fused_loss(model: nn.Module, cfg) -> bool:
+    """Turn the model's fused loss on where `training.fused_loss` asks (auto: where the layout allows); returns
+    whether it is on. A model that cannot fuse is refused under an explicit true."""
+    wanted = fused_loss_on(cfg)
+    if not contract_of(model).set_fused_loss(wanted) and cfg.training.fused_loss is True:
+        raise ConfigError(f"training.fused_loss=true: {type(model).__name__} returns logits and cannot hand the "
+                          "loss its output head; set training.fused_loss=auto or false")
+    return wanted
 
 
 def setup(dcfg, device: str = "auto") -> MeshContext:

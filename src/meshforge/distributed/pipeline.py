@@ -33,6 +33,11 @@ pp_size > 1) returns a `PipelineParallelModel`:
   copy, the two gradients are summed every step.
 - Uneven ends and any number of stages per rank come from the plan (`first_stage_layers`, `last_stage_layers`,
   `virtual_stages_per_rank`): a stage may hold no block (the embedding alone, the head alone).
+- Every stage takes the run's numerics as a whole model would: float8 linears,
+  bf16_params (the strategy's fp32 shards, or the stage cast to bf16 with its
+  masters in the optimizer), and the fused loss on the last stage, whose
+  forward then returns the head's input (`_HeadHandOff` carries the head's
+  weight to the loss beside the stage's output).
 """
 
 from __future__ import annotations
@@ -48,8 +53,9 @@ from torch.distributed.tensor import DTensor
 
 from meshforge.distributed.context_parallel import load_balanced_indices
 from meshforge.distributed.grad_norm import clip_grad_norm_
+from meshforge.distributed.master_weights import keep_masters
 from meshforge.distributed.mesh import MeshContext
-from meshforge.distributed.parallelize import Parallelized, parallelize_model
+from meshforge.distributed.parallelize import Parallelized, parallelize_model, set_fused_loss
 from meshforge.distributed.pipeline_moe import Stage, aux_loss_weight, carry_aux_loss
 from meshforge.distributed.pipeline_ties import TiedEnds, stage_aliases, whole_model_ties
 from meshforge.distributed.runtime import ParallelModel, packed_positions
@@ -63,7 +69,7 @@ from meshforge.models import (
     submodule_or_none,
 )
 from meshforge.models.lora import apply_lora
-from meshforge.models.loss import lm_loss
+from meshforge.models.loss import HeadInput, lm_loss
 from meshforge.planning.pipeline_plan import TORCH_SCHEDULE_CLASS, PipelinePlan, plan_pipeline
 
 
@@ -141,6 +147,34 @@ def _stage_positions(module: nn.Module, seq_shard: int, cp_size: int, cp_rank: i
     module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+class _HeadHandOff:
+    """The fused loss on the last stage: its forward returns `HeadInput(hidden, weight)`, and torch's stage
+    detaches in place, after their backward, the tensors its last stage returned: the head's weight (a
+    parameter) must not be one of them, or it would stop learning. A forward hook gives the stage the hidden
+    states only and keeps the weight for the loss (the same parameter for every microbatch)."""
+
+    def __init__(self, module: nn.Module):
+        self.weight: torch.Tensor | None = None
+        module.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, out):
+        whole = type(out) is tuple  # (HeadInput, aux) from an MoE
+        head = out[0] if whole else out
+        if not isinstance(head, HeadInput):  # logits (evaluation, or the plain loss)
+            self.weight = None
+            return out
+        self.weight = head.weight
+        return (head.hidden, *out[1:]) if whole else head.hidden
+
+    def rejoin(self, output):
+        """The stage's output with the head's input rebuilt for the loss."""
+        if self.weight is None:
+            return output
+        if type(output) is tuple:
+            return (HeadInput(output[0], self.weight), *output[1:])
+        return HeadInput(output, self.weight)
+
+
 class PipelineParallelModel(ParallelModel):
     """The stages this rank runs (`parts`, in stage order) and the schedule that drives them."""
 
@@ -159,6 +193,7 @@ class PipelineParallelModel(ParallelModel):
         # the loss runs on the last stage, under that stage's loss context (vocabulary-parallel loss under TP)
         self.loss_context = parts[stage_ids.index(plan.num_stages - 1)].loss_context if self.has_last \
             else contextlib.nullcontext
+        self._head = _HeadHandOff(self.parts[stage_ids.index(plan.num_stages - 1)]) if self.has_last else None
         self._ces: list[torch.Tensor] = []
         self._scale: torch.Tensor | None = None  # (dp*cp) / the step's global label count, set per step
         self._merged: nn.Module | None = None
@@ -171,7 +206,7 @@ class PipelineParallelModel(ParallelModel):
         self.schedule = cls(self.stages[0], **kwargs) if plan.single_stage else cls(self.stages, **kwargs)
 
     def _loss_fn(self, output, target: torch.Tensor) -> torch.Tensor:
-        parts = lm_loss(output, target)  # inside the loss context `forward_backward` opens
+        parts = lm_loss(self._head.rejoin(output), target)  # inside the loss context `forward_backward` opens
         self._ces.append(parts.ce_sum.detach().float())
         n = self.plan.n_microbatches
         loss = parts.ce_sum * self._scale * (n if self.scale_in_schedule else 1)  # after the schedule's own scaling
@@ -295,6 +330,13 @@ class PipelineParallelModel(ParallelModel):
         super().load_optimizer_state_dict(optimizer, self.tied.from_canonical(state_dict))
 
 
+def _stage_numerics(cfg, module: nn.Module, last: bool) -> dict:
+    """What a stage takes of the run's numerics: float8 linears, the precision, and the fused loss (the last
+    stage's forward hands the loss the head's input)."""
+    return {"fp8": cfg.training.fp8, "precision": cfg.training.precision,
+            "fused_loss": set_fused_loss(module, cfg) and last}
+
+
 def build_pipeline_model(cfg, mesh_ctx: MeshContext, device: torch.device, meta: bool = False
                          ) -> PipelineParallelModel:
     plan = plan_for(cfg, mesh_ctx)
@@ -310,11 +352,13 @@ def build_pipeline_model(cfg, mesh_ctx: MeshContext, device: torch.device, meta:
         if seq_shard > 1 or mesh_ctx.cp_size > 1:
             _stage_positions(module, seq_shard, mesh_ctx.cp_size, mesh_ctx.cp_rank)
         part = parallelize_model(module, mesh_ctx, dcfg, device, compile=cfg.training.compile,
-                                 compile_backend=cfg.training.compile_backend)
+                                 compile_backend=cfg.training.compile_backend,
+                                 **_stage_numerics(cfg, module, last=s == plan.num_stages - 1))
         if s != plan.num_stages - 1:
             carry_aux_loss(part.model, aux_loss_weight(plan, scale_in_schedule))
         if meta:
             part.strategy.materialize(part.model, cfg.run.seed, names=aliases[s])
+        keep_masters(part.model, part.strategy, cfg.training.precision)
         parts.append(part)
 
     def shell():

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshforge.distributed.expert_parallel import update_router_biases
 from meshforge.distributed.mesh import MeshContext
 from meshforge.distributed.parallelize import Parallelized
 from meshforge.distributed.strategy import Strategy
@@ -137,6 +138,7 @@ class ParallelModel:
     def after_optimizer_step(self) -> None:
         for part in self.parts:
             self.strategy.after_optimizer_step(part)
+        update_router_biases(self.unwrapped_parts(), self.mesh_ctx)  # MoE auxiliary-loss-free balancing, if on
 
     def zero_grad(self, optimizer) -> None:
         for part in self.parts:

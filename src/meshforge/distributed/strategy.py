@@ -49,6 +49,9 @@ class Strategy:
         self.name = dcfg.strategy
         # training.precision=bf16_params: the dtype a sharding strategy gathers its fp32 shards in (fsdp2)
         self.param_dtype: torch.dtype | None = None
+        # the fused loss reads the output head's weight after the model's forward (models.loss.HeadInput): the
+        # unit holding it stays gathered until its backward
+        self.head_read_after_forward = False
 
     @property
     def active(self) -> bool:
@@ -58,6 +61,13 @@ class Strategy:
     # ------------------------------------------------------------------ wrapping
     def parallelize(self, model: nn.Module) -> nn.Module:
         return model
+
+    @property
+    def holds_masters(self) -> bool:
+        """training.precision=bf16_params: the strategy keeps the fp32 master weights itself (fsdp2's fp32
+        shards, megatron_fsdp's main buffers) and computes in `param_dtype`; otherwise the model is cast to bf16
+        and the optimizer keeps the masters (`master_weights.py`)."""
+        return False
 
     @property
     def float8_all_gather(self) -> bool:
@@ -122,8 +132,18 @@ class Strategy:
                 p.copy_(full.to(device=p.device, dtype=p.dtype))
 
         inner = self.unwrap(model)
-        inner.to_empty(device=self.device)
+        inner.to_empty(device=self.param_device)
         init_weights(inner, seed, copy_fn=copy, names=names)
+        if self.param_device != self.device:  # buffers compute on the device
+            for m in inner.modules():
+                for k, b in m._buffers.items():
+                    if b is not None:
+                        m._buffers[k] = b.to(self.device)
+
+    @property
+    def param_device(self) -> torch.device:
+        """Where the parameters (this rank's shards) live at rest: the device, or the host when offloaded."""
+        return self.device
 
     # ------------------------------------------------------------------ state dicts (DCP)
     def model_state_dict(self, model: nn.Module, full: bool = False) -> dict:

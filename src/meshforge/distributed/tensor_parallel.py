@@ -1,7 +1,8 @@
 """Tensor and sequence parallelism: apply a model's resolved TP plan (`planning/tp_plan.py`) with DTensor.
 
 `apply_tp(model, mesh_ctx, dcfg)` runs before context parallelism and before any data-parallel strategy, and
-returns the loss context the step must run the loss in (None when the output head is not vocabulary-sharded).
+returns the loss context the step must run the loss in: `loss_parallel()` for a vocabulary-sharded head's logits,
+and the fused loss's tensor-parallel form (`vocab_parallel_loss.tp_head_loss`) for a `HeadInput`.
 
 Styles (torch's `parallelize_module` styles, placed the way torchtitan places them):
 - `colwise`: `ColwiseParallel`, weight rows sharded, output a local shard of the features (heads).
@@ -19,20 +20,28 @@ Styles (torch's `parallelize_module` styles, placed the way torchtitan places th
 - `vocab_embedding`: `RowwiseParallel` on the embedding, vocabulary sharded.
 - `vocab_output`: `ColwiseParallel` on the output projection with `use_local_output=False`: the logits stay a
   vocabulary-sharded DTensor and the loss runs under `loss_parallel()` (the returned loss context), so the
-  full-vocabulary logits are never gathered.
+  full-vocabulary logits are never gathered. With the fused loss the head's forward does not run: the loss
+  projects chunk by chunk on each rank's vocabulary rows (`vocab_parallel_loss.py`).
+- `local_heads` (found by `planning/tp_trace.py`, not declared): the module's parameters split on dim 0 with the
+  heads, its forward on the local shards (per-head parameters such as Cohere's q/k norms).
+- `shared_input` (model plans only): the module's first input is one tensor every TP rank uses for its own heads
+  only (DeepSeek's rope key, shared by all query heads): identity forward, its gradient (each rank's heads' share)
+  summed over the TP group in backward, as a column-wise layer sums its input's gradient.
 - `replicate`: the module is left out of tensor parallelism (weights whole on every TP rank). With sequence
   parallelism a replicated vocabulary layer gets its input gathered / output re-sharded along the sequence.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -45,9 +54,13 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from meshforge.distributed.float8 import float8_tp_styles
+from meshforge.distributed.vocab_parallel_loss import tp_head_loss
 from meshforge.errors import ConfigError
 from meshforge.models.lora import LoRALinear
+from meshforge.models.loss import head_loss_override
 from meshforge.planning.tp_plan import plan_problems, resolve_plan, tied_parameters
+from meshforge.planning.tp_trace import trace_plan
 
 
 # ------------------------------------------------------------------------------ styles
@@ -108,7 +121,7 @@ class _ShardSaved:
 
     def pack(self, t):
         local = t._local_tensor if isinstance(t, DTensor) else t
-        if local.untyped_storage().data_ptr() != self.full_ptr:
+        if _storage_ptr(local) != self.full_ptr:
             return self.outer[0](t) if self.outer else t
         if self.packed_shard is None:
             self.packed_shard = self.outer[0](self.shard) if self.outer else self.shard
@@ -125,6 +138,14 @@ class _ShardSaved:
             self.regathered = full.wait() if isinstance(full, AsyncCollectiveTensor) else full
         view = self.regathered.as_strided(packed.size, packed.stride, packed.offset)
         return view if packed.spec is None else DTensor(view, packed.spec, requires_grad=False)
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    """The tensor's storage address; None for a wrapper subclass without storage (float8's casts)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -165,6 +186,30 @@ class ReplicateSP(ParallelStyle):
         return module
 
 
+class _SumGradOverTP(torch.autograd.Function):
+    """Identity forward; the gradient all-reduced (summed) over the TP group in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class SharedInput(ParallelStyle):
+    """`shared_input`: the module's first input feeds every rank's share of the heads (module docstring)."""
+
+    def _apply(self, module, mesh):
+        group = mesh.get_group()
+        module.register_forward_pre_hook(lambda m, args: (_SumGradOverTP.apply(args[0], group),) + tuple(args[1:]))
+        return module
+
+
 class EmbeddingParallel(RowwiseParallel):
     """`RowwiseParallel` on the embedding, whose output is a plain tensor that has waited for its collective.
 
@@ -179,6 +224,31 @@ class EmbeddingParallel(RowwiseParallel):
         return out.clone() if isinstance(out, AsyncCollectiveTensor) else out
 
 
+class LocalHeads(ParallelStyle):
+    """Per-head parameters of a module between column-wise and row-wise projections (e.g. Cohere's q/k norms,
+    weight (heads, head_dim)): split on dim 0 with the heads this rank's column-wise projections give it, and the
+    module's forward run on the local shards (its gradient is this rank's own; nothing to reduce)."""
+
+    def _apply(self, module, mesh):
+        for name, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)],
+                                                                           src_data_rank=None),
+                                                         requires_grad=p.requires_grad))
+        inner = module.forward
+
+        @functools.wraps(inner)
+        def forward(*args, **kwargs):
+            saved = dict(module._parameters)
+            module._parameters.update({n: p.to_local() for n, p in saved.items() if isinstance(p, DTensor)})
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                module._parameters.update(saved)
+
+        module.forward = forward
+        return module
+
+
 def _styles(sequence_parallel: bool, save_shard: bool) -> dict[str, ParallelStyle]:
     seq = Shard(1) if sequence_parallel else Replicate()
     return {
@@ -188,20 +258,34 @@ def _styles(sequence_parallel: bool, save_shard: bool) -> dict[str, ParallelStyl
         "sequence_parallel": SequenceParallel(),
         "sequence_gather": SequenceGather(save_shard),
         "sequence_gather_scatter": SequenceGatherScatter(save_shard),
+        "shared_input": SharedInput(),
         "vocab_embedding": EmbeddingParallel(input_layouts=Replicate(), output_layouts=seq),
         "vocab_output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
+        "local_heads": LocalHeads(),
     }
 
 
 # ------------------------------------------------------------------------------ apply
-def apply_tp(model: nn.Module, mesh_ctx, dcfg) -> Callable[[], AbstractContextManager] | None:
-    """Shard `model` in place over the `tp` mesh; returns the loss context (vocabulary-parallel loss) or None.
-    Raises ConfigError (before any step) for a bad plan."""
+@contextlib.contextmanager
+def _tp_loss_context(vocab_parallel: bool) -> Iterator[None]:
+    with loss_parallel() if vocab_parallel else contextlib.nullcontext(), head_loss_override(tp_head_loss):
+        yield
+
+
+def apply_tp(model: nn.Module, mesh_ctx, dcfg) -> Callable[[], AbstractContextManager]:
+    """Shard `model` in place over the `tp` mesh; returns the loss context (vocabulary-parallel loss, plain or
+    fused). Raises ConfigError (before any step) for a bad plan."""
     tp, sp = mesh_ctx.tp_size, bool(dcfg.sequence_parallel)
     problems = plan_problems(model, tp, sp, dcfg.tp_plan)
     if problems:
         raise ConfigError(problems)
     resolved, declared, _ = resolve_plan(model, sp, dcfg.tp_plan)
+    # a whole model in memory (not a pipeline stage, which takes hidden states): run it once as tp rank 0 would
+    if mesh_ctx.pp_size == 1 and not any(p.is_meta for p in model.parameters()):
+        added, problems = trace_plan(model, resolved, tp)
+        if problems:
+            raise ConfigError(problems)
+        resolved.update(added)  # per-head parameters split with their heads
     styles = _styles(sp, save_shard=dcfg.ac_mode is None)
     plan: dict[str, Any] = {}
     for name, style in resolved.items():
@@ -211,6 +295,7 @@ def apply_tp(model: nn.Module, mesh_ctx, dcfg) -> Callable[[], AbstractContextMa
                 plan[name] = ReplicateSP(gather_input=base == "vocab_output", shard_output=base == "vocab_embedding")
             continue
         plan[name] = styles[style]
+    plan.update(float8_tp_styles(model, resolved, sp))  # float8 linears: torchao's styles (float8.py)
     ties = tied_parameters(model)
     adapters = _adapter_weights(model, resolved)
     # SequenceParallel re-creates parameters as trainable: frozen ones (LoRA's base) must stay frozen
@@ -222,7 +307,7 @@ def apply_tp(model: nn.Module, mesh_ctx, dcfg) -> Callable[[], AbstractContextMa
     for n, p in model.named_parameters():
         if n in frozen:
             p.requires_grad_(False)
-    return loss_parallel if "vocab_output" in resolved.values() else None
+    return functools.partial(_tp_loss_context, "vocab_output" in resolved.values())
 
 
 # LoRA factors follow their base layer's style: y = W x + B A x with W split by rows (colwise) needs B split by

@@ -6,7 +6,6 @@ This package sits below config and planning: they validate a config against the 
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
 from typing import Any
 
@@ -27,10 +26,11 @@ from meshforge.models.protocol import (
     submodule_or_none,
 )
 
-__all__ = ["HF_PREFIX", "PRESETS", "AdapterLayout", "ForeignModel", "InitSpec", "ModelArgs", "ModelContract",
-           "PipelineLayout", "StateDictAdapter", "args_from_hf_config", "blocks_of", "build_model", "contract_of",
-           "hf_config_dict", "init_weights", "load_folder_weights", "meta_modules", "plan_modules",
-           "param_init_tensor", "resolve_model_args", "set_submodule", "submodule_or_none"]
+__all__ = ["FAMILIES", "HF_PREFIX", "PRESETS", "AdapterLayout", "ForeignModel", "InitSpec", "ModelArgs",
+           "ModelContract", "PipelineLayout", "StateDictAdapter", "args_from_hf_config", "blocks_of", "build_model",
+           "contract_of", "hf_config_dict", "init_weights", "load_folder_weights", "meta_modules",
+           "persistent_buffers", "plan_modules", "param_init_tensor", "probe_model", "resolve_model_args",
+           "set_submodule", "submodule_or_none"]
 
 
 def resolve_model_args(model_cfg: Any) -> ModelArgs:
@@ -51,10 +51,10 @@ def build_model(model_cfg: Any, device: str | None = None):
     import torch
 
     args = model_cfg if isinstance(model_cfg, ModelArgs) else resolve_model_args(model_cfg)
-    if args.hf_model:  # any transformers causal LM (models/hf_auto.py)
+    if args.hf_model:  # any transformers causal LM (models/hf_auto.py); CPU without a device mode over every op
         from meshforge.models.hf_auto import build_hf_model
 
-        with torch.device(device or "cpu"):
+        with torch.device(device) if device not in (None, "cpu") else contextlib.nullcontext():
             return build_hf_model(args)
     with torch.device(device or "cpu"), _skip_init_on_meta() if device == "meta" else contextlib.nullcontext():
         return FAMILIES[args.family].model_class(args)(args)
@@ -78,45 +78,58 @@ def _skip_init_on_meta():
 
 
 def meta_modules(model_cfg: Any):
-    """(a one-block model on the meta device, {name: module} of the whole model) for process-free checks.
+    """(a shallow model on the meta device, {name: module} of the whole model) for process-free checks.
 
-    Every block of a built-in model has the same shapes and lives in one container keyed "0", "1", ..., so
-    the one block's modules stand in for every block's under the whole model's names: a 70B model is
-    described in milliseconds and no memory.
+    Every block of a built-in model has the shapes of one of a few blocks (the Llama-style decoder: one; DeepSeek:
+    dense and MoE, `Family.stand_ins`), and the blocks live in one container keyed "0", "1", ...: the shallow
+    model's blocks stand in for every block under the whole model's names, so a 70B model is described in
+    milliseconds and no memory.
     """
     args = resolve_model_args(model_cfg)
-    if args.hf_model:  # a transformers model's blocks need not share shapes: the whole model, on meta
-        whole = build_model(args, device="meta")
+    if args.hf_model:  # a transformers model's blocks need not share shapes: the whole model (models/hf_auto.py)
+        whole = probe_model(args)
         return whole, dict(whole.named_modules())
-    one = build_model(dataclasses.replace(args, n_layers=1), device="meta")
-    block = one.pipeline_layout().split_points[0]
-    container = block.rpartition(".")[0]
-    modules = {}
-    for name, mod in one.named_modules():
-        if name == block or name.startswith(block + "."):
-            for i in range(args.n_layers):
-                modules[f"{container}.{i}{name[len(block):]}"] = mod
-        else:
-            modules[name] = mod
-    return one, modules
+    small, stand_in = FAMILIES[args.family].stand_ins(args)
+    one = build_model(small, device="meta")
+    return one, _whole_model_names(one, one.pipeline_layout().split_points, stand_in)
 
 
 def plan_modules(model_cfg: Any):
     """`meta_modules` for the planner: a built-in model's torch-free description (models/shapes.py: same names,
-    shapes, ties and plans, one block standing in for every block), so `meshforge plan` never imports torch;
-    a `model.hf_model` on the meta device (transformers builds it)."""
+    shapes, ties and plans, a shallow model's blocks standing in for every block), so `meshforge plan` never
+    imports torch; a `model.hf_model` as validation looks at it (`models.hf_auto.probe_model`)."""
     args = resolve_model_args(model_cfg)
     if args.hf_model:
         return meta_modules(model_cfg)
-    one = FAMILIES[args.family].describe(dataclasses.replace(args, n_layers=1))
+    family = FAMILIES[args.family]
+    small, stand_in = family.stand_ins(args)
+    one = family.describe(small)
+    return one, _whole_model_names(one, one.pipeline_layout().split_points, stand_in)
+
+
+def _whole_model_names(one, blocks: tuple[str, ...], stand_in: tuple[int, ...]) -> dict:
+    """{whole-model name: module of the shallow model `one`}: block `blocks[stand_in[i]]`'s modules also under
+    block i's names (the blocks share one container)."""
+    container = blocks[0].rpartition(".")[0]
+    by_block = {}
+    for i, j in enumerate(stand_in):
+        by_block.setdefault(blocks[j], []).append(f"{container}.{i}")
     modules = {}
     for name, mod in one.named_modules():
-        if name == "layers.0" or name.startswith("layers.0."):
-            for i in range(args.n_layers):
-                modules[f"layers.{i}{name[len('layers.0'):]}"] = mod
-        else:
+        block = next((b for b in blocks if name == b or name.startswith(b + ".")), None)
+        if block is None:
             modules[name] = mod
-    return one, modules
+            continue
+        for whole in by_block.get(block, []):
+            modules[whole + name[len(block):]] = mod
+    return modules
+
+
+def persistent_buffers(model) -> list[tuple[str, Any]]:
+    """(name, tensor) of the state a model keeps beside its parameters that checkpoints and Hugging Face files hold
+    (an MoE router's selection bias), in module order; non-persistent buffers (caches) are not."""
+    return [(f"{mname}.{b}" if mname else b, t) for mname, mod in model.named_modules()
+            for b, t in mod._buffers.items() if t is not None and b not in mod._non_persistent_buffers_set]
 
 
 def param_init_tensor(model, name: str, shape, seed: int):
@@ -130,7 +143,10 @@ def param_init_tensor(model, name: str, shape, seed: int):
 
     from meshforge.models.lora import lora_init_spec
 
-    kind, std = lora_init_spec(name, tuple(shape)) or contract_of(model).init_spec(name)
+    spec = lora_init_spec(name, tuple(shape)) or contract_of(model).init_spec(name)
+    kind, std = spec.kind, spec.std
+    if kind == "computed":
+        return spec.compute(seed)
     if kind == "ones":
         return torch.ones(shape)
     if kind == "zeros":
@@ -170,6 +186,13 @@ def hf_config_dict(path: str) -> dict:
     from meshforge.models.hf_auto import hf_config
 
     return hf_config(path).to_dict()
+
+
+def probe_model(args: ModelArgs):
+    """A `model.hf_model` as validation looks at it: in CPU memory when small enough to run (models/hf_auto.py)."""
+    from meshforge.models.hf_auto import probe_model as probe
+
+    return probe(args)
 
 
 def load_folder_weights(model) -> bool:

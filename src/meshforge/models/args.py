@@ -42,6 +42,8 @@ SHARED: tuple[Arg, ...] = (
     Arg("score_func", str, "softmax", "router scores", choices=("softmax", "sigmoid")),
     Arg("route_norm", bool, True, "renormalise the top-k weights to sum to 1"),
     Arg("aux_loss_coeff", float, 0.01, "load-balancing loss coefficient", ge=0),
+    Arg("router_bias_update_rate", float, 0.0, "auxiliary-loss-free balancing (DeepSeek-V3): after each step every "
+        "expert's selection bias moves by this rate towards the mean load (0: off)", ge=0),
     # Hugging Face families (models/hf_*.py; `meshforge checkpoint import` prints these for a config.json): the
     # family names the HF architecture; the flags are its layers
     Arg("family", str, "llama", "Hugging Face family: its architecture, config.json keys and tensor names",
@@ -49,12 +51,13 @@ SHARED: tuple[Arg, ...] = (
     Arg("attention_bias", bool, False, "biases on q, k, v and o (HF `attention_bias`)"),
     Arg("qkv_bias", bool, False, "biases on q, k, v only (Qwen2)"),
     Arg("qk_norm", bool, False, "per-head RMSNorm of q and k before RoPE (Qwen3)"),
-    Arg("rope_type", str, "default", "llama3: Llama 3.1/3.2 frequency scaling (the four keys below)",
-        choices=ROPE_TYPES),
-    Arg("rope_factor", float, 8.0, "llama3 scaling: factor", gt=0),
+    Arg("rope_type", str, "default", "llama3: Llama 3.1/3.2 frequency scaling (the four keys below); yarn: YaRN "
+        "(families that read it: rope_factor, rope_original_max_seq_len and their yarn_* keys)",
+        choices=ROPE_TYPES + ("yarn",)),
+    Arg("rope_factor", float, 8.0, "llama3 and yarn scaling: factor", gt=0),
     Arg("rope_low_freq_factor", float, 1.0, "llama3 scaling: low_freq_factor", gt=0),
     Arg("rope_high_freq_factor", float, 4.0, "llama3 scaling: high_freq_factor", gt=0),
-    Arg("rope_original_max_seq_len", int, 8192, "llama3 scaling: original context length", gt=0),
+    Arg("rope_original_max_seq_len", int, 8192, "llama3 and yarn scaling: original context length", gt=0),
     Arg("sliding_window", int | None, None, "Mistral: exact while training.seq_len <= it (a rule refuses longer)",
         gt=0),
     Arg("bos_token_id", int | None, None, "written to generation_config.json on export", ge=0),
@@ -87,7 +90,8 @@ class _ModelArgsMethods:
 
     @property
     def is_moe(self) -> bool:
-        return self.n_experts > 0
+        """Some layer routes tokens to experts (DeepSeek's first `first_k_dense` layers are dense)."""
+        return self.n_experts > 0 and self.first_k_dense < self.n_layers
 
     @property
     def hd(self) -> int:
@@ -103,8 +107,10 @@ class _ModelArgsMethods:
             raise ValueError(f"head dim {self.hd} must be even for rotary embeddings")
         if self.family not in FAMILIES:
             raise ValueError(f"model.family={self.family!r} is not one of {', '.join(FAMILIES)}")
-        if self.rope_type not in ROPE_TYPES:
-            raise ValueError(f"model.rope_type={self.rope_type!r} must be {' or '.join(ROPE_TYPES)}")
+        rope_types = FAMILIES[self.family].rope_types
+        if self.rope_type not in rope_types:
+            raise ValueError(f"model.rope_type={self.rope_type!r} must be {' or '.join(rope_types)} for "
+                             f"model.family={self.family}")
         if self.rope_type == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise ValueError("model.rope_high_freq_factor must exceed model.rope_low_freq_factor (llama3 RoPE)")
         if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
@@ -112,6 +118,7 @@ class _ModelArgsMethods:
                              f"{self.vocab_size})")
         if self.is_moe and not (1 <= self.top_k <= self.n_experts):
             raise ValueError(f"model.top_k={self.top_k} must be between 1 and model.n_experts={self.n_experts}")
+        FAMILIES[self.family].validate(self)
         for name, readers in _READERS.items():
             field = type(self).__dataclass_fields__[name]
             if self.family not in readers and getattr(self, name) != field.default:

@@ -17,6 +17,7 @@ model class and description here; one that shares the Llama-style decoder keeps 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -60,12 +61,25 @@ class Family:
     # module:function giving that model's torch-free description (models/shapes.py), which the planner reads
     model: str = "meshforge.models.moe:decoder_class"
     description: str = "meshforge.models.shapes:describe"
+    rope_types: tuple[str, ...] = ("default", "llama3")  # the `model.rope_type`s its model computes
+    # its MoE model takes packed sequences' document ids (the default model, models/moe.py's, does; a dense model
+    # always does)
+    moe_packing: bool = True
 
     def model_class(self, args: ModelArgs) -> type:
         return _resolve(self.model)(args)
 
     def describe(self, args: ModelArgs) -> ModelShape:
         return _resolve(self.description)(args)
+
+    def stand_ins(self, args: ModelArgs) -> tuple[ModelArgs, tuple[int, ...]]:
+        """(a shallower model with one layer of each block shape, which of its layers stands for each of `args`'
+        layers): the planner describes that model only (a 70B model in milliseconds). Every block of the
+        Llama-style decoder has the same shapes: one layer stands for all."""
+        return dataclasses.replace(args, n_layers=1), (0,) * args.n_layers
+
+    def validate(self, args: ModelArgs) -> None:
+        """Refuse (ValueError, one line naming the key) values this family's model cannot be built with."""
 
     def read_config(self, config: dict) -> dict:
         """config.json -> `model.*` values; refuses (CheckpointError, one line) any key it cannot honour."""

@@ -2,10 +2,17 @@
 
 `HFCausalLM` wraps `AutoModelForCausalLM.from_config(...)` (its modules live under `hf.`, so the parameter
 names are transformers' own behind that prefix) and declares what meshforge needs from the model's own class
-attributes: blocks from `_no_split_modules`, the tensor-parallel plan from transformers' per-class `_tp_plan`
-(styles mapped onto meshforge's; one it cannot map is refused), FLOPs from the config, and an initialisation
-per parameter (`init_spec`) so a random start is a function of (seed, name) on every rank and layout.
-Forward takes token ids and returns logits (`use_cache=False`, causal, no padding mask).
+attributes: blocks from `_no_split_modules` (else the layers of its largest ModuleList), the tensor-parallel plan
+from transformers' per-class `_tp_plan` (styles mapped onto meshforge's; one it cannot map is refused; per-head
+parameters the plan leaves whole are found by `planning/tp_trace.py`), its MoE layers (`hf_auto_moe.py`: fused
+experts behind transformers' experts interface, sharded by expert parallelism; the router's aux loss), FLOPs from
+the config, and the initialisation (`hf_auto_init.py`: transformers' own `_init_weights`, seeded per module) so a
+random start is the same on every rank and layout. Forward takes token ids and returns logits (`use_cache=False`,
+causal, no padding mask). The architecture-specific extensions a later change adds (LoRA layout, packing, more TP
+styles) belong on this class as further declarations of the same contract.
+
+Built in CPU memory, the model is run once on a few tokens (`_check_forward`): one that is not causal or does not
+run on token ids alone is refused there, before anything starts; validation does this on `probe_model`'s copy.
 
 A folder that holds safetensors also gives the weights: `load_folder_weights` reads them with transformers'
 own `from_pretrained` (so its name conversions apply) into the plain model before any sharding, refusing any
@@ -17,17 +24,23 @@ transformers is an optional extra (`meshforge[hf]`), imported only when `model.h
 
 from __future__ import annotations
 
-import copy
 import functools
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from meshforge.models import HF_PREFIX as PREFIX  # the wrapper keeps the transformers model at `.hf`
+from meshforge.models.hf_auto_init import seeded_init
+from meshforge.models.hf_auto_moe import (
+    AUX_COEFFICIENTS,
+    HFMoELayer,
+    aux_loss_coefficient,
+    ep_problem,
+    experts_modules,
+)
 from meshforge.models.args import ModelArgs
-from meshforge.models.protocol import InitSpec, Undeclared
+from meshforge.models.protocol import ForeignModel, InitSpec, Undeclared
 from meshforge.models.shapes import pattern_matches
 
 # transformers' tp styles -> meshforge's (models/protocol.py); gather-output and embedding styles only where
@@ -58,6 +71,12 @@ def has_weights(path: str | Path) -> bool:
     return p.is_dir() and (any((p / f).is_file() for f in WEIGHT_FILES) or any(p.glob("*.safetensors")))
 
 
+def _rebuild(config, rng_seed: int) -> nn.Module:
+    """The same transformers model again on CPU, its constructor drawing from `rng_seed`."""
+    torch.manual_seed(rng_seed)
+    return _transformers().AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
 def _first_line(err: BaseException) -> str:
     """transformers' error, as the one line a refusal quotes (its type when it says nothing)."""
     text = str(err).strip()
@@ -73,7 +92,7 @@ def _config(path: str, mtime: float):
     t = _transformers()
     try:
         return t.AutoConfig.from_pretrained(str(p))
-    except (ValueError, KeyError, OSError, json.JSONDecodeError) as err:
+    except Exception as err:  # noqa: BLE001 - a damaged or crafted config.json fails in many ways inside transformers
         raise ValueError(f"model.hf_model={path}: transformers cannot read its config ({_first_line(err)})") from None
 
 
@@ -94,56 +113,173 @@ def hf_model_args(path: str | Path) -> ModelArgs:
         raise ValueError(f"model.hf_model={path}: its weights are {other[0]}, not safetensors (meshforge reads no "
                          "pickle): save them with save_pretrained(safe_serialization=True), or give its config.json "
                          "for a random start")
-    if getattr(c, "output_router_logits", False):
+    if getattr(c, "output_router_logits", False) and not any(hasattr(c, k) for k in AUX_COEFFICIENTS):
         raise ValueError(f"model.hf_model={path}: output_router_logits=true asks for the router's auxiliary loss, "
-                         "which transformers adds only with labels and meshforge's loss does not: set it false")
-    dim, heads = int(c.hidden_size), int(c.num_attention_heads)
-    head_dim = getattr(c, "head_dim", None)
-    return ModelArgs(vocab_size=int(c.vocab_size), dim=dim, n_layers=int(c.num_hidden_layers), n_heads=heads,
-                     n_kv_heads=int(getattr(c, "num_key_value_heads", None) or heads),
-                     head_dim=int(head_dim) if head_dim else None,
-                     ffn_dim=int(getattr(c, "intermediate_size", None) or 4 * dim),
-                     max_seq_len=int(getattr(c, "max_position_embeddings", None) or 2**31 - 1),
+                         f"but its config names no coefficient ({' or '.join(AUX_COEFFICIENTS)}): set it false")
+    try:
+        return _args_of(c, path)
+    except (TypeError, ValueError, AttributeError) as err:  # a field of the wrong type or a missing one
+        if str(err).startswith("model.hf_model="):  # already one line of ours
+            raise
+        raise ValueError(f"model.hf_model={path}: its config.json does not describe a model meshforge can read "
+                         f"({type(err).__name__}: {_first_line(err)[:160]})") from None
+
+
+def _args_of(c, path: str | Path) -> ModelArgs:
+    t = _text_config(c)
+    dim = int(_get(t, "hidden_size") or _get(t, "d_model") or 0)
+    heads = int(_get(t, "num_attention_heads") or 1)  # a model without attention (Mamba, RWKV): one "head"
+    if not dim or _get(t, "vocab_size") is None:
+        raise ValueError(f"model.hf_model={path}: its config ({type(c).__name__}) names no hidden_size or "
+                         "vocab_size meshforge can read")
+    head_dim = _get(t, "head_dim")
+    ffn = _get(t, "intermediate_size")
+    context = _get(t, "max_position_embeddings")
+    return ModelArgs(vocab_size=int(t.vocab_size), dim=dim, n_layers=int(_get(t, "num_hidden_layers") or 1),
+                     n_heads=heads, n_kv_heads=int(_get(t, "num_key_value_heads") or heads),
+                     head_dim=int(head_dim) if isinstance(head_dim, int) and head_dim else None,
+                     ffn_dim=int(max(ffn) if isinstance(ffn, (list, tuple)) else ffn or 4 * dim),
+                     max_seq_len=int(context) if isinstance(context, int) and context > 0 else 2**31 - 1,
                      tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
-                     init_std=float(getattr(c, "initializer_range", 0.02)),
-                     bos_token_id=getattr(c, "bos_token_id", None), eos_token_id=getattr(c, "eos_token_id", None),
-                     pad_token_id=getattr(c, "pad_token_id", None),
+                     init_std=float(_get(t, "initializer_range") or 0.02),
+                     bos_token_id=_get(t, "bos_token_id"), eos_token_id=_get(t, "eos_token_id"),
+                     pad_token_id=_get(t, "pad_token_id"),
                      hf_model=str(Path(path).expanduser().resolve()))
 
 
-def build_hf_model(args: ModelArgs) -> HFCausalLM:
-    """The transformers model of `args.hf_model`, in fp32, on the current default device (meta or CPU)."""
-    t = _transformers()
+def _text_config(c):
+    """The config of the language model inside a composite one (e.g. Gemma 3's `text_config`), else `c`."""
     try:
-        inner = t.AutoModelForCausalLM.from_config(hf_config(args.hf_model), attn_implementation="sdpa",
-                                                   dtype=torch.float32)
-    except (ValueError, KeyError, ImportError) as err:  # e.g. not a causal LM, or no SDPA attention
-        raise ValueError(f"model.hf_model={args.hf_model}: transformers cannot build it as a causal LM with SDPA "
-                         f"attention ({_first_line(err)})") from None
-    open_ = sorted({type(m).__name__ for m in inner.modules() if getattr(m, "is_causal", True) is False})
-    if open_:  # e.g. BERT without is_decoder: every token would see the ones it is trained to predict
-        raise ValueError(f"model.hf_model={args.hf_model}: {type(inner).__name__}'s {open_[0]} attends to later "
-                         "tokens (is_causal=False); meshforge trains next-token prediction: use a causal model (for "
-                         "an encoder that can decode, set is_decoder: true in its config.json)")
+        return c.get_text_config(decoder=True)
+    except Exception:  # a config without sub-configs, or one transformers cannot split
+        return c
+
+
+def _get(c, key: str):
+    """`c.key`, or None where the config has none or cannot give one value (e.g. Gemma 4's per-layer head_dim)."""
+    try:
+        return getattr(c, key, None)
+    except Exception:
+        return None
+
+
+PROBE_PARAMS_MAX = 100_000_000  # validation builds a model.hf_model up to this size in CPU memory (400 MB fp32)
+
+
+def probe_model(args: ModelArgs) -> HFCausalLM:
+    """The model validation looks at, without a process group: built in CPU memory (so run once, see
+    `_check_forward`) when it has at most PROBE_PARAMS_MAX parameters, else on the meta device (structure only;
+    the trainer then checks the rest on its CPU build before the first collective). Cached per file version."""
+    key = _file_version(args.hf_model)
+    if _PROBED.get("key") != key:
+        _PROBED.clear()  # one model at a time: validation looks at one run's model
+        with torch.device("meta"):
+            model = build_hf_model(args, probe=True)
+        if sum(p.numel() for p in model.parameters()) <= PROBE_PARAMS_MAX:
+            model = build_hf_model(args, probe=True)  # (CPU: the default device)
+        _PROBED.update(key=key, model=model)
+    return _PROBED["model"]
+
+
+_PROBED: dict = {}
+
+
+def build_hf_model(args: ModelArgs, probe: bool = False) -> HFCausalLM:
+    """The transformers model of `args.hf_model`, in fp32, on the current default device (meta or CPU). Built on
+    CPU it is also run once (`_check_forward`): a model that cannot run on token ids alone, or that is not causal,
+    is refused here, before anything is launched. A build for real (not `probe_model`'s) ends validation: the
+    probe's CPU copy is let go."""
+    if not probe and torch.get_default_device().type != "meta":
+        _PROBED.clear()
+    inner = _from_config(hf_config(args.hf_model), args.hf_model)
+    key = _file_version(args.hf_model)
+    if key not in _FORWARD_CHECKED and not any(p.is_meta for p in inner.parameters()):
+        _check_forward(inner, args)
+        _FORWARD_CHECKED.add(key)  # (validation's probe and the trainer's build are the same model)
     return HFCausalLM(inner, args.hf_model)
+
+
+_FORWARD_CHECKED: set = set()
+
+
+def _file_version(path: str) -> tuple[str, float]:
+    p = Path(path)
+    f = p / "config.json" if p.is_dir() else p
+    return path, f.stat().st_mtime if f.is_file() else 0.0
+
+
+@torch.no_grad()
+def _check_forward(inner: nn.Module, args: ModelArgs) -> None:
+    """Two forwards on 6 tokens that differ only in the last: every earlier position must give the same logits
+    (causal, up to rounding), measured rather than read from attributes (a BART decoder's unused cross-attention
+    is not causal, its self-attention is)."""
+    vocab = max(2, min(args.vocab_size, 64))
+    a = torch.arange(6).remainder(vocab).unsqueeze(0)
+    b = a.clone()
+    b[0, -1] = (a[0, -1] + 1) % vocab
+    was_training = inner.training
+    try:
+        with torch.random.fork_rng(devices=[]):
+            inner.eval()
+            la, lb = (inner(input_ids=x, use_cache=False).logits for x in (a, b))
+    except Exception as err:  # e.g. XMOD without a default language, a draft model needing the target's states
+        raise ValueError(f"model.hf_model={args.hf_model}: {type(inner).__name__}'s forward does not run on token "
+                         f"ids alone ({type(err).__name__}: {_first_line(err)}); meshforge feeds it token ids "
+                         "only") from None
+    finally:
+        inner.train(was_training)
+    # relative to the logits' size: rounding (e.g. an expert's matmul over another number of rows) is ~1e-7
+    if (la[:, :-1] - lb[:, :-1]).abs().max() > 1e-5 * la.abs().max():
+        raise ValueError(f"model.hf_model={args.hf_model}: {type(inner).__name__} is not causal (changing the last "
+                         "token changes the logits before it); meshforge trains next-token prediction: use a causal "
+                         "model (for an encoder that can decode, set is_decoder: true in its config.json)")
+
+
+def _from_config(config, source: str) -> nn.Module:
+    """`AutoModelForCausalLM.from_config` with SDPA attention, or the model's eager attention where it has no SDPA
+    path (e.g. Gemma 2's soft-capping, Bloom's ALiBi); whatever transformers raises is one line."""
+    t = _transformers()
+    for attn in ("sdpa", "eager"):
+        try:
+            return t.AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+        except ValueError as err:
+            if attn == "sdpa" and "scaled_dot_product_attention" in str(err):
+                continue  # no SDPA path: eager computes the same causal attention
+            raise ValueError(f"model.hf_model={source}: transformers cannot build it as a causal LM "
+                             f"({_first_line(err)})") from None
+        except Exception as err:  # transformers' own checks and bugs (AttributeError, AssertionError, ...)
+            raise ValueError(f"model.hf_model={source}: transformers cannot build it as a causal LM "
+                             f"({type(err).__name__}: {_first_line(err)})") from None
+    raise AssertionError("unreachable")
 
 
 class HFCausalLM(Undeclared, nn.Module):
     """A transformers `PreTrainedModel` (for causal LM) implementing the model contract: blocks, its own TP
-    plan, initialisation and FLOPs declared; no pipeline split, CP, MoE layers, LoRA layout or fused loss."""
+    plan, MoE layers (models/hf_auto_moe.py), initialisation and FLOPs declared; no pipeline split, CP, LoRA layout
+    or fused loss."""
 
     def __init__(self, inner: nn.Module, source: str):
         super().__init__()
         self.hf = inner
         self.source = source  # the model.hf_model folder or config.json
+        self._moe = [HFMoELayer(m) for _, m in experts_modules(inner)]
+        # output_router_logits: transformers' aux loss, times the coefficient its causal-LM class would use
+        self._aux_coef = aux_loss_coefficient(inner) if getattr(inner.config, "output_router_logits", False) else None
+        self._init_served: tuple[int, set[str]] | None = None  # (seed, names handed out since the seeded init)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.hf(input_ids=tokens, use_cache=False).logits
+    def forward(self, tokens: torch.Tensor):
+        """Logits; in training with `output_router_logits`, (logits, coefficient x transformers' aux loss)."""
+        out = self.hf(input_ids=tokens, use_cache=False)
+        aux = getattr(out, "aux_loss", None) if self._aux_coef is not None and self.training else None
+        return out.logits if aux is None else (out.logits, self._aux_coef * aux)
 
     # ------------------------------------------------------------ declared plans
     def blocks(self) -> list[nn.Module]:
+        """The modules of the classes in `_no_split_modules`; for a class that names none, the layers of its largest
+        ModuleList (as for any module meshforge did not define)."""
         names = set(getattr(self.hf, "_no_split_modules", None) or ())
-        return [m for m in self.hf.modules() if type(m).__name__ in names]
+        found = [m for m in self.hf.modules() if type(m).__name__ in names]
+        return found or ForeignModel(self.hf).blocks()
 
     def tp_plan(self, sequence_parallel: bool = False) -> dict[str, str] | None:
         """transformers' own plan (`_tp_plan`, with the base model's under its prefix), in meshforge's styles."""
@@ -170,16 +306,38 @@ class HFCausalLM(Undeclared, nn.Module):
         return out
 
     def init_spec(self, name: str) -> InitSpec:
-        """Linear and Embedding weights normal(initializer_range), their biases zero; any other parameter takes
-        the constant transformers' own `_init_weights` gives it (ones or zeros, e.g. a norm), else it is refused."""
-        mod_name, _, attr = name.rpartition(".")
-        mod = self.get_submodule(mod_name)
-        if isinstance(mod, (nn.Linear, nn.Embedding)):
-            if attr == "weight":
-                return InitSpec("normal", float(getattr(self.hf.config, "initializer_range", 0.02)))
-            if attr == "bias":
-                return InitSpec("zeros")
-        return _constant_init(self.hf, mod, attr, name)
+        """transformers' own initialisation of the whole model, seeded per module (models/hf_auto_init.py)."""
+        return InitSpec("computed", compute=functools.partial(self._initial_value, name))
+
+    def _initial_value(self, name: str, seed: int) -> torch.Tensor:
+        # one seeded initialisation (in place) per pass of `models.init_weights`: a name asked for again starts
+        # the next pass, so values trained since are never handed out as initial ones
+        if self._init_served is None or self._init_served[0] != seed or name in self._init_served[1]:
+            self._seeded_init(seed)
+        self._init_served[1].add(name)
+        return self.get_parameter(name).detach().clone()
+
+    def _seeded_init(self, seed: int) -> None:
+        seeded_init(self.hf, seed, lambda rng: _rebuild(self.hf.config, rng), weights_follow=has_weights(self.source))
+        self._init_served = (seed, set())
+
+    def check_seeded_start(self, seed: int) -> None:
+        """Validation (on `probe_model`'s copy): the random start exists (ValueError naming the parameter if not)."""
+        if self._init_served is None or self._init_served[0] != seed:
+            self._seeded_init(seed)
+
+    def moe_layers(self) -> list[HFMoELayer]:
+        """The routed-experts modules with transformers' experts interface (expert parallelism shards these)."""
+        return self._moe
+
+    def expert_parallel_problem(self, ep_size: int) -> str | None:
+        """Why expert parallelism over `ep_size` ranks cannot split this model's experts (None: it can)."""
+        problem = ep_problem(self.hf)
+        if problem:
+            return f"{problem}: set ep_size 1"
+        bad = sorted({layer.n_experts for layer in self._moe if layer.n_experts % ep_size})
+        return f"its {bad[0]} experts per layer do not split over {ep_size} ranks: choose an ep_size dividing " \
+               f"{bad[0]}" if bad else None
 
     def flops_per_token(self, seq_len: int) -> float:
         """6 x the parameters a token multiplies by (all but the input embedding; a tied head counts) plus causal
@@ -189,39 +347,14 @@ class HFCausalLM(Undeclared, nn.Module):
         matmul = sum(p.numel() for p in self.parameters()) - emb.weight.numel()
         if head is not None and head.weight is emb.weight:
             matmul += head.weight.numel()
-        c = self.hf.config
-        heads = int(c.num_attention_heads)
-        hd = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
-        return 6 * matmul + 6 * int(c.num_hidden_layers) * heads * hd * seq_len
+        c = _text_config(self.hf.config)
+        heads = int(_get(c, "num_attention_heads") or 0)  # none: no attention (a state-space model)
+        hd = int(_get(c, "head_dim") or (int(_get(c, "hidden_size") or 0) // max(heads, 1)))
+        return 6 * matmul + 6 * int(_get(c, "num_hidden_layers") or 0) * heads * hd * seq_len
 
     def state_dict_adapter(self):
         raise ValueError(f"{type(self.hf).__name__} (model.hf_model) keeps transformers' own names: "
                          "`meshforge checkpoint export` writes it with save_pretrained")
-
-
-
-_CONSTANTS: dict[tuple[type, str], InitSpec | None] = {}
-
-
-def _constant_init(hf: nn.Module, mod: nn.Module, attr: str, name: str) -> InitSpec:
-    """ones/zeros when transformers initialises `mod.<attr>` to that constant (probed on a CPU copy, once per
-    module class); anything else has no seeded equivalent here and is refused."""
-    key = (type(mod), attr)
-    if key not in _CONSTANTS:
-        spec = None
-        probe = copy.deepcopy(mod).to_empty(device="cpu", recurse=False)
-        with torch.no_grad():
-            getattr(probe, attr).fill_(float("nan"))
-            hf._init_weights(probe)
-            value = getattr(probe, attr)
-        for kind, const in (("ones", 1.0), ("zeros", 0.0)):
-            if bool((value == const).all()):
-                spec = InitSpec(kind)
-        _CONSTANTS[key] = spec
-    if _CONSTANTS[key] is None:
-        raise ValueError(f"model.hf_model: parameter {name[len(PREFIX):]} ({type(mod).__name__}.{attr}) has no "
-                         "seeded initialisation in meshforge: give a folder with its weights (safetensors)")
-    return _CONSTANTS[key]
 
 
 @torch.no_grad()
@@ -235,8 +368,9 @@ def load_folder_weights(model: nn.Module) -> bool:
         return False
     t = _transformers()
     t.utils.logging.disable_progress_bar()
-    loaded, info = t.AutoModelForCausalLM.from_pretrained(path, config=model.hf.config, dtype=torch.float32,
-                                                          attn_implementation="sdpa", output_loading_info=True)
+    loaded, info = t.AutoModelForCausalLM.from_pretrained(
+        path, config=model.hf.config, dtype=torch.float32, output_loading_info=True,
+        attn_implementation=model.hf.config._attn_implementation)
     for key in ("missing_keys", "unexpected_keys", "mismatched_keys"):
         bad = sorted(str(k) for k in info.get(key) or ())
         if bad:

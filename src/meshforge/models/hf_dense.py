@@ -107,7 +107,9 @@ class DenseFamily(Family):
                                   f"{self.name} (family mistral has it)")
 
     # -------------------------------------------------------------- config.json -> model.* values
-    def read_config(self, config: dict) -> dict:
+    def open_config(self, config: dict):
+        """(a copy of config.json without the keys every family reads alike: architectures (must be this family's),
+        model_type and the metadata keys; `refuse(msg)`, which raises one line naming the family)."""
         c = dict(config)
         where = f"config.json ({self.name})"
 
@@ -120,6 +122,10 @@ class DenseFamily(Family):
         c.pop("model_type", None)
         for key in _METADATA_KEYS:
             c.pop(key, None)
+        return c, refuse
+
+    def read_config(self, config: dict) -> dict:
+        c, refuse = self.open_config(config)
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if key not in c:
                 refuse(f"required key {key!r} is missing")
@@ -197,21 +203,9 @@ class DenseFamily(Family):
 
 
 def _read_rope(c: dict, refuse) -> dict:
-    """Both layouts: transformers 5's `rope_parameters` and the older top-level `rope_theta` + `rope_scaling`."""
-    params, scaling, theta = c.pop("rope_parameters", None), c.pop("rope_scaling", None), c.pop("rope_theta", None)
-    if params is None:
-        params = dict(scaling or {})
-        if theta is not None:
-            params["rope_theta"] = theta
-    else:
-        params = dict(params)
-        if scaling is not None and scaling != {k: v for k, v in params.items() if k != "rope_theta"}:
-            refuse("rope_scaling disagrees with rope_parameters: keep one")
-        if theta is not None and params.get("rope_theta", theta) != theta:
-            refuse(f"rope_theta={theta} disagrees with rope_parameters.rope_theta={params['rope_theta']}")
-        params.setdefault("rope_theta", theta)
-    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    params.pop("type", None)
+    """RoPE of a dense family: `rope_type` default or llama3 (`rope_parameters` consumes the keys)."""
+    params = rope_parameters(c, refuse)
+    rope_type = params.pop("rope_type")
     out = {"rope_theta": float(params.pop("rope_theta", None) or 10000.0), "rope_type": rope_type}
     if rope_type == "llama3":
         keys = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
@@ -227,6 +221,26 @@ def _read_rope(c: dict, refuse) -> dict:
     if params:
         refuse(f"rope parameter {sorted(params)[0]!r} is not supported for rope_type {rope_type}")
     return out
+
+
+def rope_parameters(c: dict, refuse) -> dict:
+    """The RoPE parameters of a config.json (consumed from `c`) in both layouts, transformers 5's `rope_parameters`
+    and the older top-level `rope_theta` + `rope_scaling`, as one dict with `rope_type` (default when unset)."""
+    params, scaling, theta = c.pop("rope_parameters", None), c.pop("rope_scaling", None), c.pop("rope_theta", None)
+    if params is None:
+        params = dict(scaling or {})
+        if theta is not None:
+            params["rope_theta"] = theta
+    else:
+        params = dict(params)
+        if scaling is not None and scaling != {k: v for k, v in params.items() if k != "rope_theta"}:
+            refuse("rope_scaling disagrees with rope_parameters: keep one")
+        if theta is not None and params.get("rope_theta", theta) != theta:
+            refuse(f"rope_theta={theta} disagrees with rope_parameters.rope_theta={params['rope_theta']}")
+        params.setdefault("rope_theta", theta)
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    return {**params, "rope_type": rope_type}
 
 
 # ------------------------------------------------------------------------------------ adapter

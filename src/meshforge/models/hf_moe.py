@@ -44,6 +44,10 @@ class MoEFamily(DenseFamily):
             raise CheckpointError(f"model.score_func={a.score_func}: Hugging Face {self.name} routes by softmax")
         if self.route_norm_key is None and not a.route_norm:
             raise CheckpointError(f"model.route_norm=false: Hugging Face {self.name} always renormalises")
+        if a.router_bias_update_rate > 0:
+            raise CheckpointError(f"model.router_bias_update_rate={a.router_bias_update_rate}: Hugging Face "
+                                  f"{self.name}'s router has no selection bias, so the exported model would route "
+                                  "otherwise (export from a run with it 0)")
         super().check_args(a)
 
     def read_config(self, config: dict) -> dict:

@@ -9,10 +9,16 @@ weight (`HeadInput`) instead of logits, and `chunked_cross_entropy` computes the
 cross-entropy a chunk of tokens at a time, in forward and in backward (which recomputes each chunk's logits).
 At seq 4096 x micro-batch 4 x vocab 128,256 the plain path holds 8.4 GB of fp32 logits (plus their bf16 copy
 and their gradient); the chunked path holds one chunk's logits (about 1 GiB) and one fp32 number per token.
+A parallelisation that splits the head (tensor parallelism: its weight sharded over the vocabulary, the hidden
+states possibly over the sequence) installs its own chunked loss for the duration of the loss
+(`head_loss_override`), so models stay free of distributed code.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -21,6 +27,18 @@ import torch.nn.functional as F
 
 IGNORE_INDEX = -100  # the Hugging Face / torch convention for "no loss on this position"
 CHUNK_LOGIT_ELEMENTS = 2**28  # logits per chunk (1 GiB in fp32): tokens per chunk = this // vocab
+# (hidden, weight, labels, dtype, chunk_tokens) -> cross-entropy sum: the chunked loss of a split head
+_HEAD_LOSS: ContextVar[Callable | None] = ContextVar("meshforge_head_loss", default=None)
+
+
+@contextlib.contextmanager
+def head_loss_override(fn: Callable) -> Iterator[None]:
+    """Within: a `HeadInput` is turned into its loss by `fn` (same signature as `chunked_cross_entropy`)."""
+    token = _HEAD_LOSS.set(fn)
+    try:
+        yield
+    finally:
+        _HEAD_LOSS.reset(token)
 
 
 @dataclass
@@ -36,19 +54,25 @@ class LossParts:
 
 
 class HeadInput(NamedTuple):
-    """What a model returns instead of logits when the fused loss is on (a NamedTuple, so DDP and FSDP see
-    its tensors). `dtype`: the matmul dtype the plain head would have used (autocast's, else the hidden's)."""
+    """What a model returns instead of logits when the fused loss is on: tensors only (a NamedTuple, so DDP and
+    FSDP see them, and a pipeline stage can hand them on). The hidden states are in the head's matmul dtype."""
 
-    hidden: torch.Tensor  # (batch, seq, dim) final hidden states, after the final norm
+    hidden: torch.Tensor  # (batch, seq, dim) final hidden states, after the final norm, in the matmul dtype
     weight: torch.Tensor  # (vocab, dim) the output head's weight
-    dtype: torch.dtype
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The matmul dtype the plain head would have used (autocast's, else the hidden states')."""
+        return self.hidden.dtype
 
 
 def head_input(hidden: torch.Tensor, weight: torch.Tensor) -> HeadInput:
-    """Called inside the model's forward, so the dtype autocast would give the head's matmul is recorded."""
+    """Called inside the model's forward: the hidden states are cast as autocast would cast the head's input
+    (the plain path's matmul keeps that cast for backward too)."""
     device = hidden.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
-    return HeadInput(hidden, weight, dtype)
+    if torch.is_autocast_enabled(device):
+        hidden = hidden.to(torch.get_autocast_dtype(device))
+    return HeadInput(hidden, weight)
 
 
 def lm_loss(output, labels: torch.Tensor, chunk_tokens: int | None = None) -> LossParts:
@@ -62,7 +86,11 @@ def lm_loss(output, labels: torch.Tensor, chunk_tokens: int | None = None) -> Lo
     if isinstance(output, tuple) and not isinstance(output, HeadInput):
         output, aux = output
     if isinstance(output, HeadInput):
-        ce = chunked_cross_entropy(output.hidden, output.weight, labels, output.dtype, chunk_tokens)
+        fn = _HEAD_LOSS.get()
+        if fn is None and any(hasattr(t, "placements") for t in (output.hidden, output.weight)):
+            raise RuntimeError("the fused loss got a distributed (DTensor) head: run it inside the "
+                               "parallelisation's loss context")
+        ce = (fn or chunked_cross_entropy)(output.hidden, output.weight, labels, output.dtype, chunk_tokens)
         return LossParts(ce, (labels != IGNORE_INDEX).sum(), aux)
     ce = F.cross_entropy(output.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
     if hasattr(ce, "full_tensor"):  # a replicated DTensor (vocabulary-parallel loss) -> plain tensor

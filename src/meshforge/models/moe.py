@@ -87,22 +87,38 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 @buildable
 class Router(nn.Module):
-    """Scores every expert for every token and picks the top k."""
+    """Scores every expert for every token and picks the top k.
 
-    def __init__(self, dim: int, n_experts: int, top_k: int, score_func: str, route_norm: bool):
+    Auxiliary-loss-free balancing (`bias_update_rate` > 0; DeepSeek-V3, Wang et al. 2024): experts are selected on
+    scores + `expert_bias` (a persistent buffer, so checkpoints keep it and a resume continues exactly), while the
+    weights stay the unbiased scores'; after each optimizer step the bias of every expert moves by the rate towards
+    the mean load, b_i += rate * sign(mean_j load_j - load_i), from the load of the whole global batch (the
+    distributed package sums it over the ranks, `expert_parallel.update_router_biases`). The bias stays fp32 when
+    the model is cast (its updates are below bf16's resolution near 1; transformers keeps it fp32 too)."""
+
+    def __init__(self, dim: int, n_experts: int, top_k: int, score_func: str, route_norm: bool,
+                 bias_update_rate: float = 0.0):
         super().__init__()
         if score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"model.score_func={score_func!r} must be softmax or sigmoid")
-        build_children(self, shapes.router(dim, n_experts, top_k, score_func, route_norm))  # gate
+        build_children(self, shapes.router(dim, n_experts, top_k, score_func, route_norm, bias_update_rate))  # gate
         self.n_experts, self.top_k, self.score_func, self.route_norm = n_experts, top_k, score_func, route_norm
+        self.bias_update_rate = bias_update_rate
+        if bias_update_rate > 0:
+            self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
         self.replay_routing = False
         self._routing_fifo: list[torch.Tensor] = []
+
+    @property
+    def has_bias(self) -> bool:
+        return "expert_bias" in self._buffers
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: (T, dim) -> scores (T, E) fp32, top-k expert ids (T, k), top-k weights (T, k) fp32."""
         logits = self.gate(x).float()
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
-        idx = self._choose(scores)
+        choice = scores.detach() + self.expert_bias if self.has_bias else scores.detach()
+        idx = self._choose(choice)
         weights = scores.gather(-1, idx)
         if self.route_norm:
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
@@ -112,16 +128,38 @@ class Router(nn.Module):
         """Drop stored decisions no recompute will replay (a forward whose backward never ran)."""
         self._routing_fifo.clear()
 
-    def _choose(self, scores: torch.Tensor) -> torch.Tensor:
+    def _select(self, choice: torch.Tensor) -> torch.Tensor:
+        """The top-k expert ids of the (detached) selection scores."""
+        return choice.topk(self.top_k, dim=-1).indices
+
+    def _choose(self, choice: torch.Tensor) -> torch.Tensor:
         if not (self.replay_routing and torch.is_grad_enabled()):
-            return scores.detach().topk(self.top_k, dim=-1).indices
+            return self._select(choice)
         if in_backward():  # activation-checkpointing recompute: route exactly as the original forward did
             if not self._routing_fifo:
                 raise RuntimeError("MoE router: recompute without a stored routing decision")
             return self._routing_fifo.pop(0)
-        idx = scores.detach().topk(self.top_k, dim=-1).indices
+        idx = self._select(choice)
         self._routing_fifo.append(idx)
         return idx
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor) -> None:
+        """One balancing step from the global load (E,) of token copies per expert (see the class docstring)."""
+        load = load.to(self.expert_bias.dtype)
+        self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+
+    def _apply(self, fn, recurse=True):
+        """Moves and casts as any module, but `expert_bias` keeps its fp32 values (see the class docstring), and a
+        meta-device model materialised (`to_empty`) gets its initial value, zero."""
+        bias = self._buffers.get("expert_bias")
+        out = super()._apply(fn, recurse)
+        moved = self._buffers.get("expert_bias")
+        if bias is not None and bias.is_meta and not moved.is_meta:
+            self._buffers["expert_bias"] = torch.zeros(moved.shape, dtype=torch.float32, device=moved.device)
+        elif bias is not None and moved.dtype != torch.float32:
+            self._buffers["expert_bias"] = bias.to(device=moved.device)
+        return out
 
 
 @buildable
@@ -200,16 +238,20 @@ class GroupedExperts(nn.Module):
 class MoE(nn.Module):
     """Router + routed experts (+ shared experts); returns (T..., dim) and leaves `self.aux_loss`."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, spec=None):
         super().__init__()
         self.n_experts, self.top_k, self.aux_coeff = args.n_experts, args.top_k, args.aux_loss_coeff
-        build_children(self, shapes.moe(args))  # router, experts, shared_experts (None without them)
+        # router, experts, shared_experts (None without them); `spec`: a family's own description of them
+        build_children(self, spec or shapes.moe(args))
         self.dispatcher = None  # None: all experts on this rank; expert parallelism sets an all-to-all one
         self.aux_loss: torch.Tensor | None = None
         # context parallelism: sums (E + E + 1,) over the ranks sharing this micro batch (see load_balance_loss)
         self.stats_reducer = None
         self.aux_grad_scale = 1.0
         self.last_counts: torch.Tensor | None = None  # token copies per expert of the last forward (stats)
+        # auxiliary-loss-free balancing: token copies per expert since the last bias update (a plain attribute, not
+        # a buffer: DDP would overwrite buffers with rank 0's at every forward)
+        self.expert_load: torch.Tensor | None = None
 
     def router_counts(self, idx: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
         """Token copies per expert that the router statistics count: all of them, or (packed sequences) those of
@@ -217,7 +259,8 @@ class MoE(nn.Module):
         if keep is None:
             return torch.bincount(idx.reshape(-1), minlength=self.n_experts)
         weights = keep.unsqueeze(-1).expand_as(idx).reshape(-1).float()
-        return torch.bincount(idx.reshape(-1), weights=weights, minlength=self.n_experts)
+        # whole numbers: the int64 of the unweighted count (the balancing loads of the ranks are summed as one)
+        return torch.bincount(idx.reshape(-1), weights=weights, minlength=self.n_experts).long()
 
     def load_balance_loss(self, scores: torch.Tensor, counts: torch.Tensor,
                           keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -269,7 +312,42 @@ class MoE(nn.Module):
         if not in_backward():  # a checkpoint recompute computes the same, but must not count it again
             self.aux_loss = aux
             self.last_counts = stat_counts.detach()
+            if self.router.has_bias and self.training and torch.is_grad_enabled():
+                self.expert_load = self.last_counts if self.expert_load is None else self.expert_load + stat_counts
         return out.view(shape)
+
+    def balance_load(self) -> torch.Tensor | None:
+        """Token copies per expert (E,) routed by this rank's training forwards since the last `update_balance`,
+        or None when the router's bias is not updated (auxiliary-loss-free balancing off)."""
+        if not (self.router.has_bias and self.router.bias_update_rate > 0):
+            return None
+        if self.expert_load is None:
+            return torch.zeros(self.n_experts, dtype=torch.long, device=self.router.expert_bias.device)
+        return self.expert_load
+
+    def update_balance(self, global_load: torch.Tensor) -> None:
+        """Move the router's bias from the load of the global batch (`balance_load` summed over the ranks that
+        saw different tokens) and start counting the next step's."""
+        self.router.update_bias(global_load)
+        self.expert_load = None
+
+
+def take_aux_loss(feed_forward: nn.Module, aux: torch.Tensor | None) -> torch.Tensor | None:
+    """`aux` plus the load-balancing loss an MoE block's feed-forward left on itself (then cleared; see the module
+    docstring: collected right after each block); a dense feed-forward adds nothing."""
+    own = getattr(feed_forward, "aux_loss", None)
+    if own is None:
+        return aux
+    feed_forward.aux_loss = None
+    return own if aux is None else aux + own
+
+
+def with_aux_loss(model: Llama, out, aux: torch.Tensor | None):
+    """A mixture-of-experts model's forward result: (logits, aux_loss) in training with an auxiliary loss, else the
+    logits alone."""
+    if model.training and aux is not None and model.args.aux_loss_coeff > 0:
+        return out, aux
+    return out
 
 
 class MoETransformer(Llama):
@@ -292,16 +370,10 @@ class MoETransformer(Llama):
         aux = None
         for block in self.layers.values():
             h = block(h, cos, sin, *packed)
-            ff = block.feed_forward
-            if ff.aux_loss is not None:
-                aux = ff.aux_loss if aux is None else aux + ff.aux_loss
-                ff.aux_loss = None
+            aux = take_aux_loss(block.feed_forward, aux)
         if self.norm is not None:
             h = self.norm(h)
-        out = self.head(h)
-        if self.training and aux is not None and self.args.aux_loss_coeff > 0:
-            return out, aux
-        return out
+        return with_aux_loss(self, self.head(h), aux)
 
     # ------------------------------------------------------------ declared plans
     @staticmethod

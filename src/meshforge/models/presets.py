@@ -3,7 +3,7 @@ them before anything starts.
 
 Published shapes: Llama 3.2 1B/3B, Llama 3 8B/70B, Llama 3.1 8B (Meta's configs), Qwen2.5 0.5B/7B, Qwen3
 0.6B/8B, Mistral 7B v0.3 (their config.json files; parameter counts checked in tests/checkpoint/test_hf_families.py),
-Mixtral 8x7B and Qwen3-30B-A3B.
+Mixtral 8x7B, Qwen3-30B-A3B and DeepSeek-V3.
 """
 
 from __future__ import annotations
@@ -55,6 +55,21 @@ PRESETS: dict[str, ModelArgs] = {
                                n_heads=32, n_kv_heads=4, head_dim=128, ffn_dim=6144, max_seq_len=40960,
                                rope_theta=1e6, n_experts=128, top_k=8, moe_ffn_dim=768, route_norm=True,
                                norm_eps=1e-6, aux_loss_coeff=0.001, bos_token_id=151643, eos_token_id=151645),
+    # DeepSeek-V3 (671B without its multi-token prediction module; the paper's bias update speed 0.001)
+    "deepseek_v3": ModelArgs(family="deepseek_v3", vocab_size=129280, dim=7168, n_layers=61, n_heads=128,
+                             n_kv_heads=128, head_dim=192, ffn_dim=18432, max_seq_len=163840, norm_eps=1e-6,
+                             q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                             v_head_dim=128, first_k_dense=3, n_experts=256, top_k=8, moe_ffn_dim=2048,
+                             n_shared_experts=1, score_func="sigmoid", route_norm=True, aux_loss_coeff=0.0,
+                             router_bias_update_rate=0.001, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+                             rope_type="yarn", rope_factor=40.0, rope_original_max_seq_len=4096, yarn_mscale=1.0,
+                             yarn_mscale_all_dim=1.0, bos_token_id=0, eos_token_id=1),
+    # its shape in small: one dense block then one MoE block, compressed q and kv, group-limited routing
+    "tiny_deepseek": ModelArgs(family="deepseek_v3", n_heads=4, n_kv_heads=4, head_dim=24, q_lora_rank=32,
+                               kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                               first_k_dense=1, n_experts=8, top_k=2, moe_ffn_dim=32, n_shared_experts=1,
+                               score_func="sigmoid", aux_loss_coeff=0.0, n_group=4, topk_group=2,
+                               routed_scaling_factor=2.5),
 }
 
 

@@ -39,6 +39,7 @@ the transformers class itself: blocks from `_no_split_modules`, the TP plan from
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
@@ -48,10 +49,12 @@ if TYPE_CHECKING:  # importable without torch, so config can read model presets 
 
 
 class InitSpec(NamedTuple):
-    """("normal", std), ("ones", 0.0) or ("zeros", 0.0)."""
+    """("normal", std), ("ones", 0.0), ("zeros", 0.0), or ("computed", compute=fn): `fn(seed)` returns the full
+    initial value (a model whose initialisation is its own code, e.g. transformers' `_init_weights`)."""
 
     kind: str
     std: float = 0.0
+    compute: Callable[[int], torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)

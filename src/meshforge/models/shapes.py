@@ -109,9 +109,11 @@ def attention(a: ModelArgs) -> ModuleShape:
     return ModuleShape("Attention", children=children, init=(a,))
 
 
-def router(dim: int, n_experts: int, top_k: int, score_func: str, route_norm: bool) -> ModuleShape:
+def router(dim: int, n_experts: int, top_k: int, score_func: str, route_norm: bool,
+           bias_update_rate: float = 0.0) -> ModuleShape:
+    """The gate; with `bias_update_rate` > 0 also the balancing bias, a buffer (not a parameter: not described)."""
     return ModuleShape("Router", children={"gate": linear(dim, n_experts)},
-                       init=(dim, n_experts, top_k, score_func, route_norm))
+                       init=(dim, n_experts, top_k, score_func, route_norm, bias_update_rate))
 
 
 def grouped_experts(n_experts: int, dim: int, hidden: int) -> ModuleShape:
@@ -126,7 +128,8 @@ def moe(a: ModelArgs) -> ModuleShape:
     """Router, routed experts, and shared experts (a SwiGLU of moe_ffn_dim * n_shared_experts) if any."""
     d, h = a.dim, a.moe_ffn_dim
     shared = feed_forward(d, h * a.n_shared_experts) if a.n_shared_experts > 0 else None
-    return ModuleShape("MoE", children={"router": router(d, a.n_experts, a.top_k, a.score_func, a.route_norm),
+    return ModuleShape("MoE", children={"router": router(d, a.n_experts, a.top_k, a.score_func, a.route_norm,
+                                                         a.router_bias_update_rate),
                                         "experts": grouped_experts(a.n_experts, d, h), "shared_experts": shared},
                        init=(a,))
 
@@ -154,18 +157,22 @@ def expert_lora(n_experts: int, in_features: int, out_features: int, rank: int) 
 
 class ModelShape(ModuleShape):
     """The whole model's description, with the contract methods the planner asks (same answers as the model's):
-    tok_embeddings, layers ("0", "1", ...), norm, output (the embedding's weight with tie_embeddings)."""
+    tok_embeddings, layers ("0", "1", ...), norm, output (the embedding's weight with tie_embeddings). A family
+    with its own blocks passes them (`blocks`, its model class's name as `kind`) and overrides the plans."""
 
-    def __init__(self, args: ModelArgs):
+    moe_kind = "MoE"  # the kind of its mixture-of-experts layers (`moe_layers`)
+
+    def __init__(self, args: ModelArgs, blocks: list[ModuleShape] | None = None, kind: str | None = None):
         emb = ModuleShape("Embedding", {"weight": ParamShape((args.vocab_size, args.dim))},
                           init=(args.vocab_size, args.dim, args.pad_token_id))
         output = ModuleShape("Linear", {"weight": emb.weight if args.tie_embeddings
                                         else ParamShape((args.vocab_size, args.dim))},
                              init=(args.dim, args.vocab_size, False))
-        layers = ModuleShape("ModuleDict", children={str(i): block(args) for i in range(args.n_layers)})
+        blocks = blocks if blocks is not None else [block(args) for _ in range(args.n_layers)]
+        layers = ModuleShape("ModuleDict", children={str(i): b for i, b in enumerate(blocks)})
         children = {"tok_embeddings": emb, "layers": layers, "norm": rms_norm(args.dim, args.norm_eps),
                     "output": output}
-        super().__init__("MoETransformer" if args.is_moe else "Llama", children=children, init=(args,))
+        super().__init__(kind or ("MoETransformer" if args.is_moe else "Llama"), children=children, init=(args,))
         self.args = args
 
     def tp_plan(self, sequence_parallel: bool = False) -> dict[str, str]:
@@ -176,7 +183,7 @@ class ModelShape(ModuleShape):
                               ("norm", "output"))
 
     def moe_layers(self) -> list[ModuleShape]:
-        return [m for _, m in self.named_modules() if m.kind == "MoE"]
+        return [m for _, m in self.named_modules() if m.kind == self.moe_kind]
 
     def flops_per_token(self, seq_len: int) -> float:
         return flops_per_token(self.args, seq_len)

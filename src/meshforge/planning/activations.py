@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import functools
 
-from meshforge.config.rules import fused_loss_on
 from meshforge.planning.layout import Layout
 from meshforge.planning.params import F32
-from meshforge.planning.precision import bf16_compute, compiled
+from meshforge.planning.precision import bf16_compute, compiled, fused_loss_on
 
 
 def activation_bytes(args, cfg, layout: Layout, blocks: int, first: bool, last: bool,

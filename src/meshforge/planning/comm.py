@@ -4,7 +4,8 @@ Counted as the bench counts them (the full-buffer side: all-gather output, reduc
 tensor, all-to-all input, p2p tensor), in the order a step issues them:
   data parallel   the strategy's own collectives (its spec's planner terms, `planning/terms.py`)
   tensor          per micro batch, what torch's DTensor styles move (`_tensor_parallel`)
-  scalars         the loss and its token count over dp*cp; the gradient norm (`_grad_norm`)
+  scalars         the loss and its token count over dp*cp; the gradient norm (`_grad_norm`); MoE expert loads
+                  (auxiliary-loss-free balancing)
   pipeline        activations and their gradients between stages, the loss broadcast, the norms' sum
   expert          each token's routed copies there and back (`_expert_parallel`)
   context         K/V gathered and their gradients reduce-scattered per attention layer (`_context_parallel`)
@@ -16,7 +17,7 @@ import math
 
 from meshforge.planning.layout import Layout, MeshAxis
 from meshforge.planning.params import F32, ParamRec, chunk_rows, local_shape, replicate_grad
-from meshforge.planning.precision import bf16_compute
+from meshforge.planning.precision import bf16_compute, fused_loss_on
 from meshforge.planning.state import pipeline_plan_of, stage_params, terms_of
 from meshforge.planning.terms import AddComm
 
@@ -53,6 +54,9 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
         _pipeline(params, terms, args, cfg, layout, c, add)
     if layout.ep > 1 and args.is_moe:
         _expert_parallel(mine, args, cfg, layout, n_micro, micro, add)
+    if args.router_bias_update_rate > 0 and layout.world_size > 1 and layout.size("dp_cp") > 1:
+        # auxiliary-loss-free balancing: the step's int64 expert loads of this rank's MoE layers, one all-reduce
+        add("dp_cp", "all_reduce", len({p.block for p in mine if p.expert}) * args.n_experts * 8)
     if layout.cp > 1:
         _context_parallel(mine, args, cfg, layout, n_micro, micro, add)
     return out
@@ -118,7 +122,9 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
     (distributed/tensor_parallel.py). Checkpointing (full or selective) runs the block's forward collectives
     again, except the last reduction of each block: the recomputation stops at the last tensor backward needs
     (non-reentrant checkpoint), and the block's output is not one. The vocabulary-parallel loss reduces the max,
-    sum of exponentials and target logit of every token (3 x tokens x 4 bytes)."""
+    sum of exponentials and target logit of every token (3 x tokens x 4 bytes); the fused loss instead all-gathers
+    two fp32 numbers a token (each rank's log-sum-exp and label logit, distributed/vocab_parallel_loss.py), and
+    gathers (SP) or all-reduces the head's input and its gradient as the head would."""
     d, t = cfg.distributed, cfg.training
     e = 2 if bf16_compute(cfg) else F32
     tokens = micro * t.seq_len // layout.cp
@@ -126,8 +132,10 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
     mine = [p for p in mine_all if p.tp_dim is not None and not p.adapter]
     in_blocks = [p for p in mine if p.block is not None]
     rows = sum(1 for p in in_blocks if p.tp_dim == 1)  # row-wise projections: one per sub-layer
-    cols = sum(1 for p in in_blocks if p.tp_dim == 0)
     n_blocks = len({p.block for p in in_blocks})
+
+    def input_grad(p: ParamRec) -> int:  # a column-wise projection's input gradient (its weight's in-features)
+        return tokens * (p.shape[1] if len(p.shape) == 2 else args.dim) * e
     first = any(p.place == "first" for p in mine)
     head = any(p.place == "last" for p in mine)
     # a frozen embedding (and frozen norms in the first block) needs no gradient of its output: backward skips the
@@ -140,9 +148,14 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
         for p in (p for p in mine if p.block == 0):
             if p.tp_dim == 1:
                 break
-            skip += 1
+            skip += input_grad(p)
+    # column-wise projections' input gradients, and the inputs the plan declares shared by the ranks' heads
+    cols = sum(input_grad(p) for p in in_blocks if p.tp_dim == 0) - skip + _shared_inputs(mine_all, cfg) * tokens * e
     recompute = d.ac_mode is not None
-    loss = 3 * tokens * F32 if head else 0
+    fused = fused_loss_on(cfg)
+    loss = 3 * tokens * F32 if head and not fused else 0
+    if head and fused:
+        add("tp", "all_gather", n_micro * layout.tp * 2 * tokens * F32)
     # replicated parameters with Partial gradients are all-reduced twice per step, by the gradient norm and by the
     # optimizer step (measured, torch 2.13, dp 1)
     partial = 2 * F32 * sum(math.prod(p.shape) for p in mine_all if p.partial_grad and p.trainable)
@@ -153,10 +166,36 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
             n_micro * (2 * g + first + head - frozen_in + (g if recompute else 0) + regather) * act)
         add("tp", "reduce_scatter",
             n_micro * (rows - whole + first + head + (rows - n_blocks if recompute else 0)) * act)
-        add("tp", "all_reduce", n_micro * ((cols - skip + whole) * act + loss) + partial)
+        add("tp", "all_reduce", n_micro * (whole * act + cols + loss) + partial)
     else:
         redo = rows - n_blocks if recompute else 0
-        add("tp", "all_reduce", n_micro * ((rows + cols - skip + first + head + redo) * act + loss) + partial)
+        add("tp", "all_reduce", n_micro * ((rows + first + head + redo) * act + cols + loss) + partial)
+
+
+def _shared_inputs(mine: list[ParamRec], cfg) -> int:
+    """Per token, the summed widths of the `shared_input` modules (DeepSeek's shared rope key) in this rank's blocks:
+    each all-reduces its input gradient over tp in backward (distributed/tensor_parallel.py)."""
+    blocks = {p.block for p in mine if p.block is not None}
+    widths = _shared_input_widths(cfg.model.model_dump_json(), cfg.distributed.sequence_parallel)
+    return sum(w for block, w in widths if block in blocks)
+
+
+_SHARED: dict = {}
+
+
+def _shared_input_widths(model_json: str, sequence_parallel: bool) -> tuple[tuple[int, int], ...]:
+    """((block, width), ...) of the model's `shared_input` modules (their description's `init` is the width)."""
+    key = (model_json, sequence_parallel)
+    if key not in _SHARED:
+        from meshforge.config.schema import ModelConfig
+        from meshforge.models import plan_modules
+        from meshforge.planning.tp_plan import resolve_plan
+
+        one, modules = plan_modules(ModelConfig.model_validate_json(model_json))
+        styles, _, _ = resolve_plan(one, sequence_parallel, None, modules)
+        _SHARED[key] = tuple((int(name.split(".")[1]), modules[name].init[0])
+                             for name, style in styles.items() if style == "shared_input")
+    return _SHARED[key]
 
 
 def _gathered_sublayers(mine_all: list[ParamRec], in_blocks: list[ParamRec], recompute: bool) -> tuple[int, int]:

@@ -25,7 +25,7 @@ from meshforge.planning.comm import comm_per_step
 from meshforge.planning.hardware import Device
 from meshforge.planning.layout import Layout, MeshAxis
 from meshforge.planning.params import ParamRec, model_params, n_params
-from meshforge.planning.precision import bf16_params, compiled
+from meshforge.planning.precision import bf16_params, compiled, fused_loss_note
 from meshforge.planning.state import pipeline_plan_of, rank_state, spec_of, terms_of
 from meshforge.planning.step import bubble_fraction, comm_seconds, flops_per_token
 from meshforge.planning.terms import Parts
@@ -211,6 +211,14 @@ def _notes(cfg) -> list[str]:
         out.append("pp_schedule=dualpipev: its bubble and in-flight microbatches are counted as interleaved 1F1B's "
                    "over the V's two stages per rank (DualPipeV's overlap of one microbatch's forward with "
                    "another's backward is not modelled)")
+    fused = fused_loss_note(cfg)
+    if fused:
+        out.append(fused)
+    if cfg.training.fp8.enabled:
+        out.append("training.fp8: counted as without it (weights, gradients and optimizer state stay in their "
+                   "dtype, exactly); not counted: a sharding strategy's float8 all-gather (1 byte an element, "
+                   "where the plan counts the gathered dtype), the float8 copies the matmuls keep for backward, "
+                   "and the float8 scales' small all-reduces (under TP and sharded weights)")
     spec = spec_of(cfg)
     if spec is None or spec.plan is None:
         out.append(f"strategy {d.strategy} declares no planner terms (StrategySpec.plan, planning/terms.py): its "

@@ -31,3 +31,27 @@ def gather_bytes(cfg) -> int:
     """Element size of sharded parameters gathered for compute: the sharding strategies gather bf16 on CUDA, and
     under bf16_params on CPU too."""
     return 2 if (on_cuda(cfg) or bf16_params(cfg)) else F32
+
+
+def fused_loss_conflict(cfg) -> str | None:
+    """Why the fused loss cannot run here (None: it can): only a model whose forward cannot hand the loss its
+    head's input (a transformers model returns logits). Every layout runs it: TP (vocabulary-parallel), PP (on
+    the last stage), fsdp2 and megatron_fsdp in every mode (a strategy keeps the unit holding the head gathered
+    until its backward: `Strategy.head_read_after_forward`). `training.fused_loss=auto` then takes the plain
+    loss, and says so (`warnings`, the plan's notes); an explicit true is refused."""
+    if cfg.model.hf_model:
+        return "model.hf_model: the transformers model's forward returns logits"
+    return None
+
+
+def fused_loss_on(cfg) -> bool:
+    """`training.fused_loss`: auto fuses where the layout allows (see `fused_loss_conflict`)."""
+    setting = cfg.training.fused_loss
+    return fused_loss_conflict(cfg) is None if setting == "auto" else bool(setting)
+
+
+def fused_loss_note(cfg) -> str | None:
+    """The line a run's log and its plan carry when `training.fused_loss=auto` takes the plain loss."""
+    why = fused_loss_conflict(cfg) if cfg.training.fused_loss == "auto" else None
+    return (f"training.fused_loss=auto takes the plain loss ({why}): full fp32 [batch, seq, vocab] logits are "
+            "kept for backward") if why else None

@@ -140,7 +140,9 @@ class DeclaredSharding(StrategyPlanTerms):
     def state(self, stage, cfg, layout, coords, out) -> None:
         n = self._ranks(layout)
         if n == 1 or (self.params, self.grads, self.optimizer) == ("replicated",) * 3:
-            replicas(stage, layout, out, buckets=self.grad_buckets and layout.dp * layout.cp > 1,
+            # bf16_params on a "replicated" strategy (ddp): the fp32 main gradients are averaged without a reducer
+            own_reduce = bf16_params(cfg) and cfg.distributed.spec.bf16_params == "replicated"
+            replicas(stage, layout, out, buckets=self.grad_buckets and layout.dp * layout.cp > 1 and not own_reduce,
                      bf16=bf16_params(cfg))
             return
         r = coords[MeshAxis.parse(self.axis)]

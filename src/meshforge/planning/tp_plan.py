@@ -13,19 +13,23 @@ resolved plan with DTensor.
 Linear/Embedding), a sharded dimension that does not divide by tp_size, and tied weights split differently,
 each with the module name and its shape. `config/rules.py` runs it on the model's description
 (`models.plan_modules`: torch-free for the built-in models) before anything starts, so a bad plan fails in
-validation, not as an opaque DTensor assertion in the first step.
+validation, not as an opaque DTensor assertion in the first step. How the model uses the sharded tensors (a
+parameter the plan leaves whole meeting sharded activations) is checked by running it (`planning/tp_trace.py`):
+in validation for a `model.hf_model` small enough to hold in memory (`models.probe_model`), and always
+in the trainer before the first collective.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from meshforge.models import plan_modules
 from meshforge.models.shapes import ModuleShape, model_contract, pattern_matches
+from meshforge.planning.tp_trace import fold_repeats, trace_plan
 
 SHARDED_STYLES = ("colwise", "rowwise", "rowwise_full", "vocab_embedding", "vocab_output")
-ALL_STYLES = SHARDED_STYLES + ("sequence_parallel", "sequence_gather", "sequence_gather_scatter", "replicate")
+ALL_STYLES = SHARDED_STYLES + ("sequence_parallel", "sequence_gather", "sequence_gather_scatter", "shared_input",
+                                "replicate", "local_heads")
 
 
 def _kind(mod: Any) -> str | None:
@@ -145,15 +149,7 @@ def plan_problems(model: Any, tp_size: int, sequence_parallel: bool, custom: dic
             problems.append(f"tensor parallelism: tied weight {names[0]!r} is used by modules sharded differently "
                             f"({desc}): give them matching styles in distributed.tp_plan or set "
                             "model.tie_embeddings false")
-    return _fold_repeats(problems)
-
-
-def _fold_repeats(problems: list[str]) -> list[str]:
-    """The same problem in many layers is one line: '<container>.*.x' (in N layers)."""
-    groups: dict[str, list[str]] = {}
-    for msg in problems:
-        groups.setdefault(re.sub(r"'([\w.]*?)\.\d+\.", r"'\1.*.", msg), []).append(msg)
-    return [msgs[0] if len(msgs) == 1 else f"{key} (in {len(msgs)} layers)" for key, msgs in groups.items()]
+    return fold_repeats(problems)
 
 
 def config_plan_problems(model_cfg, tp_size: int, sequence_parallel: bool, custom: dict[str, str] | None
@@ -166,8 +162,28 @@ def config_plan_problems(model_cfg, tp_size: int, sequence_parallel: bool, custo
         if len(_PLAN_PROBLEMS) > 256:
             _PLAN_PROBLEMS.clear()
         model, modules = plan_modules(model_cfg)
-        _PLAN_PROBLEMS[key] = tuple(plan_problems(model, tp_size, sequence_parallel, custom, modules))
+        problems = plan_problems(model, tp_size, sequence_parallel, custom, modules)
+        if not problems:
+            problems = _traced_problems(model_cfg, model, tp_size, sequence_parallel, custom)
+        _PLAN_PROBLEMS[key] = tuple(problems)
     return list(_PLAN_PROBLEMS[key])
 
 
 _PLAN_PROBLEMS: dict = {}
+
+
+def _traced_problems(model_cfg, meta_model, tp_size: int, sequence_parallel: bool, custom) -> list[str]:
+    """`planning/tp_trace.py` on a `model.hf_model` validation holds in CPU memory (`models.probe_model`:
+    its forward decides on values, so not on the meta device); larger ones, and the built-in models (whose declared
+    plans cover every parameter), are traced by the trainer before the first collective
+    (`distributed/tensor_parallel.py`)."""
+    from meshforge.models import probe_model, resolve_model_args
+
+    args = resolve_model_args(model_cfg)
+    if not args.hf_model:
+        return []
+    model = probe_model(args)
+    if any(p.is_meta for p in model.parameters()):
+        return []
+    resolved, _, _ = resolve_plan(model, sequence_parallel, custom)
+    return trace_plan(model, resolved, tp_size)[1]

@@ -32,7 +32,7 @@ class MetricsLogger:
         if mode == "auto":
             mode = "rich" if sys.stdout.isatty() else "plain"
         self.mode = mode
-        self.sink_args = (lcfg, output_dir, run_name, start_step > 0)  # the sinks are built by `start`
+        self.sink_args = (lcfg, output_dir, run_name, start_step)  # the sinks are built by `start`
         if mode == "rich":
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 

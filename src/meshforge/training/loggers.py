@@ -5,8 +5,11 @@ A `RunLogger` gets the resolved config and the run's metadata once (`start`), a 
 rank 0 builds loggers (`build_loggers`); every rank calls `check_extras` first, so a missing optional library
 is the same one line on every rank (exit 2) rather than rank 0 dying while the others wait in a collective.
 
-- jsonl: `<output_dir>/metrics.jsonl` (one object per logged step, appended on resume) and `run_meta.json`.
-- tensorboard: scalars under `<output_dir>/tensorboard`; the config and metadata as text.
+- jsonl: `<output_dir>/metrics.jsonl` (one object per logged step) and `run_meta.json`. A resume at step S keeps
+  the records up to S and drops the later ones (the steps a crash lost, which the resumed run logs again), so
+  a crash-and-resume timeline has no repeated step.
+- tensorboard: scalars under `<output_dir>/tensorboard`; the config and metadata as text. A resume at step S
+  purges the events after S the same way (SummaryWriter's `purge_step`).
 - wandb: project `logging.project`, run `run.name`, files under `<output_dir>/wandb`; set `WANDB_MODE=offline`
   where there is no network (W&B's own variables are honoured).
 - mlflow: experiment `logging.project`, run `run.name`; params = the flattened config, tags = the metadata,
@@ -91,11 +94,26 @@ class RunLogger:
     def close(self) -> None: ...
 
 
+def _step_of(line: str) -> int | None:
+    try:
+        step = json.loads(line).get("step")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    return step if isinstance(step, int) else None
+
+
 class JsonlLogger(RunLogger):
-    def __init__(self, output_dir: str, resume: bool):
+    def __init__(self, output_dir: str, start_step: int):
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.dir / "metrics.jsonl", "a" if resume else "w")
+        path = self.dir / "metrics.jsonl"
+        if start_step > 0 and path.is_file():  # keep the timeline up to the resumed step, whole lines only
+            kept = [ln for ln in path.read_text(errors="replace").splitlines(keepends=True)
+                    if ln.endswith("\n") and (s := _step_of(ln)) is not None and s <= start_step]
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, path)
+        self.file = open(path, "a" if start_step > 0 else "w")
 
     def start(self, config: dict, meta: dict) -> None:
         (self.dir / "run_meta.json").write_text(json.dumps({"config": config, "meta": meta}, indent=1))
@@ -109,10 +127,11 @@ class JsonlLogger(RunLogger):
 
 
 class TensorBoardLogger(RunLogger):
-    def __init__(self, output_dir: str):
+    def __init__(self, output_dir: str, start_step: int):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(Path(output_dir) / "tensorboard"))
+        self.writer = SummaryWriter(str(Path(output_dir) / "tensorboard"),
+                                    purge_step=start_step + 1 if start_step > 0 else None)
 
     def start(self, config: dict, meta: dict) -> None:
         self.writer.add_text("config", "```\n" + json.dumps(config, indent=1) + "\n```")
@@ -184,14 +203,15 @@ class MLflowLogger(RunLogger):
             self.client.set_terminated(self.run_id)
 
 
-def build_loggers(lcfg, output_dir: str, run_name: str, resume: bool) -> list[RunLogger]:
-    """The loggers `logging.loggers` names, in order (rank 0 only; call `check_extras` on every rank first)."""
+def build_loggers(lcfg, output_dir: str, run_name: str, start_step: int) -> list[RunLogger]:
+    """The loggers `logging.loggers` names, in order (rank 0 only; call `check_extras` on every rank first);
+    `start_step` > 0: a resume at that step."""
     out: list[RunLogger] = []
     for name in lcfg.loggers:
         if name == "jsonl":
-            out.append(JsonlLogger(output_dir, resume))
+            out.append(JsonlLogger(output_dir, start_step))
         elif name == "tensorboard":
-            out.append(TensorBoardLogger(output_dir))
+            out.append(TensorBoardLogger(output_dir, start_step))
         elif name == "wandb":
             out.append(WandbLogger(output_dir, lcfg.project, run_name))
         elif name == "mlflow":

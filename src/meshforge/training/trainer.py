@@ -90,6 +90,7 @@ class Trainer:
         self.after_step: list[Callable[[int], None]] = []  # (step) -> None
         self.before_commit: Callable[[int], None] | None = None  # handed to the checkpoint manager
         self.validation: Validation | None = None  # set by build() when training.val_every > 0
+        self.data_notes: list[str] = []  # set by build(): lines on data left out, logged at start
         faults.install(self)
 
     @classmethod
@@ -115,11 +116,15 @@ class Trainer:
         source, val_source = split_validation(cfg.data, build_source(cfg.data, t.seq_len, vocab, cfg.run.seed),
                                               t.seq_len, vocab, cfg.run.seed)
         loader = background(batch_loader(source, t.global_batch_size, t.micro_batch_size, mesh_ctx.dp_rank,
-                                         mesh_ctx.dp_size, cfg.run.seed),
+                                         mesh_ctx.dp_size, cfg.run.seed, cfg.checkpoint.allow_changed_inputs),
                             cfg.data)  # data.num_workers: batches built ahead in worker processes
         pm.train()
         trainer = cls(cfg, info, mesh_ctx, pm, optimizer, scheduler, loader)
         trainer.validation = Validation.build(cfg, mesh_ctx, pm, val_source)
+        # what of the data did not reach training as written (SFT examples dropped, truncated, left out)
+        reports = [getattr(s, "report", None) for s in (source, val_source) if s is not None]
+        trainer.data_notes = [f"{'validation ' if i else ''}{r}" for i, r in enumerate(reports) if r
+                              and r not in reports[:i]]
         return trainer
 
     # ------------------------------------------------------------------ one step
@@ -169,15 +174,16 @@ class Trainer:
     def fit(self) -> TrainResult:
         run_dir = rundir.claim(self.cfg, self.info)  # lock, writability, never overwrite a run unasked
         try:
-            return self._fit()
+            return self._fit(run_dir)
         finally:
             run_dir.release()
 
-    def _fit(self) -> TrainResult:
+    def _fit(self, run_dir: rundir.RunDir) -> TrainResult:
         cfg, t, info = self.cfg, self.cfg.training, self.info
         ckpt = self._open_checkpoints()
         if ckpt is not None:
             self.step = ckpt.resume()
+        run_dir.begin(self.step, ckpt.resumed_from if ckpt is not None else None)  # a step-0 start is a fresh run
         result = TrainResult(start_step=self.step, parallel_model=self.pm, optimizer=self.optimizer)
         profiler = StepProfiler(cfg.profiling, cfg.run.output_dir, info.rank, info.device, note=lambda m: log.info(m))
         log = MetricsLogger(cfg.run.output_dir, cfg.logging, t.max_steps, enabled=info.is_main,
@@ -185,6 +191,9 @@ class Trainer:
         log.start(cfg, world_size=info.world_size, layout=self.mesh_ctx.layout.named_shape(), device=str(info.device))
         for w in config_rules.warnings(cfg, info.world_size):
             log.info(f"warning: {w}")
+        for note in [*self.data_notes, self.loader.resume_note]:  # (resume_note: resumed onto changed data)
+            if note:
+                log.info(note)
         log.info(f"meshforge: {cfg.run.name} | strategy={cfg.distributed.strategy} world={info.world_size} "
                  f"layout={self.mesh_ctx.layout.named_shape()} device={info.device} "
                  f"accum={self.loader.accum_steps} steps {self.step}->{t.max_steps}")

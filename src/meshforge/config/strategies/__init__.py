@@ -6,7 +6,7 @@ A strategy is a spec plus a runtime:
   strategy's own options (a pydantic model; the keys are written flat under `distributed:` as in the spec, e.g.
   `distributed.bucket_cap_mb`, and live in `cfg.distributed.options`), which parallelisms it composes with, its
   checkpoint formats (the first is the default), its own rules and warnings, what it supports (frozen LoRA
-  parameters, bf16_params, the fused loss), how the planner counts its state and collectives (`plan`, a
+  parameters, bf16_params), how the planner counts its state and collectives (`plan`, a
   `meshforge.planning.terms.StrategyPlanTerms`), and where its runtime lives;
 - the runtime is a `meshforge.distributed.strategy.Strategy` subclass, imported only when a run starts.
 
@@ -90,11 +90,11 @@ class StrategySpec:
     frozen_params: bool = False  # frozen (LoRA base) parameters get no gradient and no optimizer state
     # training.precision=bf16_params: where the fp32 masters live. "unsharded": the optimizer's, beside a model
     # that runs unwrapped (world size 1); "fp32_shards": the strategy's own fp32 shards gathered in bf16 (dp*cp > 1;
-    # unsharded at world size 1); any other text says why the strategy cannot run it
+    # else unsharded, per pipeline stage); "replicated": every dp rank's optimizer beside bf16 replicas, the fp32
+    # main gradients averaged by the strategy; "main_buffers": its own fp32 main buffers beside bf16 compute
+    # buffers; any other text says why the strategy cannot run it
     bf16_params: str = "unsharded"
     bf16_params_rule: Rule | None = None  # its own bf16_params checks, once the layout can run it
-    # why the fused loss cannot read the output head's weight after forward under these options (None: it can)
-    head_freed_after_forward: Callable[[StrategyOptions], str | None] | None = None
     flat_buffers: bool = False  # parameters re-stored in flat buffers: model.init_from loads the plain model first
     # Megatron-Bridge keys that select it (`dist.use_megatron_fsdp`), and Bridge keys refused when it is so selected
     bridge_flags: tuple[str, ...] = ()

@@ -5,10 +5,13 @@ What it keeps (the planner's terms, equal to what the bench measures): each para
 on dim 0 over dp_shard*cp, padded to a multiple of it (parameters and gradients hold the padded shard; AdamW's
 moments the unpadded torch.chunk piece); experts under EP: dim 0 over ep, dim 1 over ep_shard. Frozen parameters
 (LoRA) only their shard. On CUDA (and under bf16_params) it gathers bf16; its fp32 shards are bf16_params' masters
-when dp*cp > 1. `offload_policy` moves the shards and optimizer state to host memory.
+when dp*cp > 1 (gradients accumulated unsharded and reduce-scattered in fp32); with nothing to shard (pipeline
+stages alone) each stage is cast to bf16 and its optimizer keeps the masters. `offload_policy` moves the shards
+and optimizer state to host memory (also per pipeline stage).
 What it sends per step: every unit's parameters all-gathered per micro batch, again in backward for the units
-resharded after forward (every block but the last by default, none under PP), gradients reduce-scattered once
-(accumulation defers the reduction) and, under HSDP, all-reduced over dp_replicate.
+resharded after forward (every block but the last by default, none under PP; `reshard_after_forward: true`: every
+block, and the root unless the fused loss reads its head after forward, which keeps it gathered), gradients
+reduce-scattered once (accumulation defers the reduction) and, under HSDP, all-reduced over dp_replicate.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from pydantic import ConfigDict, field_validator
 from meshforge.config.strategies import AXES, StrategyOptions, StrategySpec, StrictSection, dp_size, register_strategy
 from meshforge.planning.layout import MeshAxis
 from meshforge.planning.params import F32, STEP_BYTES, alike, chunk_rows, local_shape, memo, replicate_grad
-from meshforge.planning.precision import bf16_params, gather_bytes
+from meshforge.planning.precision import bf16_params, fused_loss_on, gather_bytes
 from meshforge.planning.terms import StrategyPlanTerms, replicas
 
 if TYPE_CHECKING:
@@ -66,9 +69,11 @@ def _cpu_offload(cfg: Config, world_size: int) -> list[str]:
     if not d.options.offload_policy:
         return []
     out = []
-    if d.pp_size > 1:
-        out.append(f"distributed.offload_policy=true is not supported with pp_size={d.pp_size}: "
-                   "set pp_size 1 or turn offloading off")
+    dp = dp_size(cfg, world_size)
+    if world_size > 1 and dp is not None and dp * d.cp_size == 1:
+        out.append(f"distributed.offload_policy=true offloads fsdp2's shards, but dp_size*cp_size=1 shards nothing "
+                   f"(world size {world_size}: tp_size={d.tp_size}, pp_size={d.pp_size}): add data-parallel ranks "
+                   "or turn offloading off")
     if d.ac_mode:
         out.append(f"distributed.offload_policy=true is not supported with activation_checkpointing="
                    f"{d.activation_checkpointing}: turn one of them off")
@@ -91,14 +96,13 @@ def _bf16_params_dtype(cfg: Config, world_size: int) -> list[str]:
     return []
 
 
-def _head_freed(options: FSDP2Options) -> str | None:
-    if options.reshard_after_forward is True:
-        return ("distributed.reshard_after_forward=true frees the root's parameters (the output head's too) right "
-                "after forward, before the loss reads the head's weight")
-    return None
-
-
 # ------------------------------------------------------------------------------------------ planner terms
+def _root_resharded(cfg: Config) -> bool:
+    """The root (embedding, final norm, head) freed after forward and gathered again in backward: when asked,
+    except under the fused loss, which reads the head's weight after forward (the runtime keeps the root)."""
+    return bool(cfg.distributed.options.reshard_after_forward) and not fused_loss_on(cfg)
+
+
 def _fsdp_units(group: list, layout, dim: int, n: int) -> tuple[dict, dict]:
     """({unit: padded elements}, {unit: padded trainable elements}) of FSDP's units (each block, the rest)
     sharded on `dim` over `n` ranks; memoised per parameter list (the search asks again for every candidate)."""
@@ -179,7 +183,7 @@ class FSDP2Terms(StrategyPlanTerms):
             if reshard is None and layout.pp > 1:
                 regather = []
             total = sum(units.values())
-            gathers = total + sum(units[b] for b in regather) + (units.get(None, 0) if reshard else 0)
+            gathers = total + sum(units[b] for b in regather) + (units.get(None, 0) if _root_resharded(cfg) else 0)
             reps = accum if (layout.pp == 1) else 1
             ax = ("dp_shard_cp" if layout.cp > 1 else "dp_shard") if dim == 0 else "ep_shard"
             add(ax, "all_gather", gathers * reps * gather_bytes(cfg))
@@ -196,5 +200,5 @@ SPEC = register_strategy(StrategySpec(
     description="torch fully_shard per block, then the root; HSDP on (dp_replicate, dp_shard)",
     composes_with=frozenset(AXES), shards_parameters=True, rules=(_hsdp_sizes, _cpu_offload),
     warnings=(_defer_under_pp,), plan=FSDP2Terms(), plan_search=True, frozen_params=True,
-    bf16_params="fp32_shards", bf16_params_rule=_bf16_params_dtype, head_freed_after_forward=_head_freed,
+    bf16_params="fp32_shards", bf16_params_rule=_bf16_params_dtype,
     bridge_flags=("dist.use_torch_fsdp2",)))

@@ -6,6 +6,9 @@ What it keeps (the planner's terms, equal to its buffers' `memory_report`): one 
 and everything else) padded to a multiple of dp*cp; trainable and frozen (LoRA) parameters of a unit in buffers
 of their own, the frozen ones values only. no_shard / optim / optim_grads / optim_grads_params keep full or 1/N
 parameters, gradients and moments; on CUDA a bf16 compute buffer beside the fp32 main one.
+training.precision=bf16_params: the fp32 main buffers are the masters and the compute buffers bf16 on every
+device (parameters gathered and computed in bf16); gradients accumulate and are reduced in fp32
+(`grad_reduce_in_fp32`, which bf16_params requires), the optimizer steps the fp32 main shard.
 What it sends per step: gradients all-reduced (no_shard, optim) or reduce-scattered; optim and optim_grads
 all-gather the updated parameters, optim_grads_params gathers every unit per micro batch and again in backward
 (all but the last block and the root); its sharded optimizer adds a 4-byte all-reduce of the norm.
@@ -21,7 +24,7 @@ from pydantic import model_validator
 from meshforge.config.strategies import StrategyOptions, StrategySpec, register_strategy
 from meshforge.planning.layout import MeshAxis
 from meshforge.planning.params import F32, STEP_BYTES, local_shape, memo
-from meshforge.planning.precision import gather_bytes, on_cuda
+from meshforge.planning.precision import bf16_params, gather_bytes, on_cuda
 from meshforge.planning.terms import StrategyPlanTerms
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -61,11 +64,11 @@ def _fp8_cache(cfg, world_size: int) -> list[str]:
     return []
 
 
-def _head_freed(options: MegatronFSDPOptions) -> str | None:
-    if options.sharding_strategy == "optim_grads_params":
-        return ("megatron_fsdp's optim_grads_params frees the root unit (the output head's weight) right after "
-                "forward, before the loss reads it")
-    return None
+def _bf16_params_reduce(cfg, world_size: int) -> list[str]:
+    if cfg.distributed.options.grad_reduce_in_fp32 is False:
+        return ["training.precision=bf16_params keeps fp32 main gradients, but distributed.grad_reduce_in_fp32=false "
+                "would accumulate and reduce them in bf16: remove grad_reduce_in_fp32 (or set it true)"]
+    return []
 
 
 # ------------------------------------------------------------------------------------------ planner terms
@@ -84,7 +87,7 @@ class MegatronFSDPTerms(StrategyPlanTerms):
     def state(self, stage, cfg, layout, c, out) -> None:
         mode = cfg.distributed.options.sharding_strategy
         world, rank = (layout.size("dp_cp"), c[MeshAxis.DP_CP]) if layout.world_size > 1 else (1, 0)
-        compute_b = 2 if on_cuda(cfg) else F32
+        compute_b = 2 if on_cuda(cfg) or bf16_params(cfg) else F32
         fp32_reduce = cfg.distributed.options.grad_reduce_in_fp32 is not False
         reduce_b = F32 if fp32_reduce else compute_b
         gathered: dict = {}  # a block's units are gathered together
@@ -153,7 +156,7 @@ SPEC = register_strategy(StrategySpec(
     description="Megatron-FSDP: flat per-unit buffers, ZeRO 0-3",
     composes_with=frozenset({"tp", "cp"}), ckpt_formats=("fsdp_dtensor",), shards_parameters=True,
     warnings=(_fp8_cache,), plan=MegatronFSDPTerms(), plan_search=True, frozen_params=True,
-    bf16_params="megatron_fsdp keeps its own main weights and mixed precision", head_freed_after_forward=_head_freed,
+    bf16_params="main_buffers", bf16_params_rule=_bf16_params_reduce,
     flat_buffers=True, bridge_flags=("dist.use_megatron_fsdp", "ddp.use_megatron_fsdp"),
     bridge_refused=(("dist.use_tp_pp_dp_mapping", "is not supported with Megatron FSDP: set it false (meshforge "
                      "lays out ranks tp-innermost itself)"),),

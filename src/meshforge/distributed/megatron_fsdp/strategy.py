@@ -55,7 +55,7 @@ from meshforge.distributed.megatron_fsdp.buffers import (
 )
 from meshforge.distributed.megatron_fsdp.comm import CommCounter
 from meshforge.distributed.strategy import Strategy
-from meshforge.models import blocks_of, param_init_tensor
+from meshforge.models import blocks_of, param_init_tensor, persistent_buffers
 
 
 class MegatronFSDPStrategy(Strategy):
@@ -88,6 +88,10 @@ class MegatronFSDPStrategy(Strategy):
         return True  # buffers and hooks at every size; at dp size 1 no collective runs
 
     @property
+    def holds_masters(self) -> bool:
+        return True  # its fp32 main buffers; bf16_params makes the compute buffers bf16 (on CPU too)
+
+    @property
     def comm_bytes(self):
         return self.comm.bytes
 
@@ -103,6 +107,10 @@ class MegatronFSDPStrategy(Strategy):
 
     # ================================================================== wrapping
     def parallelize(self, model: nn.Module) -> nn.Module:
+        if self.param_dtype is not None:  # bf16_params: bf16 compute buffers beside the fp32 main ones
+            self.compute_dtype = self.param_dtype
+            if self.options.grad_reduce_in_fp32 is False:  # (refused by the config rules)
+                self.reduce_dtype = self.compute_dtype
         names: dict[int, list[str]] = {}
         params: dict[int, nn.Parameter] = {}
         for fqn, p in model.named_parameters(remove_duplicate=False):
@@ -247,8 +255,12 @@ class MegatronFSDPStrategy(Strategy):
 
     def _post_forward_root(self) -> None:
         if self.mode == "optim_grads_params" and not torch.is_grad_enabled():
+            # (a forward without gradients, e.g. validation: nothing will free the units later; the fused loss
+            # still reads the head's weight in the root unit, which the next step's backward frees)
+            keep = self.root_parts if self.head_read_after_forward else []
             for u in self.units:
-                self._reshard(u)
+                if not any(u is k for k in keep):
+                    self._reshard(u)
 
     # ================================================================== gradients
     def _grad_hook(self, u: FlatUnit, s: ParamSlot):
@@ -470,10 +482,15 @@ class MegatronFSDPStrategy(Strategy):
                 t = self._sharded(full[s.offset:s.offset + s.numel].view(s.shape), s)
                 for n in s.names:
                     out[n] = t
+        out.update(persistent_buffers(model))  # outside the flat buffers, whole on every rank
         return out
 
     def load_model_state_dict(self, model: nn.Module, sd: dict) -> None:
         """A frozen unit none of whose names `sd` holds keeps its values (an adapter-only checkpoint)."""
+        with torch.no_grad():
+            for n, b in persistent_buffers(model):
+                if n in sd:
+                    b.copy_(self._full(sd[n]))
         for u in self.units:
             if u.frozen and not any(s.fqn in sd for s in u.slots):
                 continue
@@ -493,6 +510,7 @@ class MegatronFSDPStrategy(Strategy):
             for s in u.slots:
                 for n in s.names:
                     out[n] = s.global_of(full[s.offset:s.offset + s.numel].view(s.shape)).clone()
+        out.update({n: b.clone() for n, b in persistent_buffers(model)})
         return out
 
     def _group_fqns(self, optimizer) -> list[list[str]]:
