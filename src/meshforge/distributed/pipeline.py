@@ -188,7 +188,7 @@ class PipelineParallelModel(ParallelModel):
         self.has_first = 0 in stage_ids
         self.has_last = plan.num_stages - 1 in stage_ids
         self.stages = [Stage(part, s, plan.num_stages, device, group=self.pp_group,
-                              routers=[m.router for m in contract_of(self.strategy.unwrap(part)).moe_layers()])
+                              moe_layers=contract_of(self.strategy.unwrap(part)).moe_layers())
                        for part, s in zip(self.parts, stage_ids)]
         # the loss runs on the last stage, under that stage's loss context (vocabulary-parallel loss under TP)
         self.loss_context = parts[stage_ids.index(plan.num_stages - 1)].loss_context if self.has_last \

@@ -5,8 +5,9 @@
   counted once per microbatch, as without PP, and reaches the routers through the schedule's own backward of that
   microbatch; the last stage's aux loss goes through the loss function. Router statistics stay with the layers
   of each stage.
-- Routing replay (`moe.ignore_router_for_ac`): `Stage` drops the decisions of a forward whose backward never runs
-  (torch's metadata inference) before each step's first microbatch.
+- A forward whose backward never runs (torch's metadata inference): `Stage` drops what it left in the MoE layers
+  before each step's first microbatch, the routing decisions kept for replay (`moe.ignore_router_for_ac`) and the
+  load it added to auxiliary-loss-free balancing's count.
 Nothing here names a model's modules: the MoE layers come from the model contract (`moe_layers()`), and a stage's
 forward returns (hidden states, aux loss) in training when it has any (the contract of an MoE model).
 """
@@ -57,18 +58,19 @@ def carry_aux_loss(module: nn.Module, coeff: float) -> None:
 
 
 class Stage(PipelineStage):
-    """torch's stage, dropping at each step's first microbatch the routing decisions (`moe.ignore_router_for_ac`)
-    that a forward without a backward left: torch 2.13's metadata inference runs a stage's forward with autograd
-    on, and its backward only where the stage's input needs a gradient (not on the first stage), so the first
-    real recompute would replay the inference's decision. A step's forwards all come after the previous step's
-    backwards, so nothing a real microbatch recorded is dropped."""
+    """torch's stage, dropping at each step's first microbatch what a forward without a backward left in its MoE
+    layers (`MoE.forget_forward`: stored routing decisions, balancing load): torch 2.13's metadata inference runs a
+    stage's forward with autograd on, and its backward only where the stage's input needs a gradient (not on the
+    first stage), so the first real recompute would replay the inference's decision, and the first step's bias
+    update would count its tokens. A step's forwards all come after the previous step's backwards and bias update,
+    so nothing a real microbatch recorded is dropped."""
 
-    def __init__(self, *args, routers: list[nn.Module], **kwargs):
+    def __init__(self, *args, moe_layers: list[nn.Module], **kwargs):
         super().__init__(*args, **kwargs)
-        self._routers = routers
+        self._moe_layers = moe_layers
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
         if fwd_chunk_id == 0:
-            for router in self._routers:
-                router.forget_routing()
+            for layer in self._moe_layers:
+                layer.forget_forward()
         return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)

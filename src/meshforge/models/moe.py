@@ -316,6 +316,12 @@ class MoE(nn.Module):
                 self.expert_load = self.last_counts if self.expert_load is None else self.expert_load + stat_counts
         return out.view(shape)
 
+    def forget_forward(self) -> None:
+        """Drop what a forward whose backward never runs left behind (a pipeline's metadata inference): its stored
+        routing decisions and the load it added to the balancing count."""
+        self.router.forget_routing()
+        self.expert_load = None
+
     def balance_load(self) -> torch.Tensor | None:
         """Token copies per expert (E,) routed by this rank's training forwards since the last `update_balance`,
         or None when the router's bias is not updated (auxiliary-loss-free balancing off)."""
