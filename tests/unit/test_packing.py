@@ -16,12 +16,15 @@ from meshforge.models import build_model, init_weights
 DATA = Path(__file__).resolve().parents[2] / "examples" / "data" / "prompt_completion_tiny.jsonl"
 
 
+def _built(preset: str, seed: int):
+    m = build_model(load_config(None, [f"model.preset={preset}"], world_size=1).model)
+    init_weights(m, seed)
+    return m
+
+
 @pytest.fixture(scope="module")
 def model():
-    cfg = load_config(None, ["model.preset=tiny"], world_size=1)
-    m = build_model(cfg.model)
-    init_weights(m, 3)
-    return m.eval()
+    return _built("tiny", 3).eval()
 
 
 def test_positions_restart_per_document():
@@ -85,10 +88,7 @@ def test_padding_is_in_no_document():
 
 @pytest.fixture(scope="module")
 def moe():
-    cfg = load_config(None, ["model.preset=tiny_moe"], world_size=1)
-    m = build_model(cfg.model)
-    init_weights(m, 5)
-    return m.train()
+    return _built("tiny_moe", 5).train()
 
 
 def test_moe_router_statistics_count_documents_only(moe):
