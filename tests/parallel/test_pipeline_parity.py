@@ -87,7 +87,7 @@ BF16 = ["training.precision=bf16_params", "training.grad_clip=null"]
 
 def single_checkpoint(spec) -> list[float]:
     """Launch target (one process): a non-PP run of 5 steps of the 10-step schedule that saves step 5."""
-    return run_single(BASE + ["training.max_steps=5", "checkpoint.save_final=true", f"checkpoint.dir={SINGLE_DIR}"],
+    return run_single(BASE + ["training.max_steps=5", "checkpoint.save_final=true", f"checkpoint.dir={SINGLE_DIR}", f"run.output_dir={SINGLE_DIR}_run"],
                       steps=10, weights=False).losses
 
 
@@ -122,10 +122,10 @@ CONFIGS_2.update({
     "pp2 1f1b meta init": pp(2, "1f1b", "model.init_device=meta"),
     "pp2 interleaved resumes non-PP step 5": pp(2, "interleaved_1f1b", f"checkpoint.resume={SINGLE_DIR / 'step_5'}"),
     "pp2 saves step 5": pp(2, "interleaved_1f1b", "training.max_steps=5", "checkpoint.save_final=true",
-                           f"checkpoint.dir={PP_DIR}"),
+                           f"checkpoint.dir={PP_DIR}", f"run.output_dir={PP_DIR}_run"),
     **{f"pp2 {s} fused loss": pp(2, s, *FUSED) for s in ("1f1b", "zero_bubble", "v_schedule")},
     "pp2 bf16_params saves step 5": pp(2, "1f1b", *BF16, "training.max_steps=5", "checkpoint.save_final=true",
-                                       f"checkpoint.dir={PP_BF16_DIR}"),
+                                       f"checkpoint.dir={PP_BF16_DIR}", f"run.output_dir={PP_BF16_DIR}_run"),
 })
 MOE_2 = {
     "moe pp2 zero_bubble scale_grads_in_schedule": pp(2, "zero_bubble", "distributed.pipeline.scale_grads_in_schedule=true",

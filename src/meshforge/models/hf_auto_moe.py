@@ -105,6 +105,10 @@ class HFMoELayer:
         else:
             self.experts.forward = functools.partial(_dispatched_forward, self)
 
+    def balance_load(self) -> None:
+        """Auxiliary-loss-free balancing is meshforge's router option; transformers' routers have no updated bias."""
+        return None
+
 
 def _dispatched_forward(layer: HFMoELayer, hidden: torch.Tensor, top_k_index: torch.Tensor,
                         top_k_weights: torch.Tensor) -> torch.Tensor:
