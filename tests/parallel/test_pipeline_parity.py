@@ -85,16 +85,20 @@ FUSED = ["training.fused_loss=true"]
 BF16 = ["training.precision=bf16_params", "training.grad_clip=null"]
 
 
+def saves(ckpt: Path) -> list[str]:
+    """Steps 1-5 of the 10-step schedule, saving step 5 in `ckpt`, in a run directory of its own (every run claims
+    its directory: issue 26)."""
+    return ["training.max_steps=5", "checkpoint.save_final=true", f"checkpoint.dir={ckpt}", f"run.output_dir={ckpt}_run"]
+
+
 def single_checkpoint(spec) -> list[float]:
     """Launch target (one process): a non-PP run of 5 steps of the 10-step schedule that saves step 5."""
-    return run_single(BASE + ["training.max_steps=5", "checkpoint.save_final=true", f"checkpoint.dir={SINGLE_DIR}", f"run.output_dir={SINGLE_DIR}_run"],
-                      steps=10, weights=False).losses
+    return run_single(BASE + saves(SINGLE_DIR), steps=10, weights=False).losses
 
 
 def moe_single_checkpoint(spec) -> list[float]:
     """Launch target (one process): the MoE reference's first 5 steps, saving step 5."""
-    return run_single(MOE + ["training.max_steps=5", "checkpoint.save_final=true",
-                             f"checkpoint.dir={MOE_SINGLE_DIR}"], steps=10, weights=False).losses
+    return run_single(MOE + saves(MOE_SINGLE_DIR), steps=10, weights=False).losses
 
 
 def _launch_single(target: str, losses_file: str) -> None:
@@ -121,11 +125,9 @@ CONFIGS_2.update({
     "pp2 1f1b + full AC": pp(2, "1f1b", "distributed.activation_checkpointing=full"),
     "pp2 1f1b meta init": pp(2, "1f1b", "model.init_device=meta"),
     "pp2 interleaved resumes non-PP step 5": pp(2, "interleaved_1f1b", f"checkpoint.resume={SINGLE_DIR / 'step_5'}"),
-    "pp2 saves step 5": pp(2, "interleaved_1f1b", "training.max_steps=5", "checkpoint.save_final=true",
-                           f"checkpoint.dir={PP_DIR}", f"run.output_dir={PP_DIR}_run"),
+    "pp2 saves step 5": pp(2, "interleaved_1f1b", *saves(PP_DIR)),
     **{f"pp2 {s} fused loss": pp(2, s, *FUSED) for s in ("1f1b", "zero_bubble", "v_schedule")},
-    "pp2 bf16_params saves step 5": pp(2, "1f1b", *BF16, "training.max_steps=5", "checkpoint.save_final=true",
-                                       f"checkpoint.dir={PP_BF16_DIR}", f"run.output_dir={PP_BF16_DIR}_run"),
+    "pp2 bf16_params saves step 5": pp(2, "1f1b", *BF16, *saves(PP_BF16_DIR)),
 })
 MOE_2 = {
     "moe pp2 zero_bubble scale_grads_in_schedule": pp(2, "zero_bubble", "distributed.pipeline.scale_grads_in_schedule=true",
@@ -134,8 +136,7 @@ MOE_2 = {
     "moe ep2 resumes pp2 x ep2 step 5": MOE + ["distributed.ep_size=2", f"checkpoint.resume={MOE_PP_EP_DIR / 'step_5'}"],
 }
 TIED_2 = {
-    "tied pp2 1f1b saves step 5": pp(2, "1f1b", "training.max_steps=5", "checkpoint.save_final=true",
-                                     f"checkpoint.dir={TIED_PP_DIR}", base=TIED),
+    "tied pp2 1f1b saves step 5": pp(2, "1f1b", *saves(TIED_PP_DIR), base=TIED),
     "tied pp2 1f1b": pp(2, "1f1b", base=TIED),
     # a V: both ends on rank 0; the first stage holds the embedding only, the last the final norm and head only
     "tied dualpipev, embedding-only first and head-only last stage, meta init": pp(
@@ -152,8 +153,7 @@ MOE_4 = {
     "moe pp2 x tp2+sp": pp(2, "1f1b", "distributed.tp_size=2", "distributed.sequence_parallel=true", base=MOE),
     "moe pp2 x ep2 resumes non-PP step 5": pp(2, "1f1b", "distributed.ep_size=2",
                                              f"checkpoint.resume={MOE_SINGLE_DIR / 'step_5'}", base=MOE),
-    "moe pp2 x ep2 saves step 5": pp(2, "1f1b", "distributed.ep_size=2", "training.max_steps=5",
-                                     "checkpoint.save_final=true", f"checkpoint.dir={MOE_PP_EP_DIR}", base=MOE),
+    "moe pp2 x ep2 saves step 5": pp(2, "1f1b", "distributed.ep_size=2", *saves(MOE_PP_EP_DIR), base=MOE),
 }
 TIED_4 = {"tied pp2 x tp2": pp(2, "1f1b", "distributed.tp_size=2", base=TIED)}
 CONFIGS_4 = {

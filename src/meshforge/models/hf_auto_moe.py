@@ -87,11 +87,6 @@ class HFMoELayer:
         self.stats_reducer, self.aux_grad_scale = None, 1.0  # context parallelism (refused with hf_model)
         self._dispatcher = None
 
-    def balance_load(self) -> None:
-        """Auxiliary-loss-free balancing (`MoE.balance_load`): never on here (transformers' routers keep no
-        selection bias this wrapper updates)."""
-        return None
-
     @property
     def dispatcher(self):
         return self._dispatcher
