@@ -125,8 +125,8 @@ def test_family_import_export_against_transformers(case, tmp_path):
 
 
 def export_and_reload(ours, tmp_path: Path, architecture: str):
-    """Export `ours` (weights-only checkpoint -> `tmp_path/out`) and load it with transformers, which must say
-    nothing; the exported tensors are bit for bit those of `tmp_path/hf` (permutations and stacking undone)."""
+    """`ours` (imported from tmp_path/hf) exported to tmp_path/out and loaded by transformers: no message, the same
+    class, bit-for-bit the tensors transformers saved (permutations and stacking undone)."""
     ck = save_weights_only(ours, tmp_path / "ck")
     export_checkpoint(ck, tmp_path / "out", shard_mb=1)
     with transformers_messages() as said:

@@ -133,10 +133,12 @@ def test_per_head_norms_are_split_with_their_heads(tmp_path):
 
 
 def test_a_whole_parameter_on_sharded_activations_is_refused():
-    """The built-in model with per-head RMSNorms of q and k (weight (head_dim,), left whole by its plan): each tp
-    rank would get only its heads' share of their gradient; refused naming them, once for all layers."""
+    """The built-in model with per-head RMSNorms of q and k (weight (head_dim,)) that a config plan leaves whole
+    (`replicate`, over the model's own `head_norm`, which sums their gradient over tp): each tp rank would get
+    only its heads' share of their gradient; refused naming them, once for all layers."""
     model = build_model(resolve_model_args(config(["model.qk_norm=true"], world_size=1).model))
-    resolved, _, _ = resolve_plan(model, False, None)
+    whole = {"layers.*.attention.q_norm": "replicate", "layers.*.attention.k_norm": "replicate"}
+    resolved, _, _ = resolve_plan(model, False, whole)
     added, problems = trace_plan(model, resolved, 2)
     assert added == {}
     assert len(problems) == 2 and all("(in 2 layers)" in p and "only its share of its gradient" in p

@@ -2,7 +2,7 @@
 
 One flow shared by the tests (module fixture): a random transformers LlamaForCausalLM saved as the base ->
 a meshforge LoRA run on it (`model.init_from`) with adapter checkpoints at steps 2 and 4 -> exports.
-Per-expert adapters: a random transformers 5 Mixtral / Qwen3-MoE base, the experts adapted (PEFT's
+Per-expert adapters: a random transformers 5 Mixtral / Qwen3-MoE / GPT-OSS base, the experts adapted (PEFT's
 `target_parameters`), exported, loaded by peft, merged, and imported back.
 """
 
@@ -160,7 +160,9 @@ def test_peft_export_keeps_trained_norms_as_modules_to_save(flow):
 
 
 MOE_SHAPES = {"mixtral": ("MixtralForCausalLM", "MixtralConfig", ["model.ffn_dim=64"]),
-              "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", ["model.qk_norm=true"])}
+              "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", ["model.qk_norm=true"]),
+              # experts stored fused and interleaved, (E, dim, 2 x hidden), with biases (PEFT: is_transposed)
+              "gpt_oss": ("GptOssForCausalLM", "GptOssConfig", ["model.preset=tiny_gpt_oss"])}
 
 
 @pytest.mark.parametrize("family", list(MOE_SHAPES))

@@ -2,7 +2,9 @@
 
 One job of the suite's shared 4-process launch checks cp=4 (all ranks) and cp=2 (two groups of 2 ranks) on
 random q, k, v,
-with grouped-query attention (8 query heads, 2 kv heads) and with plain multi-head attention. Every rank
+with grouped-query attention (8 query heads, 2 kv heads) and with plain multi-head attention, and with a layer's
+own rule: a sliding window crossing the chunk borders, a softmax scale, and attention sinks (their gradient too,
+summed over the cp ranks), against `models.attention.attend` on the whole sequence. Every rank
 computes the single-process reference itself and compares its load-balanced shards of the output and of
 dq, dk, dv. Uneven chunks are not allowed (the config rule and the batch transform reject them): tested too.
 """
@@ -20,10 +22,11 @@ from meshforge.testing.group import Job
 TOL = 1e-10  # float64 inputs: only rounding differences
 
 
-def _check(group, cp_size, cp_rank, heads, kv_heads, seq, seed) -> dict:
-    import torch.nn.functional as F
+def _check(group, cp_size, cp_rank, heads, kv_heads, seq, seed, window=None, sinks=False, scale=None) -> dict:
+    import torch.distributed as dist
 
     from meshforge.distributed.context_parallel import ContextParallelAttention
+    from meshforge.models.attention import attend
 
     g = torch.Generator().manual_seed(seed)
     b, d = 2, 16
@@ -31,18 +34,28 @@ def _check(group, cp_size, cp_rank, heads, kv_heads, seq, seed) -> dict:
     k = torch.randn(b, kv_heads, seq, d, generator=g, dtype=torch.float64)
     v = torch.randn(b, kv_heads, seq, d, generator=g, dtype=torch.float64)
     dout = torch.randn(b, heads, seq, d, generator=g, dtype=torch.float64)
-    ref_in = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    ref = F.scaled_dot_product_attention(*ref_in, is_causal=True, enable_gqa=kv_heads != heads)
+    s = torch.randn(heads, generator=g, dtype=torch.float64) if sinks else None
+    ref_in = [t.clone().requires_grad_(True) for t in (q, k, v)] + ([s.clone().requires_grad_(True)] if sinks else [])
+    ref = attend(*ref_in[:3], window=window, scale=scale, sinks=ref_in[3] if sinks else None)
     ref.backward(dout)
 
     idx = load_balanced_indices(seq, cp_size, cp_rank)
     loc = [t.index_select(2, idx).clone().requires_grad_(True) for t in (q, k, v)]
-    out = ContextParallelAttention(group, cp_size, cp_rank)(*loc)
+    s_loc = s.clone().requires_grad_(True) if sinks else None
+    out = ContextParallelAttention(group, cp_size, cp_rank, window=window, scale=scale)(*loc, sinks=s_loc)
     out.backward(dout.index_select(2, idx))
     errs = {"out": (out - ref.index_select(2, idx)).abs().max().item()}
     for name, a, r in zip(("dq", "dk", "dv"), loc, ref_in):
         errs[name] = (a.grad - r.grad.index_select(2, idx)).abs().max().item()
+    if sinks:  # each rank's queries give their share of the sinks' gradient
+        total = s_loc.grad.clone()
+        dist.all_reduce(total, group=group)
+        errs["dsinks"] = (total - ref_in[3].grad).abs().max().item()
     return errs
+
+
+RULES = {"": {}, " window 10 sinks": {"window": 10, "sinks": True},
+         " window 7 scale": {"window": 7, "scale": 0.2}}
 
 
 def cp_job(spec, info) -> list[dict]:
@@ -53,12 +66,15 @@ def cp_job(spec, info) -> list[dict]:
     results = {}
     cases = [(8, 2, 32), (4, 4, 64)]  # (heads, kv heads, sequence length)
     # cp=4 over every rank
-    for i, (h, kvh, s) in enumerate(cases):
-        results[f"cp4 h{h} kv{kvh} s{s}"] = _check(dist.group.WORLD, world, rank, h, kvh, s, seed=10 + i)
+    for rule, kw in RULES.items():
+        for i, (h, kvh, s) in enumerate(cases):
+            results[f"cp4 h{h} kv{kvh} s{s}{rule}"] = _check(dist.group.WORLD, world, rank, h, kvh, s, 10 + i, **kw)
     # cp=2 in two groups {0,1} and {2,3} (every rank must create every group)
     groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    for i, (h, kvh, s) in enumerate(cases):
-        results[f"cp2 h{h} kv{kvh} s{s}"] = _check(groups[rank // 2], 2, rank % 2, h, kvh, s, seed=20 + i)
+    for rule, kw in RULES.items():
+        for i, (h, kvh, s) in enumerate(cases):
+            results[f"cp2 h{h} kv{kvh} s{s}{rule}"] = _check(groups[rank // 2], 2, rank % 2, h, kvh, s, 20 + i,
+                                                              **kw)
     everyone: list = [None] * world
     dist.all_gather_object(everyone, results)
     return everyone
@@ -76,7 +92,7 @@ def test_cp_attention_matches_full_causal_attention(group):
                 worst[(case, name)] = max(worst.get((case, name), 0.0), e)
     for (case, name), e in sorted(worst.items()):
         print(f"{case} {name}: max abs diff {e:.2e}")
-    assert len(worst) == 4 * 4
+    assert len(worst) == 4 * 4 * len(RULES) + 4 * 1  # (out, dq, dk, dv) per case; dsinks per sinks case
     assert max(worst.values()) <= TOL, worst
 
 

@@ -98,9 +98,10 @@ def test_a_family_in_its_own_module_and_one_registration_reaches_everything(tmp_
     (src / "models" / "hf_toy.py").write_text(TOY_MODULE)
     registry = src / "models" / "hf_families.py"
     text = registry.read_text()
-    line = next(line for line in text.splitlines() if line.startswith("FAMILIES: dict[str, Family] = register("))
-    assert line.endswith(")")
-    registry.write_text(text.replace(line, line[:-1] + ", TOY)")
+    # the registration may span lines: the last family's name is followed by the closing parenthesis
+    line = re.search(r"^FAMILIES: dict\[str, Family\] = register\(([^)]*)\)$", text, re.M)
+    assert line is not None
+    registry.write_text(text.replace(line[0], line[0][:-1] + ", TOY)")
                         .replace("from meshforge.models.hf_qwen3_moe import QWEN3_MOE\n",
                                  "from meshforge.models.hf_qwen3_moe import QWEN3_MOE\n"
                                  "from meshforge.models.hf_toy import TOY\n"))

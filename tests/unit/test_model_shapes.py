@@ -27,11 +27,16 @@ MOE_VARIANTS = [{}, {"n_shared_experts": 0}, {"qk_norm": True, "tie_embeddings":
 # DeepSeek-V3: q without compression, MoE only, dense only, biases + tied head + no shared experts
 DEEPSEEK_VARIANTS = [{"q_lora_rank": 0}, {"first_k_dense": 0}, {"first_k_dense": 2},
                      {"attention_bias": True, "tie_embeddings": True, "n_shared_experts": 0}]
+LAYERED_VARIANTS = [("tiny_gpt_oss", {"attention_bias": False, "tie_embeddings": True, "sliding_window": None,
+                                      "sliding_window_pattern": None, "router_bias_update_rate": 1e-3}),
+                    ("tiny_gemma3", {"attention_bias": True, "tie_embeddings": False, "final_logit_softcap": None})]
 CASES = ([(name, {}) for name in PRESETS] + [("tiny", v) for v in TINY_VARIANTS[1:]]
-         + [("tiny_moe", v) for v in MOE_VARIANTS[1:]] + [("tiny_deepseek", v) for v in DEEPSEEK_VARIANTS])
+         + [("tiny_moe", v) for v in MOE_VARIANTS[1:]] + [("tiny_deepseek", v) for v in DEEPSEEK_VARIANTS]
+         + LAYERED_VARIANTS)
 
 
 def describe(args):
+    """The description the family declares (models/hf_families.py)."""
     return FAMILIES[args.family].describe(args)
 
 
@@ -65,7 +70,10 @@ LORA = [("tiny", {}, ["*_proj"], ("embeddings", "norms"), 0.0),
         ("tiny_moe", {"tie_embeddings": True}, ["experts.down_proj", "k_proj"], (), 0.0),
         ("tiny_moe", {"n_shared_experts": 0, "qk_norm": True}, ["experts.gate_up_proj"], ("norms",), 0.0),
         ("tiny_deepseek", {}, ["*"], ("embeddings", "norms"), 0.0),
-        ("tiny_deepseek", {"q_lora_rank": 0, "first_k_dense": 2}, ["q_proj", "kv_*", "down_proj"], ("norms",), 0.1)]
+        ("tiny_deepseek", {"q_lora_rank": 0, "first_k_dense": 2}, ["q_proj", "kv_*", "down_proj"], ("norms",), 0.1),
+        ("tiny_gpt_oss", {}, ["*"], ("embeddings", "norms"), 0.0),
+        ("tiny_gpt_oss", {}, ["experts.down_proj", "q_proj"], ("embeddings",), 0.0),
+        ("tiny_gemma3", {}, ["*_proj"], ("embeddings",), 0.0)]
 
 
 @pytest.mark.parametrize("preset,over,targets,freeze,dropout", LORA)

@@ -1,6 +1,7 @@
 """Packed SFT sequences: attention never crosses a document, positions restart, and the loss equals the unpacked
 one on the same examples (1e-6 relative)."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,22 @@ def test_packing_runs_under_pp_and_moe_and_refuses_pp_with_cp():
         load_config(None, base + ["distributed.pp_size=2", "distributed.cp_size=2"], world_size=4)
     with pytest.raises(ConfigError, match="data.packing is not read"):
         load_config(None, ["data.packing=true"], world_size=1)
+
+
+def test_packing_refused_for_an_moe_family_whose_model_does_not_pack(monkeypatch):
+    """`Family.packs_documents` decides: the default MoE model (tiny_moe's, family llama) packs, GPT-OSS's does; a
+    family declaring that its MoE model does not is refused, in one line naming the families that do."""
+    from meshforge.models import FAMILIES
+
+    base = ["data.source=dataset", f"data.paths=[{DATA}]", "data.format=prompt_completion", "data.packing=true",
+            "training.seq_len=32"]
+    for preset in ("tiny_moe", "tiny_gpt_oss"):
+        assert load_config(None, base + [f"model.preset={preset}"], world_size=1).data.packing
+    monkeypatch.setitem(FAMILIES, "llama", dataclasses.replace(FAMILIES["llama"], packs_documents=False))
+    with pytest.raises(ConfigError, match=r"mixture-of-experts model \(model.family=llama\) is not supported yet "
+                                          r"\(mixtral and .*gpt_oss are\)"):
+        load_config(None, base + ["model.preset=tiny_moe"], world_size=1)
+    assert load_config(None, base, world_size=1).data.packing  # the family's dense model still packs
 
 
 def test_padding_is_in_no_document():

@@ -121,10 +121,11 @@ def _b_to_hf(adapter, name: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tens
 
 def _hf_experts_module(adapter, model: nn.Module, module: str, role: str) -> str:
     """The HF experts module a grouped-experts module maps to (`model.layers.0.mlp.experts`), from the HF names of
-    its own weights (`...experts.{e}.gate_proj.weight` per expert)."""
+    its own weights (`...experts.{e}.gate_proj.weight` per expert, or one stacked `...experts.gate_up_proj` as
+    GPT-OSS stores them)."""
     own = next(n for n, _ in model.get_submodule(module).named_parameters(recurse=False))
     theirs = adapter.hf_names(f"{module}.{own}")
-    hf = {n.rsplit(".", 3)[0] for n in theirs}
+    hf = {n.rsplit(".", 3)[0] for n in theirs} if len(theirs) > 1 else {theirs[0].rsplit(".", 1)[0]}
     if len(hf) != 1 or not next(iter(hf)).endswith("." + role.split(".")[0]):
         raise CheckpointError(f"{module}: its Hugging Face tensors {theirs[:2]} are not one experts module, so its "
                               "per-expert adapters have no PEFT form (use --merge)")

@@ -212,7 +212,8 @@ def model_fits_data(cfg: Config, world_size: int) -> list[str]:
     if cfg.training.seq_len > args.max_seq_len:
         out.append(f"training.seq_len={cfg.training.seq_len} exceeds model.max_seq_len={args.max_seq_len}: "
                    "shorten seq_len or raise model.max_seq_len")
-    if args.sliding_window is not None and cfg.training.seq_len > args.sliding_window:
+    exact_windows = not args.hf_model and FAMILIES[args.family].exact_windows  # masked per layer: any length
+    if args.sliding_window is not None and cfg.training.seq_len > args.sliding_window and not exact_windows:
         out.append(f"training.seq_len={cfg.training.seq_len} exceeds model.sliding_window={args.sliding_window}: "
                    "sliding-window attention is exact only up to the window; shorten seq_len")
     if cfg.data.source == "text" and args.vocab_size < 256:
@@ -490,8 +491,9 @@ def packing_support(cfg: Config, world_size: int) -> list[str]:
     """Packed sequences need the document mask in every attention: the dense model's, the context-parallel one
     (which masks its load-balanced chunks with the full document ids), or each pipeline stage's (the ids travel
     with the microbatch); an MoE model also keeps padding out of its router statistics, if its family's model
-    takes the ids. Context parallelism under pipeline parallelism does not carry them yet: its attention reads the
-    full ids of one micro batch at a time, and a pipeline keeps several in flight."""
+    takes the ids (`Family.packs_documents`: the default MoE model, DeepSeek-V3's and GPT-OSS's do). Context
+    parallelism under pipeline parallelism does not carry them yet: its attention reads the full ids of one micro
+    batch at a time, and a pipeline keeps several in flight."""
     if not cfg.data.packing:
         return []
     d, out = cfg.distributed, []
@@ -500,7 +502,9 @@ def packing_support(cfg: Config, world_size: int) -> list[str]:
                    "supported yet (context parallelism's document mask holds one micro batch at a time, a pipeline "
                    "several): set cp_size 1 (packing under pp) or pp_size 1 (packing under cp)")
     args = _model_args(cfg)
-    if args is not None and args.is_moe and not FAMILIES[args.family].moe_packing:
-        out.append(f"data.packing=true with a mixture-of-experts model of model.family={args.family} is not "
-                   "supported yet")
+    # (model.hf_model: refused by hf_model_keys, whatever its model)
+    if args is not None and not args.hf_model and args.is_moe and not FAMILIES[args.family].packs_documents:
+        packing = [f.name for f in FAMILIES.values() if f.has_experts and f.packs_documents]
+        out.append(f"data.packing=true with a mixture-of-experts model (model.family={args.family}) is not supported "
+                   f"yet ({' and '.join(packing)} are)")
     return out

@@ -49,7 +49,7 @@ from torch import nn
 
 from meshforge.errors import ConfigError
 from meshforge.models import contract_of, set_submodule
-from meshforge.models.attention import document_block_mask, is_block_mask, masked_attention
+from meshforge.models.attention import allowed, dense_attention, document_block_mask, is_block_mask, masked_attention
 
 
 # ------------------------------------------------------------------------------ load balancing
@@ -141,11 +141,15 @@ class _CPGroup:
         _reduce_scatter(out, per_rank, self.group)
         return out[..., :dk.shape[-1]], out[..., dk.shape[-1]:]
 
-    def local_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None) -> torch.Tensor:
+    def local_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents=None,
+                        rule: _LayerRule | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Exact causal attention of this rank's two query chunks against the full-sequence k, v; with the full
         (B, S) `documents` of packed sequences, also within a document (a dense boolean mask per chunk), or
-        `documents` is the FlexAttention block mask of this rank's query positions (CUDA; one call)."""
-        if documents is not None and is_block_mask(documents):
+        `documents` is the FlexAttention block mask of this rank's query positions (CUDA; one call). A layer with
+        its own `rule` (sliding window, softmax scale) or `sinks` takes the dense path: the window is one more
+        mask condition, the sinks an extra logit column (models/attention.py `dense_attention`)."""
+        special = rule is not None or sinks is not None
+        if documents is not None and is_block_mask(documents) and not special:
             return masked_attention(q, k, v, documents)
         if k.shape[1] != q.shape[1]:  # grouped-query attention: expand kv heads (transient)
             rep = q.shape[1] // k.shape[1]
@@ -155,6 +159,15 @@ class _CPGroup:
         for j, chunk in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
             kv_len = (chunk + 1) * c
             qj = q[..., j * c:(j + 1) * c, :]
+            if special:
+                pos = torch.arange(kv_len, device=q.device)
+                docs = documents if documents is not None and not is_block_mask(documents) else None
+                ok = allowed(pos[kv_len - c:], pos, rule.window if rule else None,
+                             None if docs is None else docs[:, kv_len - c:kv_len], None if docs is None else
+                             docs[:, :kv_len])
+                outs.append(dense_attention(qj, k[..., :kv_len, :], v[..., :kv_len, :], ok,
+                                            rule.scale if rule else None, sinks))
+                continue
             if documents is not None:
                 causal = torch.ones(c, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - c)
                 same = documents[:, kv_len - c:kv_len, None] == documents[:, None, :kv_len]
@@ -169,40 +182,57 @@ class _CPGroup:
         return torch.cat(outs, dim=-2)
 
 
+class _LayerRule:
+    """The attention rule of the slot a cp attention replaced: its sliding window and softmax scale."""
+
+    def __init__(self, window: int | None, scale: float | None):
+        self.window, self.scale = window, scale
+
+
 class _AllGatherKVAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp: _CPGroup, documents):
+    def forward(ctx, q, k, v, sinks, cp: _CPGroup, documents, rule):
         kf, vf = cp.gather_kv(k, v)
-        out = cp.local_attention(q, kf, vf, documents)
-        ctx.save_for_backward(q, k, v)
-        ctx.cp, ctx.documents = cp, documents
+        out = cp.local_attention(q, kf, vf, documents, rule, sinks)
+        ctx.save_for_backward(q, k, v, sinks)
+        ctx.cp, ctx.documents, ctx.rule = cp, documents, rule
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v = ctx.saved_tensors
+        q, k, v, sinks = ctx.saved_tensors
         cp: _CPGroup = ctx.cp
         kf, vf = cp.gather_kv(k, v)
         with torch.enable_grad():
             q_, kf_, vf_ = (t.detach().requires_grad_(True) for t in (q, kf, vf))
-            out = cp.local_attention(q_, kf_, vf_, ctx.documents)
-            dq, dkf, dvf = torch.autograd.grad(out, (q_, kf_, vf_), dout)
-        dk, dv = cp.reduce_scatter_kv(dkf, dvf)
-        return dq, dk, dv, None, None
+            inputs = (q_, kf_, vf_)
+            s_ = None
+            if sinks is not None:
+                s_ = sinks.detach().requires_grad_(True)
+                inputs += (s_,)
+            out = cp.local_attention(q_, kf_, vf_, ctx.documents, ctx.rule, s_)
+            grads = torch.autograd.grad(out, inputs, dout)
+        dk, dv = cp.reduce_scatter_kv(grads[1], grads[2])
+        # the sinks' gradient from this rank's queries: the data-parallel reduction over the cp ranks adds the rest
+        return grads[0], dk, dv, grads[3] if sinks is not None else None, None, None, None
 
 
 class ContextParallelAttention(nn.Module):
-    """Drop-in for a model's attention op: q, k, v are this rank's (B, H, S/cp, D) load-balanced shards."""
+    """Drop-in for a model's attention op: q, k, v are this rank's (B, H, S/cp, D) load-balanced shards. `window`
+    and `scale`: the rule of the slot it replaces (a sliding-window layer's window, the softmax scale)."""
 
-    def __init__(self, group, cp_size: int, cp_rank: int, documents: _Documents | None = None):
+    def __init__(self, group, cp_size: int, cp_rank: int, documents: _Documents | None = None,
+                 window: int | None = None, scale: float | None = None):
         super().__init__()
         self.cp = _CPGroup(group, cp_size, cp_rank)
         self.documents = documents or _Documents()
+        self.rule = _LayerRule(window, scale) if window is not None or scale is not None else None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """`mask` (the model's document mask of packed sequences, built from this rank's shard) only says the
-        batch is packed: the exact mask comes from the full document ids the batch transform kept."""
+        batch is packed: the exact mask comes from the full document ids the batch transform kept. `sinks`: the
+        layer's attention sinks (this rank's heads)."""
         if q.shape[-2] % 2:
             raise ValueError(f"context-parallel attention needs an even local sequence length, got {q.shape[-2]}")
         documents = None
@@ -211,12 +241,13 @@ class ContextParallelAttention(nn.Module):
             if documents is None or documents.shape != (q.shape[0], q.shape[-2] * self.cp.size):
                 raise RuntimeError("context-parallel attention got a document mask but not the micro batch's "
                                    "document ids (packed batches must go through the cp batch transform)")
-            if self.documents.block_mask is not None:  # CUDA: the block mask of the same ids
-                documents = self.documents.block_mask
-        return _AllGatherKVAttention.apply(q, k, v, self.cp, documents)
+            if self.documents.block_mask is not None and self.rule is None and sinks is None:
+                documents = self.documents.block_mask  # CUDA: the block mask of the same ids
+        return _AllGatherKVAttention.apply(q, k, v, sinks, self.cp, documents, self.rule)
 
     def extra_repr(self) -> str:
-        return f"cp_size={self.cp.size}, cp_rank={self.cp.rank}, all-gather K/V"
+        rule = "" if self.rule is None else f", window={self.rule.window}, scale={self.rule.scale}"
+        return f"cp_size={self.cp.size}, cp_rank={self.cp.rank}, all-gather K/V{rule}"
 
 
 # ------------------------------------------------------------------------------ apply
@@ -230,5 +261,7 @@ def apply_cp(model: nn.Module, mesh_ctx, dcfg) -> CPBatchTransform:
                           "cp_size 1")
     documents = _Documents()  # packed sequences: the transform sets the micro batch's ids, the attentions read them
     for name in slots:
-        set_submodule(model, name, ContextParallelAttention(group, cp_size, cp_rank, documents))
+        slot = model.get_submodule(name)  # its attention rule (window, scale) goes on with the drop-in
+        rule = getattr(slot, "window", None), getattr(slot, "scale", None)
+        set_submodule(model, name, ContextParallelAttention(group, cp_size, cp_rank, documents, *rule))
     return CPBatchTransform(cp_size, cp_rank, documents)

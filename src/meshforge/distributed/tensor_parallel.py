@@ -9,6 +9,8 @@ Styles (torch's `parallelize_module` styles, placed the way torchtitan places th
 - `rowwise`: `RowwiseParallel`, weight columns sharded, output all-reduced (reduce-scattered along the
   sequence, `Shard(1)`, with sequence parallelism).
 - `sequence_parallel`: `SequenceParallel` (norms): activations sharded along the sequence on the TP group.
+- `sequence_parallel_residual`: the same for a norm whose output is added to the residual stream (Gemma 3's
+  post-norms): its output is the plain local sequence shard, as the residual stream is.
 - `sequence_gather` (model plans only, with sequence parallelism): the module's first input arrives sequence
   sharded and is all-gathered once for all the column-wise projections inside (attention, MLP).
 - `sequence_gather_scatter` (with sequence parallelism): the module's first input is gathered as by
@@ -22,8 +24,11 @@ Styles (torch's `parallelize_module` styles, placed the way torchtitan places th
   vocabulary-sharded DTensor and the loss runs under `loss_parallel()` (the returned loss context), so the
   full-vocabulary logits are never gathered. With the fused loss the head's forward does not run: the loss
   projects chunk by chunk on each rank's vocabulary rows (`vocab_parallel_loss.py`).
-- `local_heads` (found by `planning/tp_trace.py`, not declared): the module's parameters split on dim 0 with the
-  heads, its forward on the local shards (per-head parameters such as Cohere's q/k norms).
+- `local_heads`: the module's per-head parameters split on dim 0 with the heads, its forward on the local shards:
+  declared by a model (GPT-OSS's attention sinks, `weight` (heads,)) or found by `planning/tp_trace.py` (Cohere's
+  q/k norms, weight (heads, head_dim)).
+- `head_norm`: a per-head norm (QK-norm) on (B, S, local heads, head_dim): `SequenceParallel` over the heads
+  dimension, so the weight is a replicated DTensor whose gradient (from this rank's heads) is summed over tp.
 - `shared_input` (model plans only): the module's first input is one tensor every TP rank uses for its own heads
   only (DeepSeek's rope key, shared by all query heads): identity forward, its gradient (each rank's heads' share)
   summed over the TP group in backward, as a column-wise layer sums its input's gradient.
@@ -225,9 +230,9 @@ class EmbeddingParallel(RowwiseParallel):
 
 
 class LocalHeads(ParallelStyle):
-    """Per-head parameters of a module between column-wise and row-wise projections (e.g. Cohere's q/k norms,
-    weight (heads, head_dim)): split on dim 0 with the heads this rank's column-wise projections give it, and the
-    module's forward run on the local shards (its gradient is this rank's own; nothing to reduce)."""
+    """Per-head parameters of a module between column-wise and row-wise projections (GPT-OSS's sinks, Cohere's q/k
+    norms): split on dim 0 with the heads this rank's column-wise projections give it, and the module's forward
+    run on the local shards (its gradient is this rank's own; nothing to reduce)."""
 
     def _apply(self, module, mesh):
         for name, p in list(module.named_parameters(recurse=False)):
@@ -256,12 +261,14 @@ def _styles(sequence_parallel: bool, save_shard: bool) -> dict[str, ParallelStyl
         "rowwise": RowwiseParallel(output_layouts=seq),
         "rowwise_full": RowwiseParallel(output_layouts=Replicate()),
         "sequence_parallel": SequenceParallel(),
+        "sequence_parallel_residual": SequenceParallel(use_local_output=True),
         "sequence_gather": SequenceGather(save_shard),
         "sequence_gather_scatter": SequenceGatherScatter(save_shard),
         "shared_input": SharedInput(),
         "vocab_embedding": EmbeddingParallel(input_layouts=Replicate(), output_layouts=seq),
         "vocab_output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
         "local_heads": LocalHeads(),
+        "head_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
     }
 
 

@@ -51,15 +51,15 @@ SHARED: tuple[Arg, ...] = (
     Arg("attention_bias", bool, False, "biases on q, k, v and o (HF `attention_bias`)"),
     Arg("qkv_bias", bool, False, "biases on q, k, v only (Qwen2)"),
     Arg("qk_norm", bool, False, "per-head RMSNorm of q and k before RoPE (Qwen3)"),
-    Arg("rope_type", str, "default", "llama3: Llama 3.1/3.2 frequency scaling (the four keys below); yarn: YaRN "
-        "(families that read it: rope_factor, rope_original_max_seq_len and their yarn_* keys)",
-        choices=ROPE_TYPES + ("yarn",)),
-    Arg("rope_factor", float, 8.0, "llama3 and yarn scaling: factor", gt=0),
+    Arg("rope_type", str, "default", "llama3: Llama 3.1/3.2 frequency scaling (the four keys below); linear, yarn: "
+        "the families that name them (gemma3_text; gpt_oss and deepseek_v3: rope_factor, rope_original_max_seq_len "
+        "and their yarn_* keys)", choices=ROPE_TYPES),
+    Arg("rope_factor", float, 8.0, "llama3, linear and yarn scaling: factor", gt=0),
     Arg("rope_low_freq_factor", float, 1.0, "llama3 scaling: low_freq_factor", gt=0),
     Arg("rope_high_freq_factor", float, 4.0, "llama3 scaling: high_freq_factor", gt=0),
     Arg("rope_original_max_seq_len", int, 8192, "llama3 and yarn scaling: original context length", gt=0),
-    Arg("sliding_window", int | None, None, "Mistral: exact while training.seq_len <= it (a rule refuses longer)",
-        gt=0),
+    Arg("sliding_window", int | None, None, "keys a sliding-window layer sees (Gemma 3, GPT-OSS: the local layers; "
+        "Mistral: every layer, exact while training.seq_len <= it, a rule refuses longer)", gt=0),
     Arg("bos_token_id", int | None, None, "written to generation_config.json on export", ge=0),
     Arg("eos_token_id", int | list[int] | None, None, "likewise"),
     Arg("pad_token_id", int | None, None, "HF padding_idx: that embedding row gets no gradient from the lookup "

@@ -31,27 +31,21 @@ import torch
 from torch import nn
 
 from meshforge.models import deepseek_v3_shapes as ds
+from meshforge.models import rope
 from meshforge.models.args import ModelArgs
 from meshforge.models.attention import document_mask
 from meshforge.models.hf_families import dense_adapter
+from meshforge.models.layer_types import global_rope
 from meshforge.models.llama import Llama, TransformerBlock, apply_rope
 from meshforge.models.materialize import build_children, buildable
 from meshforge.models.moe import MoE, Router, take_aux_loss, with_aux_loss
 from meshforge.models.protocol import AdapterLayout, InitSpec, StateDictAdapter
-from meshforge.models.yarn import attention_factor, get_mscale, yarn_inv_freq
 
 
 def mla_rope(positions: torch.Tensor, args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin (..., S, qk_rope_head_dim/2) of the rotary half, for true positions; YaRN scales both by its
-    attention factor."""
-    dim = args.qk_rope_head_dim
-    if args.rope_type == "yarn":
-        inv, scale = yarn_inv_freq(args, dim).to(positions.device), attention_factor(args)
-    else:
-        inv = 1.0 / (args.rope_theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
-        scale = 1.0
-    ang = positions.to(torch.float32).unsqueeze(-1) * inv
-    return ang.cos() * scale, ang.sin() * scale
+    """cos/sin (..., S, qk_rope_head_dim/2) of the rotary half, for true positions (models/rope.py: YaRN scales
+    both by its attention factor)."""
+    return rope.tables(positions, args.qk_rope_head_dim, global_rope(args))
 
 
 def apply_rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -69,7 +63,7 @@ def softmax_scale_factor(args: ModelArgs) -> float:
     """What the attention's default 1/sqrt(qk_head_dim) is multiplied by: YaRN's mscale(factor, mscale_all_dim)^2
     (transformers' `yarn_apply_mscale`), else 1."""
     if args.rope_type == "yarn" and args.yarn_mscale_all_dim:
-        return get_mscale(args.rope_factor, args.yarn_mscale_all_dim) ** 2
+        return rope.get_mscale(args.rope_factor, args.yarn_mscale_all_dim) ** 2
     return 1.0
 
 

@@ -76,8 +76,11 @@ class DeepSeekV3Shape(ModelShape):
 
     moe_kind = "DeepSeekMoE"
 
-    def __init__(self, args: ModelArgs):
-        super().__init__(args, [block(args, is_sparse(args, i)) for i in range(args.n_layers)], "DeepSeekV3")
+    def block(self, args: ModelArgs, layer: int) -> ModuleShape:
+        return block(args, is_sparse(args, layer))
+
+    def model_kind(self, args: ModelArgs) -> str:
+        return "DeepSeekV3"
 
     def tp_plan(self, sequence_parallel: bool = False) -> dict[str, str]:
         return tp_plan(self.args, sequence_parallel)

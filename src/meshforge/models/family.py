@@ -61,10 +61,13 @@ class Family:
     # module:function giving that model's torch-free description (models/shapes.py), which the planner reads
     model: str = "meshforge.models.moe:decoder_class"
     description: str = "meshforge.models.shapes:describe"
-    rope_types: tuple[str, ...] = ("default", "llama3")  # the `model.rope_type`s its model computes
-    # its MoE model takes packed sequences' document ids (the default model, models/moe.py's, does; a dense model
-    # always does)
-    moe_packing: bool = True
+    rope_types: tuple[str, ...] = ("default", "llama3")  # the `model.rope_type`s its model computes and exports
+    # its model masks sliding windows exactly (per layer, also under context parallelism and packing), so
+    # `training.seq_len` may exceed `model.sliding_window` (Mistral's model does not: a rule refuses that)
+    exact_windows: bool = False
+    # its MoE model's forward masks packed documents and keeps padding out of its router statistics (the default
+    # model, models/moe.py's, does; a family with a model of its own says whether its does; every dense model does)
+    packs_documents: bool = True
 
     def model_class(self, args: ModelArgs) -> type:
         return _resolve(self.model)(args)

@@ -78,7 +78,7 @@ class _RouterFlags:
 
 class HFMoELayer:
     """One transformers MoE layer as `distributed/expert_parallel.py` sees it: `experts` (the module it shards and
-    hands to the strategy), `n_experts`, `router`, and `dispatcher` (set: tokens go through it)."""
+    hands to the strategy), `n_experts`, `router`, `dispatcher` (set: tokens go through it) and `balance_load`."""
 
     def __init__(self, experts: nn.Module):
         self.experts = experts

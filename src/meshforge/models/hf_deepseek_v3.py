@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING
 from meshforge.errors import CheckpointError
 from meshforge.models.family import Arg, _resolve
 from meshforge.models.hf_dense import _DTYPE_NAMES, rope_parameters
+from meshforge.models.hf_layered import read_rope_table, write_rope_table
 from meshforge.models.hf_moe import MoEFamily, MoEStateDictAdapter
-from meshforge.models.yarn import YARN_FIELDS, read_yarn, write_yarn
+from meshforge.models.yarn import YARN_FIELDS
 
 if TYPE_CHECKING:
     import torch
@@ -186,23 +187,15 @@ class DeepSeekV3Family(MoEFamily):
 
     @staticmethod
     def _read_rope(c: dict, max_positions: int, refuse) -> dict:
+        """Both layouts (models/hf_dense.py's `rope_parameters`), one default or yarn table (every YaRN key)."""
         params = rope_parameters(c, refuse)
-        rope_type = params.pop("rope_type")
-        out = {"rope_theta": float(params.pop("rope_theta", None) or 10000.0), "rope_type": rope_type}
-        if rope_type == "yarn":
-            out.update(read_yarn(params, max_positions, refuse))
-        elif rope_type != "default":
-            refuse(f"rope_type={rope_type!r} is not supported (default, yarn)")
-        if params:
-            refuse(f"rope parameter {sorted(params)[0]!r} is not supported for rope_type {rope_type}")
-        return out
+        params["rope_theta"] = params.get("rope_theta") or 10000.0
+        return read_rope_table(params, ("default", "yarn"), refuse, max_positions, yarn_fields=YARN_FIELDS)
 
     # -------------------------------------------------------------- model.* values -> config.json
     def write_config(self, a: ModelArgs, dtype: torch.dtype) -> dict:
         self.check_args(a)
-        rope = {"rope_theta": a.rope_theta, "rope_type": a.rope_type}
-        if a.rope_type == "yarn":
-            rope.update(write_yarn(a))
+        rope = write_rope_table(a)
         return {"architectures": [self.architecture], "model_type": self.name, "vocab_size": a.vocab_size,
                 "hidden_size": a.dim, "intermediate_size": a.ffn_dim, "moe_intermediate_size": a.moe_ffn_dim,
                 "num_hidden_layers": a.n_layers, "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_heads,
@@ -243,4 +236,4 @@ class DeepSeekV3StateDictAdapter(MoEStateDictAdapter):
 DEEPSEEK_V3 = DeepSeekV3Family("deepseek_v3", "DeepseekV3ForCausalLM", fields=FIELDS,
                                model="meshforge.models.deepseek_v3:model_class",
                                description="meshforge.models.deepseek_v3_shapes:describe",
-                               rope_types=("default", "yarn"), moe_packing=True)
+                               rope_types=("default", "yarn"), packs_documents=True)

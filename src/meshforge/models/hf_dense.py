@@ -53,8 +53,15 @@ _NAMES = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_PATTERNS = [(re.compile("^" + re.escape(ours).replace(r"\{\}", r"(\d+)") + "$"), theirs)
-             for ours, theirs in _NAMES.items()]
+
+
+def name_patterns(names: dict[str, str]) -> list[tuple[re.Pattern, str]]:
+    """{meshforge name with `{}` for the layer: HF name} -> (regex, HF format) pairs, as adapters match them."""
+    return [(re.compile("^" + re.escape(ours).replace(r"\{\}", r"(\d+)") + "$"), theirs)
+            for ours, theirs in names.items()]
+
+
+_PATTERNS = name_patterns(_NAMES)
 
 
 def permute_to_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -76,7 +83,9 @@ def permute_from_hf(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------ families
 # config.json keys with no effect on the weights or the logits (storage dtype: tensors are cast to the run's)
 _METADATA_KEYS = {"transformers_version", "torch_dtype", "dtype", "use_cache", "_name_or_path"}
-ROPE_TYPES = ("default", "llama3")  # `model.rope_type`s: their config.json keys below, computed by llama.rope_cos_sin
+# `model.rope_type`s: default and llama3 (their config.json keys below, computed by models/rope.py) for every
+# family; linear and yarn for the families that name them in `Family.rope_types` (models/rope.py computes those)
+ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 
 
 @dataclass(frozen=True)
@@ -87,7 +96,9 @@ class DenseFamily(Family):
     reads_attention_bias: bool = False  # config.json has `attention_bias` (q, k, v, o biases)
     reads_mlp_bias: bool = False  # config.json has `mlp_bias` (must be false: the MLP has no biases)
     reads_pretraining_tp: bool = False  # Llama's `pretraining_tp`: a matmul split with identical results
-    sliding: str = "none"  # none | mistral (`sliding_window` on every layer) | qwen (`use_sliding_window`, ...)
+    # none | mistral (`sliding_window` on every layer) | qwen (`use_sliding_window`, ...) | layers (`layer_types`,
+    # read by the family itself: Gemma 3, GPT-OSS)
+    sliding: str = "none"
     default_max_positions: int = 2048
 
     def check_args(self, a: ModelArgs) -> None:
@@ -102,7 +113,7 @@ class DenseFamily(Family):
                                       f"{self.name} (it has {flag}={value}); choose another model.family")
         if a.attention_bias and not self.reads_attention_bias:
             raise CheckpointError(f"model.attention_bias=true cannot be exported as Hugging Face {self.name}")
-        if a.sliding_window is not None and self.sliding != "mistral":
+        if a.sliding_window is not None and self.sliding not in ("mistral", "layers"):
             raise CheckpointError(f"model.sliding_window={a.sliding_window} cannot be exported as Hugging Face "
                                   f"{self.name} (family mistral has it)")
 
@@ -247,13 +258,15 @@ def rope_parameters(c: dict, refuse) -> dict:
 class DenseStateDictAdapter:
     """Tensor names and permutations for every dense family (they share HF's names); config.json by family."""
 
+    patterns = _PATTERNS  # (meshforge name regex, HF name format); a family with other layers adds its own
+
     def __init__(self, args: ModelArgs, family: DenseFamily):
         self.args, self.family = args, family
 
     def hf_names(self, name: str) -> list[str]:
         if name == "output.weight" and self.args.tie_embeddings:
             return []  # the head shares the embedding's tensor; HF ties it back from config.json
-        for pattern, theirs in _PATTERNS:
+        for pattern, theirs in self.patterns:
             m = pattern.match(name)
             if m:
                 return [theirs.format(*m.groups())]

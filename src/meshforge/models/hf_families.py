@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 from meshforge.errors import CheckpointError
 from meshforge.models.family import Family, register
 from meshforge.models.hf_deepseek_v3 import DEEPSEEK_V3
+from meshforge.models.hf_gemma3 import GEMMA3
+from meshforge.models.hf_gpt_oss import GPT_OSS
 from meshforge.models.hf_llama import LLAMA
 from meshforge.models.hf_mistral import MISTRAL
 from meshforge.models.hf_mixtral import MIXTRAL
@@ -26,7 +28,8 @@ if TYPE_CHECKING:
     from meshforge.models.protocol import StateDictAdapter
 
 # one entry per family, in the order messages and docs list them
-FAMILIES: dict[str, Family] = register(LLAMA, QWEN2, QWEN3, MISTRAL, MIXTRAL, QWEN3_MOE, DEEPSEEK_V3)
+FAMILIES: dict[str, Family] = register(LLAMA, QWEN2, QWEN3, MISTRAL, MIXTRAL, QWEN3_MOE, DEEPSEEK_V3, GPT_OSS,
+                                       GEMMA3)
 
 
 def family(name: str) -> Family:

@@ -21,10 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshforge.models import shapes
+from meshforge.models import rope, shapes
 from meshforge.models.args import ModelArgs
-from meshforge.models.attention import document_mask, masked_attention
+from meshforge.models.attention import attend, document_mask, masked_attention
 from meshforge.models.hf_families import dense_adapter
+from meshforge.models.layer_types import global_rope
 from meshforge.models.loss import HeadInput, head_input
 from meshforge.models.materialize import buildable, build_children
 from meshforge.models.protocol import AdapterLayout, InitSpec, PipelineLayout, StateDictAdapter
@@ -92,28 +93,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return _SwiGLUFn.apply(gate, up)
 
 
-def llama3_scaled(inv: torch.Tensor, args: ModelArgs) -> torch.Tensor:
-    """Llama 3.1's RoPE frequency scaling (HF `rope_type: llama3`): long wavelengths divided by `rope_factor`,
-    short ones kept, and a smooth blend between the two wavelength bounds."""
-    factor, low, high, old = (args.rope_factor, args.rope_low_freq_factor, args.rope_high_freq_factor,
-                              args.rope_original_max_seq_len)
-    wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > old / low, inv / factor, inv)
-    smooth = (old / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= old / high) & (wavelen <= old / low)
-    return torch.where(medium, blended, scaled)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
-                 args: ModelArgs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin for true token positions (shape (..., S, head_dim/2)); positions may be non-contiguous (CP).
-    `args` with `rope_type="llama3"` scales the frequencies as Llama 3.1 does."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    if args is not None and args.rope_type == "llama3":
-        inv = llama3_scaled(inv, args)
-    ang = positions.to(torch.float32).unsqueeze(-1) * inv
-    return ang.cos(), ang.sin()
+def rope_cos_sin(positions: torch.Tensor, args: ModelArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of the model's rotary table (`rope_type` and its parameters: models/rope.py) for true token
+    positions (shape (..., S, head_dim/2)); positions may be non-contiguous (CP)."""
+    return rope.tables(positions, args.hd, global_rope(args))
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -132,12 +115,37 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class CoreAttention(nn.Module):
     """Causal scaled-dot-product attention on (B, H, S, D); context parallelism swaps this module. `mask` (packed
     sequences, `document_mask`) replaces the causal mask: a FlexAttention block mask on CUDA, a dense boolean mask
-    elsewhere (models/attention.py)."""
+    elsewhere (models/attention.py). A layer with its own rule (Gemma 3, GPT-OSS) gives its sliding `window` and
+    softmax `scale` here and its attention `sinks` (this rank's heads) to forward (`attention.attend`); the drop-in
+    of context parallelism takes the same (`window`, `scale` read from the module it replaces)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None) -> torch.Tensor:
-        if mask is not None:
-            return masked_attention(q, k, v, mask)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+    def __init__(self, window: int | None = None, scale: float | None = None):
+        super().__init__()
+        self.window, self.scale = window, scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if self.window is None and self.scale is None and sinks is None:
+            if mask is not None:
+                return masked_attention(q, k, v, mask)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        return attend(q, k, v, mask, window=self.window, scale=self.scale, sinks=sinks)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in (("window", self.window), ("scale", self.scale)) if v is not None)
+
+
+@buildable
+class AttentionSinks(nn.Module):
+    """GPT-OSS's attention sinks: one learned logit per query head (`weight` (heads,)); tensor parallelism splits
+    it with the heads (style `local_heads`: forward then sees this rank's)."""
+
+    def __init__(self, n_heads: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_heads))
+
+    def forward(self) -> torch.Tensor:
+        return self.weight
 
 
 @buildable
@@ -157,7 +165,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)
+        if hasattr(self, "sinks"):  # GPT-OSS: a learned per-head logit in every softmax (this rank's heads)
+            out = self.core(q, k, v, mask, sinks=self.sinks())
+        else:
+            out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -210,7 +221,7 @@ class Llama(nn.Module):
         if positions is None:  # from the input: a sequence-parallel embedding returns a sequence shard
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        cos, sin = rope_cos_sin(positions, self.args.hd, self.args.rope_theta, self.args)
+        cos, sin = rope_cos_sin(positions, self.args)
         mask = None if document_ids is None else document_mask(document_ids)
         for block in self.layers.values():
             h = block(h, cos, sin) if mask is None else block(h, cos, sin, mask)
@@ -237,10 +248,9 @@ class Llama(nn.Module):
         """The transformer blocks: the unit FSDP wraps, activation checkpointing recomputes."""
         return list(self.layers.values())
 
-    @staticmethod
-    def tp_plan(sequence_parallel: bool = False) -> dict[str, str]:
+    def tp_plan(self, sequence_parallel: bool = False) -> dict[str, str]:
         """Module-name patterns -> tensor-parallel style; interpreted by distributed/tensor_parallel.py."""
-        return shapes.dense_tp_plan(sequence_parallel)  # declared in models/shapes.py, which the planner reads
+        return shapes.tp_plan(self.args, sequence_parallel)  # declared in models/shapes.py, which the planner reads
 
     def pipeline_layout(self) -> PipelineLayout:
         """The blocks, in order, are the split points; the embedding goes with the first stage and the final

@@ -94,14 +94,15 @@ class Router(nn.Module):
     weights stay the unbiased scores'; after each optimizer step the bias of every expert moves by the rate towards
     the mean load, b_i += rate * sign(mean_j load_j - load_i), from the load of the whole global batch (the
     distributed package sums it over the ranks, `expert_parallel.update_router_biases`). The bias stays fp32 when
-    the model is cast (its updates are below bf16's resolution near 1; transformers keeps it fp32 too)."""
+    the model is cast (its updates are below bf16's resolution near 1; transformers keeps it fp32 too). The gate
+    itself may have a bias (`bias`, a parameter: GPT-OSS)."""
 
     def __init__(self, dim: int, n_experts: int, top_k: int, score_func: str, route_norm: bool,
-                 bias_update_rate: float = 0.0):
+                 bias_update_rate: float = 0.0, bias: bool = False):
         super().__init__()
         if score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"model.score_func={score_func!r} must be softmax or sigmoid")
-        build_children(self, shapes.router(dim, n_experts, top_k, score_func, route_norm, bias_update_rate))  # gate
+        build_children(self, shapes.router(dim, n_experts, top_k, score_func, route_norm, bias_update_rate, bias))
         self.n_experts, self.top_k, self.score_func, self.route_norm = n_experts, top_k, score_func, route_norm
         self.bias_update_rate = bias_update_rate
         if bias_update_rate > 0:
@@ -371,7 +372,7 @@ class MoETransformer(Llama):
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        cos, sin = rope_cos_sin(positions, self.args.hd, self.args.rope_theta, self.args)
+        cos, sin = rope_cos_sin(positions, self.args)
         packed = () if document_ids is None else (document_mask(document_ids), document_ids >= 0)
         aux = None
         for block in self.layers.values():
@@ -382,10 +383,9 @@ class MoETransformer(Llama):
         return with_aux_loss(self, self.head(h), aux)
 
     # ------------------------------------------------------------ declared plans
-    @staticmethod
-    def tp_plan(sequence_parallel: bool = False) -> dict[str, str]:
+    def tp_plan(self, sequence_parallel: bool = False) -> dict[str, str]:
         """Attention and shared experts split as in Llama; router and routed experts stay whole (EP splits those)."""
-        return shapes.moe_tp_plan(sequence_parallel)  # declared in models/shapes.py, which the planner reads
+        return shapes.tp_plan(self.args, sequence_parallel)  # declared in models/shapes.py, which the planner reads
 
     def init_spec(self, name: str) -> InitSpec:
         if name.endswith("experts.w2"):  # stacked routed experts' down projection: a residual projection

@@ -3,7 +3,8 @@ them before anything starts.
 
 Published shapes: Llama 3.2 1B/3B, Llama 3 8B/70B, Llama 3.1 8B (Meta's configs), Qwen2.5 0.5B/7B, Qwen3
 0.6B/8B, Mistral 7B v0.3 (their config.json files; parameter counts checked in tests/checkpoint/test_hf_families.py),
-Mixtral 8x7B, Qwen3-30B-A3B and DeepSeek-V3.
+Mixtral 8x7B, Qwen3-30B-A3B, DeepSeek-V3, GPT-OSS 20B/120B (bf16) and Gemma 3 1B; `tiny_gpt_oss` and
+`tiny_gemma3` turn every option of those families on at the tiny shape (windows shorter than the tests' sequences).
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ from meshforge.models.args import ModelArgs, model_fields
 
 _LLAMA31_ROPE = {"rope_type": "llama3", "rope_factor": 8.0, "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0,
                  "rope_original_max_seq_len": 8192}
+
+_GPT_OSS = dict(family="gpt_oss", vocab_size=201088, dim=2880, n_layers=24, n_heads=64, n_kv_heads=8, head_dim=64,
+                ffn_dim=2880, moe_ffn_dim=2880, n_experts=32, top_k=4, route_norm=True, attention_bias=True,
+                max_seq_len=131072, rope_theta=150000.0, rope_type="yarn", rope_factor=32.0,
+                rope_original_max_seq_len=4096, yarn_truncate=False, sliding_window=128, sliding_window_pattern=2,
+                norm_eps=1e-5, aux_loss_coeff=0.9, eos_token_id=200002, pad_token_id=199999)
 
 PRESETS: dict[str, ModelArgs] = {
     "tiny": ModelArgs(),
@@ -51,6 +58,23 @@ PRESETS: dict[str, ModelArgs] = {
                               ffn_dim=14336, max_seq_len=32768, rope_theta=1e6, n_experts=8, top_k=2,
                               moe_ffn_dim=14336, route_norm=True, aux_loss_coeff=0.02, bos_token_id=1,
                               eos_token_id=2),
+    # GPT-OSS (OpenAI, transformers' GptOssForCausalLM): config.json of gpt-oss-20b / gpt-oss-120b, bf16 weights
+    "gpt_oss_20b": ModelArgs(**_GPT_OSS),
+    "gpt_oss_120b": ModelArgs(**{**_GPT_OSS, "n_layers": 36, "n_experts": 128}),
+    # Gemma 3 1B (google/gemma-3-1b-pt, Gemma3ForCausalLM)
+    "gemma3_1b": ModelArgs(family="gemma3_text", qk_norm=True, vocab_size=262144, dim=1152, n_layers=26, n_heads=4,
+                           n_kv_heads=1, head_dim=256, ffn_dim=6912, max_seq_len=32768, rope_theta=1e6,
+                           rope_local_theta=10000.0, sliding_window=512, sliding_window_pattern=6,
+                           query_pre_attn_scalar=256, norm_eps=1e-6, tie_embeddings=True, bos_token_id=2,
+                           eos_token_id=1, pad_token_id=0),
+    # tiny versions with every option on, windows shorter than the tests' sequences (32)
+    "tiny_gpt_oss": ModelArgs(family="gpt_oss", n_experts=4, top_k=2, moe_ffn_dim=64, ffn_dim=64, attention_bias=True,
+                              sliding_window=16, sliding_window_pattern=2, rope_theta=150000.0, rope_type="yarn",
+                              rope_factor=4.0, rope_original_max_seq_len=64, yarn_truncate=False),
+    "tiny_gemma3": ModelArgs(family="gemma3_text", qk_norm=True, sliding_window=16, sliding_window_pattern=2,
+                             rope_theta=1e6, rope_local_theta=10000.0, rope_type="linear", rope_factor=2.0,
+                             query_pre_attn_scalar=24, final_logit_softcap=30.0, tie_embeddings=True,
+                             norm_eps=1e-6),
     "qwen3_30b_a3b": ModelArgs(family="qwen3_moe", qk_norm=True, vocab_size=151936, dim=2048, n_layers=48,
                                n_heads=32, n_kv_heads=4, head_dim=128, ffn_dim=6144, max_seq_len=40960,
                                rope_theta=1e6, n_experts=128, top_k=8, moe_ffn_dim=768, route_norm=True,

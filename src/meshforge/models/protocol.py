@@ -17,7 +17,8 @@ names in a declaration are dotted paths of `named_modules()` (patterns: `*` matc
 - `attention_slots()`: names of the attention-op modules: `forward(q, k, v)` on (batch, heads, seq,
   head_dim), causal. Context parallelism replaces each with a drop-in of the same signature.
 - `moe_layers()`: the mixture-of-experts layers (empty for a dense model); expert parallelism shards their
-  `experts` and sets their `dispatcher`.
+  `experts` and sets their `dispatcher`; `balance_load()` (None: no auxiliary-loss-free balancing) gives the
+  loads the step boundary sums to update their router's selection bias.
 - `init_spec(name)`: how parameter `name` starts (`InitSpec`); with the seed it fixes the initial value,
   so any sharding or pipeline split initialises exactly like one process (`models.param_init_tensor`).
 - `flops_per_token(seq_len)`: training FLOPs per token, for TFLOP/s and MFU.

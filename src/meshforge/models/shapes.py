@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshforge.models.args import ModelArgs
+from meshforge.models.layer_types import keys_per_query, window_of
 from meshforge.models.protocol import AdapterLayout, PipelineLayout, contract_of
 
 ADAPTER_PARTS = ("lora_A", "lora_B")  # LoRA's factor modules (models/lora.py)
@@ -110,10 +111,11 @@ def attention(a: ModelArgs) -> ModuleShape:
 
 
 def router(dim: int, n_experts: int, top_k: int, score_func: str, route_norm: bool,
-           bias_update_rate: float = 0.0) -> ModuleShape:
-    """The gate; with `bias_update_rate` > 0 also the balancing bias, a buffer (not a parameter: not described)."""
-    return ModuleShape("Router", children={"gate": linear(dim, n_experts)},
-                       init=(dim, n_experts, top_k, score_func, route_norm, bias_update_rate))
+           bias_update_rate: float = 0.0, bias: bool = False) -> ModuleShape:
+    """The gate (with a bias: GPT-OSS); with `bias_update_rate` > 0 also the balancing bias, a buffer (not a
+    parameter: not described)."""
+    init = (dim, n_experts, top_k, score_func, route_norm, bias_update_rate) + ((True,) if bias else ())
+    return ModuleShape("Router", children={"gate": linear(dim, n_experts, bias)}, init=init)
 
 
 def grouped_experts(n_experts: int, dim: int, hidden: int) -> ModuleShape:
@@ -158,22 +160,30 @@ def expert_lora(n_experts: int, in_features: int, out_features: int, rank: int) 
 class ModelShape(ModuleShape):
     """The whole model's description, with the contract methods the planner asks (same answers as the model's):
     tok_embeddings, layers ("0", "1", ...), norm, output (the embedding's weight with tie_embeddings). A family
-    with its own blocks passes them (`blocks`, its model class's name as `kind`) and overrides the plans."""
+    with other blocks subclasses it (`block`, `final_norm`, `model_kind`, `moe_kind` and the contract methods it
+    changes)."""
 
     moe_kind = "MoE"  # the kind of its mixture-of-experts layers (`moe_layers`)
 
-    def __init__(self, args: ModelArgs, blocks: list[ModuleShape] | None = None, kind: str | None = None):
+    def __init__(self, args: ModelArgs):
         emb = ModuleShape("Embedding", {"weight": ParamShape((args.vocab_size, args.dim))},
                           init=(args.vocab_size, args.dim, args.pad_token_id))
         output = ModuleShape("Linear", {"weight": emb.weight if args.tie_embeddings
                                         else ParamShape((args.vocab_size, args.dim))},
                              init=(args.dim, args.vocab_size, False))
-        blocks = blocks if blocks is not None else [block(args) for _ in range(args.n_layers)]
-        layers = ModuleShape("ModuleDict", children={str(i): b for i, b in enumerate(blocks)})
-        children = {"tok_embeddings": emb, "layers": layers, "norm": rms_norm(args.dim, args.norm_eps),
-                    "output": output}
-        super().__init__(kind or ("MoETransformer" if args.is_moe else "Llama"), children=children, init=(args,))
+        layers = ModuleShape("ModuleDict", children={str(i): self.block(args, i) for i in range(args.n_layers)})
+        children = {"tok_embeddings": emb, "layers": layers, "norm": self.final_norm(args), "output": output}
+        super().__init__(self.model_kind(args), children=children, init=(args,))
         self.args = args
+
+    def block(self, args: ModelArgs, layer: int) -> ModuleShape:
+        return block(args)
+
+    def final_norm(self, args: ModelArgs) -> ModuleShape:
+        return rms_norm(args.dim, args.norm_eps)
+
+    def model_kind(self, args: ModelArgs) -> str:
+        return "MoETransformer" if args.is_moe else "Llama"
 
     def tp_plan(self, sequence_parallel: bool = False) -> dict[str, str]:
         return tp_plan(self.args, sequence_parallel)
@@ -197,6 +207,20 @@ def _set_child(root: ModuleShape, name: str, mod: ModuleShape) -> None:
     owner = root.get_submodule(parent) if parent else root
     owner.children[child] = mod
     setattr(owner, child, mod)
+
+
+def expert_lora_shape(experts: ModuleShape, role: str) -> tuple[int, int, int]:
+    """(experts, in, out) of a per-expert adapter role on a grouped-experts description: stacked SwiGLU experts
+    (`w1`, `w3`, `w2`), or experts stored as transformers' fused (E, dim, 2 x hidden) `gate_up_proj` and
+    (E, hidden, dim) `down_proj` (GPT-OSS)."""
+    if "w1" in experts.params:
+        n, dim, hidden = experts.params["w1"].shape
+        return (n, *expert_lora_dims(role, dim, hidden))
+    n, dim, two_hidden = experts.params["gate_up_proj"].shape
+    dims = {"experts.gate_up_proj": (dim, two_hidden), "experts.down_proj": (two_hidden // 2, dim)}
+    if role not in dims:
+        raise ValueError(f"peft: grouped experts have no adapter role {role!r} (only {', '.join(dims)})")
+    return (n, *dims[role])
 
 
 def expert_lora_dims(role: str, dim: int, hidden: int) -> tuple[int, int]:
@@ -226,8 +250,7 @@ def apply_lora(model: ModelShape, pcfg: Any) -> list[str]:
         if role in layout.experts:
             for name, m in list(model.named_modules()):
                 if name and pattern_matches(layout.experts[role], name):
-                    n, dim, hidden = m.params["w1"].shape
-                    in_f, out_f = expert_lora_dims(role, dim, hidden)
+                    n, in_f, out_f = expert_lora_shape(m, role)
                     _set_child(m, f"adapters.{role.rpartition('.')[2]}", expert_lora(n, in_f, out_f, r))
                     names.append(f"{name}.{role}")
     apply_freeze(model, layout, pcfg)
@@ -330,7 +353,10 @@ def describe(args: ModelArgs) -> ModelShape:
 
 
 def tp_plan(args: ModelArgs, sequence_parallel: bool = False) -> dict[str, str]:
-    return moe_tp_plan(sequence_parallel) if args.is_moe else dense_tp_plan(sequence_parallel)
+    plan = moe_tp_plan(sequence_parallel) if args.is_moe else dense_tp_plan(sequence_parallel)
+    if args.qk_norm:  # the norms see this rank's heads only: their gradient is summed over tp
+        plan.update({"layers.*.attention.q_norm": "head_norm", "layers.*.attention.k_norm": "head_norm"})
+    return plan
 
 
 def dense_tp_plan(sequence_parallel: bool = False) -> dict[str, str]:
@@ -386,5 +412,9 @@ def flops_per_token(a: ModelArgs, seq_len: int) -> float:
 
 def attention_forward_flops_per_token(a: ModelArgs, seq_len: int) -> float:
     """Scores and weighted sum, forward: 2 matmuls of S x S x head_dim per head and layer, 2*2*S*hd*H per token,
-    halved by the causal mask."""
-    return a.n_layers * 2 * a.n_heads * a.hd * seq_len
+    halved by the causal mask; a layer with a sliding window shorter than S over the keys it sees
+    (models/layer_types.py)."""
+    windows = [window_of(a, i) for i in range(a.n_layers)]
+    if all(w is None or w >= seq_len for w in windows):
+        return a.n_layers * 2 * a.n_heads * a.hd * seq_len
+    return sum(4 * a.n_heads * a.hd * keys_per_query(w, seq_len) for w in windows)

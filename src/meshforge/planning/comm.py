@@ -131,13 +131,16 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
     act = tokens * args.dim * e
     mine = [p for p in mine_all if p.tp_dim is not None and not p.adapter]
     in_blocks = [p for p in mine if p.block is not None]
-    rows = sum(1 for p in in_blocks if p.tp_dim == 1)  # row-wise projections: one per sub-layer
+    # projection weights (not their biases, nor per-head parameters such as attention sinks)
+    projections = [p for p in in_blocks if len(p.shape) == 2]
+    rows = sum(1 for p in projections if p.tp_dim == 1)  # row-wise: one per sub-layer
     n_blocks = len({p.block for p in in_blocks})
 
     def input_grad(p: ParamRec) -> int:  # a column-wise projection's input gradient (its weight's in-features)
-        return tokens * (p.shape[1] if len(p.shape) == 2 else args.dim) * e
+        return tokens * p.shape[1] * e
     first = any(p.place == "first" for p in mine)
-    head = any(p.place == "last" for p in mine)
+    # the output head, or (without PP) the embedding tied to it; under PP the last stage holds the tied copy
+    head = any(p.place == "last" or (p.tied_copy and layout.pp == 1) for p in mine)
     # a frozen embedding (and frozen norms in the first block) needs no gradient of its output: backward skips the
     # embedding's mirror collective and the input gradients of the first sub-layer's column-wise projections
     # (those before the first block's first row-wise one)
@@ -145,12 +148,12 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
                                   (p.block == 0 and len(p.shape) == 1))
     skip = 0
     if frozen_in:
-        for p in (p for p in mine if p.block == 0):
+        for p in (p for p in projections if p.block == 0):
             if p.tp_dim == 1:
                 break
             skip += input_grad(p)
     # column-wise projections' input gradients, and the inputs the plan declares shared by the ranks' heads
-    cols = sum(input_grad(p) for p in in_blocks if p.tp_dim == 0) - skip + _shared_inputs(mine_all, cfg) * tokens * e
+    cols = sum(input_grad(p) for p in projections if p.tp_dim == 0) - skip + _shared_inputs(mine_all, cfg) * tokens * e
     recompute = d.ac_mode is not None
     fused = fused_loss_on(cfg)
     loss = 3 * tokens * F32 if head and not fused else 0
@@ -160,8 +163,8 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
     # optimizer step (measured, torch 2.13, dp 1)
     partial = 2 * F32 * sum(math.prod(p.shape) for p in mine_all if p.partial_grad and p.trainable)
     if d.sequence_parallel:
-        g, regather = _gathered_sublayers(mine_all, in_blocks, recompute)
-        whole = sum(1 for p in in_blocks if p.whole_out)  # all-reduced whole (an MoE's shared experts), not scattered
+        g, regather = _gathered_sublayers(mine_all, projections, recompute)
+        whole = sum(1 for p in projections if p.whole_out)  # all-reduced whole (an MoE's shared experts), not scattered
         add("tp", "all_gather",
             n_micro * (2 * g + first + head - frozen_in + (g if recompute else 0) + regather) * act)
         add("tp", "reduce_scatter",
@@ -198,7 +201,7 @@ def _shared_input_widths(model_json: str, sequence_parallel: bool) -> tuple[tupl
     return _SHARED[key]
 
 
-def _gathered_sublayers(mine_all: list[ParamRec], in_blocks: list[ParamRec], recompute: bool) -> tuple[int, int]:
+def _gathered_sublayers(mine_all: list[ParamRec], projections: list[ParamRec], recompute: bool) -> tuple[int, int]:
     """(sub-layers that gather the sequence, those of them that gather it again in backward). Each gathers its
     input in forward and the gradient of its (re-sharded) output in backward: a dense sub-layer through its
     row-wise projection's reduce-scatter, an MoE through its own re-sharding (`sequence_gather_scatter`). Without
@@ -208,7 +211,7 @@ def _gathered_sublayers(mine_all: list[ParamRec], in_blocks: list[ParamRec], rec
     torch 2.13)."""
     subs = {p.seq_sub for p in mine_all if p.seq_sub is not None and p.block is not None}
     rows: dict[str, set[str]] = {}
-    for p in in_blocks:
+    for p in projections:
         if p.tp_dim == 1:
             rows.setdefault(p.seq_sub, set()).add(p.name.rsplit(".", 1)[0])
     regather = 0 if recompute else sum(

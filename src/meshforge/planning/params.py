@@ -43,7 +43,7 @@ def model_params(cfg) -> tuple[list[ParamRec], object]:
     from meshforge.models import plan_modules, resolve_model_args
     from meshforge.models.shapes import ADAPTER_PARTS, is_adapter_param
     from meshforge.models.shapes import model_contract
-    from meshforge.planning.tp_plan import resolve_plan, sharded_dim
+    from meshforge.planning.tp_plan import PARTIAL_GRAD_STYLES, resolve_plan, sharded_dim
 
     args = resolve_model_args(cfg.model)
     one, modules = plan_modules(cfg.model)  # torch-free for the built-in models (models/shapes.py)
@@ -67,18 +67,16 @@ def model_params(cfg) -> tuple[list[ParamRec], object]:
             key = (id(p), block)
             if key in seen:
                 i = seen[key]
-                if layout is not None and block is None and mname.split(".")[0] in layout.last_stage \
-                        and out[i].place == "first":
+                if block is None and _place(mname, layout) == "last" and out[i].place == "first":
                     out[i] = dataclasses.replace(out[i], tied_copy=f"{mname}.{pname}")
                 continue
             seen[key] = len(out)
-            place = "block" if block is not None else "other"
-            if layout is not None and block is None:
-                top = mname.split(".")[0]
-                place = "first" if top in layout.first_stage else "last" if top in layout.last_stage else "other"
+            place = "block" if block is not None else _place(mname, layout)
             style = styles.get(mname)
             tp_dim = sharded_dim(mod, style) if style else None
-            partial = style == "sequence_parallel"
+            if tp_dim is not None and tp_dim >= len(p.shape):  # a row-wise projection's bias stays whole
+                tp_dim = None
+            partial = style in PARTIAL_GRAD_STYLES
             parent, _, part = mname.rpartition(".")
             if part in ADAPTER_PARTS and styles.get(parent):
                 # LoRA factors follow their base layer's style (distributed/tensor_parallel.py): under colwise B is
@@ -101,6 +99,14 @@ def _gathering(mname: str, styles: dict[str, str]) -> str | None:
             return name
         name = name.rpartition(".")[0]
     return None
+
+
+def _place(mname: str, layout) -> str:
+    """The pipeline place of a module outside the blocks: "first", "last" or "other"."""
+    if layout is None:
+        return "other"
+    top = mname.split(".")[0]
+    return "first" if top in layout.first_stage else "last" if top in layout.last_stage else "other"
 
 
 def _with_lora(one, modules: dict, peft):
@@ -155,9 +161,10 @@ def local_shape(p: ParamRec, layout: Layout) -> list[int]:
 
 def replicate_grad(p: ParamRec, layout: Layout) -> bool:
     """Without FSDP the vocabulary-parallel embedding's gradient arrives Replicate (each tp rank holds the whole
-    vocab x dim gradient, measured with torch 2.13), except for a weight tied across pipeline stages, whose
-    gradient is placed as the weight to be summed with the last stage's (distributed/pipeline_ties.py)."""
-    return p.tp_dim is not None and p.place == "first" and not (p.tied_copy and layout.pp > 1)
+    vocab x dim gradient, measured with torch 2.13), except for a weight tied to the output head: without PP the
+    head's sharded gradient is what accumulates; across pipeline stages the gradient is placed as the weight to be
+    summed with the last stage's copy (distributed/pipeline_ties.py)."""
+    return p.tp_dim is not None and p.place == "first" and not p.tied_copy
 
 
 def local_numel(p: ParamRec, layout: Layout) -> int:

@@ -35,12 +35,22 @@ def gather_bytes(cfg) -> int:
 
 def fused_loss_conflict(cfg) -> str | None:
     """Why the fused loss cannot run here (None: it can): only a model whose forward cannot hand the loss its
-    head's input (a transformers model returns logits). Every layout runs it: TP (vocabulary-parallel), PP (on
-    the last stage), fsdp2 and megatron_fsdp in every mode (a strategy keeps the unit holding the head gathered
-    until its backward: `Strategy.head_read_after_forward`). `training.fused_loss=auto` then takes the plain
+    head's input (a transformers model returns logits) or whose logits are not the head's plain output (Gemma 3's
+    final soft-cap). Every layout runs it: TP (vocabulary-parallel), PP (on the last stage), fsdp2 and
+    megatron_fsdp in every mode (a strategy keeps the unit holding the head gathered until its backward:
+    `Strategy.head_read_after_forward`). `training.fused_loss=auto` then takes the plain
     loss, and says so (`warnings`, the plan's notes); an explicit true is refused."""
     if cfg.model.hf_model:
         return "model.hf_model: the transformers model's forward returns logits"
+    from meshforge.models import resolve_model_args
+
+    try:
+        args = resolve_model_args(cfg.model)
+    except (KeyError, ValueError):  # an invalid model: the rules say why
+        return None
+    if args.final_logit_softcap is not None:
+        return (f"model.final_logit_softcap={args.final_logit_softcap}: the chunked loss projects the head's input "
+                "without the soft-cap")
     return None
 
 

@@ -27,9 +27,17 @@ from meshforge.models import plan_modules
 from meshforge.models.shapes import ModuleShape, model_contract, pattern_matches
 from meshforge.planning.tp_trace import fold_repeats, trace_plan
 
-SHARDED_STYLES = ("colwise", "rowwise", "rowwise_full", "vocab_embedding", "vocab_output")
-ALL_STYLES = SHARDED_STYLES + ("sequence_parallel", "sequence_gather", "sequence_gather_scatter", "shared_input",
-                                "replicate", "local_heads")
+SHARDED_STYLES = ("colwise", "rowwise", "rowwise_full", "vocab_embedding", "vocab_output", "local_heads")
+# `local_heads`: a module's per-head parameters split on dim 0 with the heads (GPT-OSS's attention sinks; Cohere's
+# q/k norms, found by planning/tp_trace.py); `head_norm`: a per-head norm (QK-norm) kept whole, applied to this
+# rank's heads, its gradient summed over tp; `sequence_parallel_residual`: a norm whose output joins the residual
+# stream (Gemma's post-norms), sequence-sharded like `sequence_parallel`; `shared_input`: an input every rank's
+# heads share (DeepSeek's rope key), its gradient summed over tp; `rowwise_full` / `sequence_gather_scatter`: an
+# MoE under sequence parallelism (distributed/tensor_parallel.py)
+ALL_STYLES = SHARDED_STYLES + ("sequence_parallel", "sequence_parallel_residual", "sequence_gather",
+                               "sequence_gather_scatter", "head_norm", "shared_input", "replicate")
+# whole on every tp rank, gradients arrive Partial
+PARTIAL_GRAD_STYLES = ("sequence_parallel", "sequence_parallel_residual", "head_norm")
 
 
 def _kind(mod: Any) -> str | None:
@@ -101,6 +109,8 @@ def sharded_dim(mod: Any, style: str) -> int | None:
     weights (num, dim)."""
     if style not in SHARDED_STYLES:
         return None
+    if style == "local_heads":
+        return 0
     emb = _kind(mod) == "embedding"
     if style in ("colwise", "vocab_output"):
         return 1 if emb else 0
@@ -123,14 +133,14 @@ def plan_problems(model: Any, tp_size: int, sequence_parallel: bool, custom: dic
     for name, style in resolved.items():
         mod = modules[name]
         if style == "replicate":
-            if sequence_parallel and declared.get(name) == "sequence_parallel":
+            if sequence_parallel and declared.get(name) in ("sequence_parallel", "sequence_parallel_residual"):
                 problems.append(f"distributed.tp_plan: module {name!r} must stay sequence_parallel with "
                                 "sequence_parallel=true (a replicated norm would miss other ranks' gradients): "
                                 "remove the entry or set sequence_parallel false")
             continue
         if style not in SHARDED_STYLES:
             continue
-        if _kind(mod) is None:
+        if _kind(mod) is None and style != "local_heads":
             problems.append(f"tensor-parallel style {style!r} on module {name!r} ({_type_name(mod)}): only "
                             "nn.Linear and nn.Embedding can be sharded; point the pattern at the projections")
             continue
