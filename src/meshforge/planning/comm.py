@@ -103,7 +103,7 @@ def _grad_norm(mine: list[ParamRec], terms, cfg, layout: Layout, add: AddComm) -
             n_ep += 1
             continue
         n_dp += dtensor
-        n_tp += layout.tp > 1 and p.tp_dim is not None and (dtensor or not replicate_grad(p, layout))
+        n_tp += layout.tp > 1 and p.tp_dim is not None and (dtensor or not replicate_grad(p))
     add("ep", "all_reduce", n_ep * F32 * (1 + (dtensor and layout.size(MeshAxis.EP_SHARD) > 1)))
     add("dp_cp", "all_reduce", n_dp * F32)
     add("tp", "all_reduce", n_tp * F32)

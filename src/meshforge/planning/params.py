@@ -29,8 +29,8 @@ class ParamRec:
     # sequence-sharded) and the LoRA factor kept whole beside a split base layer
     partial_grad: bool = False
     adapter: bool = False  # a LoRA factor (`models.lora.is_adapter_param`), decided once: the search asks often
-    # a first-stage weight a last-stage module also uses (a tied output head): under pipeline parallelism the last
-    # stage holds a copy under this name (distributed/pipeline_ties.py)
+    # a first-stage weight a last-stage module also uses (a tied output head), by that module's name: under pipeline
+    # parallelism the last stage holds a copy under this name (distributed/pipeline_ties.py)
     tied_copy: str | None = None
     copy: bool = False  # such a copy itself (`planning.state.tied_copy`): its gradient norm is its original's
     # sequence parallelism: the sub-layer module that gathers the sequence for it (style sequence_gather[_scatter])
@@ -159,7 +159,7 @@ def local_shape(p: ParamRec, layout: Layout) -> list[int]:
     return s
 
 
-def replicate_grad(p: ParamRec, layout: Layout) -> bool:
+def replicate_grad(p: ParamRec) -> bool:
     """Without FSDP the vocabulary-parallel embedding's gradient arrives Replicate (each tp rank holds the whole
     vocab x dim gradient, measured with torch 2.13), except for a weight tied to the output head: without PP the
     head's sharded gradient is what accumulates; across pipeline stages the gradient is placed as the weight to be

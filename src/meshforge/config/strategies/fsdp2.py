@@ -148,7 +148,7 @@ class FSDP2Terms(StrategyPlanTerms):
             full_grad = None
             if not active:
                 stored = opt = math.prod(s)
-                if replicate_grad(p, layout):  # the vocabulary-parallel embedding's, whole on each tp rank
+                if replicate_grad(p):  # the vocabulary-parallel embedding's, whole on each tp rank
                     full_grad = math.prod(p.shape)
             else:
                 dim, n, r = (1, ep_shard_n, ep_shard_r) if p.expert and layout.ep > 1 else (0, dense_n, dense_r)
