@@ -18,8 +18,11 @@ from meshforge.errors import MeshforgeError
 
 SUBCOMMANDS = {
     "checkpoint": ("meshforge.checkpoint.cli", "inspect, export and import checkpoints"),
+    "eval": ("meshforge.evaluation.cli", "perplexity on held-out data and lm-eval tasks of a run or HF folder"),
     "bench": ("meshforge.bench.cli", "measure throughput, memory and communication; compare configurations"),
-    "plan": ("meshforge.planning.cli", "memory per rank, communication and step time of a config, process-free"),
+    "plan": ("meshforge.scale.cli", "memory per rank, communication and step time of a config, process-free; "
+                                    "--trace runs the real step of chosen ranks on fake tensors beside it"),
+    "generate": ("meshforge.generation.cli", "generate text from a run's checkpoint or a Hugging Face folder"),
     "plot": ("meshforge.plot", "draw loss, lr, grad norm, tokens/s and memory of runs against step (overlaid)"),
 }
 
@@ -80,6 +83,8 @@ def cmd_train(args) -> int:
     nodes = _nodes(args)
     if isinstance(nodes, list):
         return _fail(nodes)
+    if args.max_restarts is not None:  # the flag is the YAML key, validated with the config
+        args.overrides = [*args.overrides, f"resilience.max_restarts={args.max_restarts}"]
     # with --nnodes this process is its node's launcher, even inside an `srun` task
     world = args.nproc_per_node if args.nproc_per_node and (nodes or not _under_launcher()) else None
     try:
@@ -89,17 +94,22 @@ def cmd_train(args) -> int:
                           if world else env_world_size())
     except ConfigError as err:
         return _fail(err.problems)
-    if nodes or (world and world > 1):
-        from meshforge.launch import run_cli
+    from meshforge.launch import RESTART, run_cli
 
-        return run_cli(world, ["train", args.config, *args.overrides], nodes,
-                       shutdown_timeout=int(cfg.checkpoint.grace_period_s) + 30)
+    restarts = cfg.resilience.max_restarts
+    if restarts and _under_launcher() and not nodes and RESTART not in os.environ:
+        return _fail(f"resilience.max_restarts={restarts} needs meshforge's launcher (meshforge train "
+                     "--nproc-per-node N); under torchrun pass torchrun --max-restarts, under srun use the "
+                     "scheduler's requeue")
+    if nodes or (world and world > 1) or (restarts and not _under_launcher()):
+        return run_cli(world or 1, ["train", args.config, *args.overrides], nodes,
+                       shutdown_timeout=int(cfg.checkpoint.grace_period_s) + 30, max_restarts=restarts)
     return run_training(cfg)
 
 
 def run_training(cfg) -> int:
     from meshforge.distributed.env import apply_slurm_env
-    from meshforge.launch import stop_with_launcher
+    from meshforge.launch import note_failure, stop_with_launcher
     from meshforge.training.trainer import train
 
     if _under_launcher():  # a rank of meshforge's launcher, torchrun or srun: it never outlives its launcher
@@ -109,13 +119,20 @@ def run_training(cfg) -> int:
     try:
         result = train(cfg)
     except MeshforgeError as err:
+        note_failure(rank, "; ".join(err.problems))  # the cause a restarting launcher reports
         return _fail(err.problems, code=err.exit_code)
     except RuntimeError as err:  # a collective timed out or lost its peer: one clear line instead of a traceback
         first = (str(err).strip().splitlines() or [""])[0]
         if not any(s in first for s in ("Timed out", "timed out", "Connection reset", "Connection closed")):
+            note_failure(rank, f"RuntimeError: {first[:300]}")
             raise
-        return _fail(f"rank {rank}: a collective failed ({first[:160]}): another rank died or hangs "
-                     f"(distributed.timeout_minutes={cfg.distributed.timeout_minutes})", code=1)
+        line = (f"rank {rank}: a collective failed ({first[:160]}): another rank died or hangs "
+                f"(distributed.timeout_minutes={cfg.distributed.timeout_minutes})")
+        note_failure(rank, line, secondary=True)
+        return _fail(line, code=1)
+    except Exception as err:
+        note_failure(rank, f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:300]}")
+        raise
     if rank == 0 and result.losses:
         print(f"done: steps {result.start_step}->{result.final_step}, first loss {result.losses[0]:.4f}, "
               f"last loss {result.losses[-1]:.4f}", flush=True)
@@ -224,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "omit it for the c10d rendezvous, which assigns node ranks")
     t.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of node 0 that every node reaches")
     t.add_argument("--rdzv-id", default=None, help="c10d rendezvous: the job id every node passes (default meshforge)")
+    t.add_argument("--max-restarts", type=int, default=None, help="restart the whole job after a rank fails, up to N "
+                   "times, resuming from the last committed checkpoint (= resilience.max_restarts)")
     t.set_defaults(fn=cmd_train)
 
     v = sub.add_parser("validate", help="check a config (and its layout for a world size) without running")

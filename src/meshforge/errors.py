@@ -42,6 +42,10 @@ class BenchError(MeshforgeError, ValueError):
     """Bad bench input (sweep, world sizes, flags)."""
 
 
+class CalibrationError(MeshforgeError):
+    """A run directory or efficiency file `meshforge plan --calibrate/--efficiency` cannot use."""
+
+
 class TrainingStopped(MeshforgeError, RuntimeError):
     """A run that ended early for a reason the user must see (non-finite loss or grad norm)."""
 

@@ -16,6 +16,14 @@ polling the parent's pid does the same wherever that is not available. SIGKILL, 
 (SIGKILL included): a worker whose launcher is gone saves nothing and commits nothing (a save it was making
 stays `.partial`, removed by the next run); its run lock is stale and the next run takes it over.
 
+Restarts (`run_cli(..., max_restarts=N)`, `meshforge train --max-restarts N`): a failed attempt (any rank
+failing) ends every rank, as torch's elastic agent does, and the whole job starts again as a fresh agent launch;
+the ranks resume from the last committed checkpoint (`checkpoint.resume=auto`). meshforge loops around the agent
+rather than passing torchrun `--max-restarts`, because the agent's own restarts neither tell the new ranks why
+they restarted nor stop on a fault that repeats: here each attempt's cause (the first failing rank's one line, or
+how it died) is printed, handed to the next attempt's ranks (`MESHFORGE_RESTART`, `MESHFORGE_RESTART_CAUSE`: the
+log and metrics.jsonl carry them), and the same cause twice in a row ends the job.
+
 This module is the only place meshforge spells out a torchrun command line.
 """
 
@@ -43,7 +51,27 @@ LAUNCHER_PID = "MESHFORGE_LAUNCHER_PID"  # set by a meshforge launcher: the pid 
 LAUNCH_VARS = (LAUNCHER_PID, "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "TORCHELASTIC_RUN_ID",
                "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_USE_AGENT_STORE",
-               "TORCHELASTIC_ERROR_FILE")
+               "TORCHELASTIC_ERROR_FILE", "MESHFORGE_RESTART", "MESHFORGE_RESTART_CAUSE", "MESHFORGE_FAILURE_DIR")
+RESTART, RESTART_CAUSE = "MESHFORGE_RESTART", "MESHFORGE_RESTART_CAUSE"  # the attempt (0 first), why it restarted
+FAILURE_DIR = "MESHFORGE_FAILURE_DIR"  # where a failing rank leaves its one line (`note_failure`) for the launcher
+
+
+def restart_attempt() -> tuple[int, str | None]:
+    """(restarts before this process's attempt, the cause of the last one): meshforge's launcher's, else
+    torchrun's own restart count (cause unknown)."""
+    raw = os.environ.get(RESTART) or os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0"
+    return (int(raw) if raw.isdigit() else 0), os.environ.get(RESTART_CAUSE) or None
+
+
+def note_failure(rank: int, line: str, secondary: bool = False) -> None:
+    """Leave this rank's one-line failure for a restarting launcher (`secondary`: it failed because a peer did,
+    e.g. a collective lost its peer). Nothing without a meshforge launcher."""
+    where = os.environ.get(FAILURE_DIR)
+    if where and os.path.isdir(where):
+        try:
+            Path(where, f"rank{rank}.json").write_text(json.dumps({"line": line, "secondary": secondary}))
+        except OSError:
+            pass
 
 
 # what torchrun and srun tell a process about its place in the job: whole numbers (a port: 1..65535)
@@ -156,12 +184,50 @@ def first_failure_code(failures: dict) -> int:
     return min(own)[2] if own else 1
 
 
-def run_cli(nproc: int, argv: list[str], nodes: Nodes | None = None, shutdown_timeout: int | None = None) -> int:
+def run_cli(nproc: int, argv: list[str], nodes: Nodes | None = None, shutdown_timeout: int | None = None,
+            max_restarts: int = 0) -> int:
     """`python -m meshforge ARGV` on `nproc` local processes, in the foreground (this process is the agent);
     with `nodes`, as one node of a multi-node launch.
     A signal to this process reaches the ranks (they finish the step and save, given `shutdown_timeout`
     seconds before they are killed); it then exits 130 after SIGINT, 0 after SIGTERM/SIGUSR1 (a preempted run
-    that saved), 128 + n after another signal n; one line, no traceback."""
+    that saved), 128 + n after another signal n; one line, no traceback.
+    A failed attempt starts again up to `max_restarts` times (module docstring), never after a signal and never
+    into the same failure twice; the exit code is the last attempt's."""
+    had = {k: os.environ.get(k) for k in (LAUNCHER_PID, RESTART, RESTART_CAUSE, FAILURE_DIR)}
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # the ranks follow this process (`stop_with_launcher`)
+    try:
+        with tempfile.TemporaryDirectory(prefix="meshforge-failures-") as failures:
+            os.environ[FAILURE_DIR] = failures
+            attempt, last = 0, None
+            while True:
+                os.environ[RESTART] = str(attempt)
+                code, cause = _attempt(nproc, argv, nodes, shutdown_timeout, Path(failures))
+                if cause is None or attempt >= max_restarts:
+                    if cause is not None and max_restarts:
+                        print(f"error: the job failed {attempt + 1} times ({max_restarts} restarts allowed); the last "
+                              f"cause: {cause}", file=sys.stderr, flush=True)
+                    return code
+                if cause == last:
+                    print(f"error: the same failure twice in a row, not restarting again: {cause}", file=sys.stderr,
+                          flush=True)
+                    return code
+                attempt, last = attempt + 1, cause
+                os.environ[RESTART_CAUSE] = cause
+                print(f"meshforge: restart {attempt} of {max_restarts} after: {cause}; every rank starts again and "
+                      "resumes from the last committed checkpoint", file=sys.stderr, flush=True)
+                for f in Path(failures).iterdir():
+                    f.unlink()
+    finally:
+        for k, v in had.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _attempt(nproc: int, argv: list[str], nodes: Nodes | None, shutdown_timeout: int | None,
+             failures: Path) -> tuple[int, str | None]:
+    """One agent launch: (exit code, the cause of a failure worth a restart, None when none is)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
@@ -170,8 +236,6 @@ def run_cli(nproc: int, argv: list[str], nodes: Nodes | None = None, shutdown_ti
 
     extra = [f"--shutdown-timeout={shutdown_timeout}"] if shutdown_timeout else []
     largs = get_args_parser().parse_args([*extra, *torchrun_args(nproc, ["-m", "meshforge", *argv], nodes)])
-    had = os.environ.get(LAUNCHER_PID)
-    os.environ[LAUNCHER_PID] = str(os.getpid())  # the ranks follow this process (`stop_with_launcher`)
     # torch's agent passes SIGTERM/SIGINT/SIGHUP/SIGQUIT on to the ranks; SIGUSR1 (preemption) would end this
     # process at once and leave the ranks running: pass it on the same way
     old_usr1 = signal.signal(signal.SIGUSR1, forward)
@@ -182,28 +246,52 @@ def run_cli(nproc: int, argv: list[str], nodes: Nodes | None = None, shutdown_ti
         code = 130 if sig == signal.SIGINT else 0 if sig in (signal.SIGTERM, signal.SIGUSR1) else 128 + int(sig)
         print(f"meshforge: {sig.name} received: the {nproc} processes were told to save and stop (exit {code})",
               file=sys.stderr, flush=True)
-        return code
+        return code, None
     except Exception as err:  # noqa: BLE001 - ChildFailedError carries the failing ranks' exit codes
         if address_in_use(err):  # the agent's own rendezvous store (node 0)
             endpoint = nodes.rdzv_endpoint if nodes else "the standalone rendezvous"
             print(f"error: --rdzv-endpoint {endpoint}: its port is in use (another job or a leftover process "
                   "holds it): choose another port", file=sys.stderr)
-            return 2
+            return 2, None
         if type(err).__name__ != "ChildFailedError":
             raise
-        failures = getattr(err, "failures", {})
-        code = first_failure_code(failures)
-        codes = sorted({f.exitcode for f in failures.values()})
-        print(f"error: {len(failures)} of {nproc} processes failed (exit codes {codes}; the first failing rank's: "
+        failed = getattr(err, "failures", {})
+        code = first_failure_code(failed)
+        codes = sorted({f.exitcode for f in failed.values()})
+        print(f"error: {len(failed)} of {nproc} processes failed (exit codes {codes}; the first failing rank's: "
               f"{code}); their messages are above", file=sys.stderr)
-        return code
+        return code, failure_cause(failed, failures)
     finally:
         signal.signal(signal.SIGUSR1, old_usr1)
-        if had is None:
-            os.environ.pop(LAUNCHER_PID, None)
-        else:
-            os.environ[LAUNCHER_PID] = had
-    return 0
+    return 0, None
+
+
+def failure_cause(failed: dict, notes: Path) -> str:
+    """One line on why an attempt failed: a rank's own line (`note_failure`) over a signal death over a rank
+    that failed because a peer did; ranks in order."""
+    lines = {}
+    for f in sorted(notes.glob("rank*.json")):
+        try:
+            lines[int(f.stem[4:])] = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+    own = [(r, v["line"]) for r, v in sorted(lines.items()) if not v.get("secondary")]
+    if own:
+        return f"rank {own[0][0]}: {own[0][1]}"
+    signalled = sorted((f.exitcode == -signal.SIGTERM, r, f.exitcode) for r, f in failed.items()
+                       if isinstance(f.exitcode, int) and f.exitcode < 0)  # SIGTERM last: the agent's own
+    if signalled:
+        _, rank, c = signalled[0]
+        try:
+            name = signal.Signals(-c).name
+        except ValueError:
+            name = f"signal {-c}"
+        return f"rank {rank} was killed by {name}"
+    if lines:
+        rank, v = min(lines.items())
+        return f"rank {rank}: {v['line']}"
+    rank, f = min(failed.items()) if failed else (0, None)
+    return f"rank {rank} exited with code {getattr(f, 'exitcode', '?')}"
 
 
 @dataclass

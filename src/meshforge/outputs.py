@@ -34,7 +34,7 @@ from typing import TypeVar
 
 MARKER = ".meshforge-output"
 LOCK = ".meshforge.lock"  # a running run's claim on its folders (training/rundir.py)
-RUN, CHECKPOINTS = "run", "checkpoints"
+RUN, CHECKPOINTS, EXPORT = "run", "checkpoints", "export"
 _STEP = re.compile(r"^step_\d+$")
 _RUN_SIGNS = ("metrics.jsonl", "run_meta.json")  # what only a run directory holds
 T = TypeVar("T")

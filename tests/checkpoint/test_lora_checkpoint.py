@@ -206,3 +206,64 @@ def test_expert_adapters_export_to_peft_merge_and_import(family, tmp_path):
     with pytest.raises(CheckpointError, match="target_parameters=.* set peft.target_modules to match"):
         Trainer.build(config([*ov[:-1], "peft.target_modules=['experts.down_proj']",
                               f"peft.init_from={tmp_path / 'adapter'}"], steps=1, world_size=1), single_info())
+
+
+@pytest.mark.slow
+def test_a_base_changed_at_the_same_path_is_refused_on_resume_and_merge(flow, tmp_path, capsys):
+    """The manifest fingerprints the base by content: a base replaced under the same path (same size) is named."""
+    from meshforge.checkpoint.verify import model_inputs
+
+    tmp, _, _, _ = flow
+    ck = tmp / "run" / "checkpoints" / "step_2"
+    inputs = json.loads((ck / "manifest.json").read_text())["model_inputs"]["model.init_from"]
+    assert inputs["folder"] == str((tmp / "base").resolve())
+    assert {k.rpartition("/")[2] for k in inputs["files"]} == {"config.json", "model.safetensors"}
+    weights = tmp / "base" / "model.safetensors"
+    original = weights.read_bytes()
+    try:
+        weights.write_bytes(original[:-3] + bytes([original[-3] ^ 1]) + original[-2:])
+        resume = _overrides(tmp, "changed_base", f"checkpoint.resume={ck}")
+        with pytest.raises(CheckpointError, match=r"model.init_from: .*model.safetensors changed since the "
+                                                  r"checkpoint \(content\).*checkpoint.allow_changed_inputs=true"):
+            _train(resume)
+        capsys.readouterr()
+        assert _train([*resume, "checkpoint.allow_changed_inputs=true"], steps=3).result.start_step == 2
+        assert "warning: resuming on changed model inputs" in "".join(capsys.readouterr())
+        assert cli_main(["checkpoint", "export", str(ck), "--to", str(tmp_path / "merged"), "--merge"]) == 2
+        err = capsys.readouterr().err
+        assert "model.safetensors changed since the checkpoint" in err and "another base" in err
+        assert not (tmp_path / "merged").exists()
+    finally:
+        weights.write_bytes(original)
+    adapter = tmp_path / "adapter"
+    assert cli_main(["checkpoint", "export", str(ck), "--to", str(adapter), "--adapter"]) == 0
+    cfg = config([*_overrides(tmp, "x"), f"peft.init_from={adapter}"], steps=1, world_size=1)
+    got = model_inputs(cfg)
+    assert sorted(k.rpartition("/")[2] for k in got["peft.init_from"]["files"]) == ["adapter_config.json",
+                                                                                    "adapter_model.safetensors"]
+
+
+@pytest.mark.slow
+def test_a_merged_export_is_as_complete_as_a_plain_one(flow, tmp_path):
+    """Merged LoRA export: loads with AutoTokenizer, GenerationConfig and AutoModelForCausalLM; its files are a plain
+    export's (weights aside)."""
+    tmp, _, tokens, _ = flow
+    text = tmp_path / "corpus.txt"
+    text.write_text("".join(f"line {i} of a small corpus\n" for i in range(300)))
+    tr = _train([*_overrides(tmp_path, "run"), f"model.init_from={tmp / 'base'}", "data.source=text",
+                 f"data.paths=[{text}]"], steps=2)  # a run with a tokenizer (byte-level)
+    ck = tmp_path / "run" / "checkpoints" / "step_2"
+    assert cli_main(["checkpoint", "export", str(ck), "--to", str(tmp_path / "merged"), "--merge"]) == 0
+    plain = tmp_path / "plain"  # the merged model as a full checkpoint of it exports
+    assert cli_main(["checkpoint", "import", str(tmp_path / "merged"), "--to", str(tmp_path / "imported")]) == 0
+    assert cli_main(["checkpoint", "export", str(tmp_path / "imported"), "--to", str(plain)]) == 0
+    names = {p.name for p in (tmp_path / "merged").iterdir()}
+    assert names == {p.name for p in plain.iterdir()}
+    assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= names
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "merged")
+    assert tok("hi")["input_ids"] == [ord("h"), ord("i")]  # the run's byte-level tokenizer
+    transformers.GenerationConfig.from_pretrained(tmp_path / "merged")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        logits = tr.pm.model.eval()(tokens)
+        assert (merged(tokens).logits - logits).abs().max() < 1e-4

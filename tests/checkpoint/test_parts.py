@@ -145,7 +145,7 @@ def test_the_manager_saves_and_restores_parts_it_does_not_know(build, tmp_path):
 
 # The keys of format version 1, as main wrote them before the parts existed: checkpoints written then still resume.
 MANIFEST_KEYS = {"ckpt_format", "config_digest", "contents", "created_utc", "files", "format_version", "hf_config",
-                 "layout", "model_args", "step", "strategy", "tokenizer", "torch_version", "world_size"}
+                 "layout", "model_args", "model_inputs", "step", "strategy", "tokenizer", "torch_version", "world_size"}
 
 
 @pytest.mark.parametrize("extra,contents,more_keys", [

@@ -1,5 +1,6 @@
-"""Every command the README (```bash fences) and the examples (`#   meshforge ...` comment lines) show runs
-and exits 0, shortened (`training.max_steps=2`, short sequences, few files), in a temporary directory.
+"""Every command the README (```bash fences), the examples (`#   meshforge ...` comment lines) and the docs
+(`meshforge plan` commands in docs/*.md fences and inline code, templates with CONFIG-style placeholders left out)
+show runs and exits 0, shortened (`training.max_steps=2`, short sequences, few files), in a temporary directory.
 
 How each kind runs, to keep this fast:
 - process-free commands (`validate`, `data prepare`) and one-process `train`: in this process, through
@@ -77,7 +78,22 @@ def example_commands() -> list[tuple[str, str]]:
     return found
 
 
-COMMANDS = list({c: (w, c) for w, c in reversed(readme_commands() + example_commands())}.values())[::-1]
+def docs_plan_commands() -> list[tuple[str, str]]:
+    """`meshforge plan` commands in the docs: fenced lines and inline code spans (spans may wrap lines)."""
+    found = []
+    for f in sorted((ROOT / "docs").glob("*.md")):
+        text = f.read_text()
+        spans = [ln for block in re.findall(r"```[a-z]*\n(.*?)```", text, re.S) for ln in block.splitlines()]
+        spans += re.findall(r"`(meshforge plan [^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+        for cmd in (" ".join(s.split()) for s in spans):
+            cmd = re.sub(r"\s+#\s.*$", "", cmd).strip()
+            if cmd.startswith("meshforge plan ") and not re.search(r"\b[A-Z][A-Z_]{2,}\b|\[|\.\.\.", cmd):
+                found.append((f"docs/{f.name}", cmd))
+    return found
+
+
+COMMANDS = list({c: (w, c) for w, c in reversed(readme_commands() + example_commands() +
+                                                 docs_plan_commands())}.values())[::-1]
 
 
 def _argv(cmd: str) -> list[str]:
@@ -144,7 +160,7 @@ for _n, (_where, _cmd) in enumerate(COMMANDS):
 
 def test_the_documents_show_commands():
     kinds = {_argv(c)[0] for _, c in COMMANDS}
-    assert {"train", "validate", "verify", "data", "bench"} <= kinds, kinds
+    assert {"train", "validate", "verify", "data", "bench", "eval", "generate"} <= kinds, kinds
     assert len([c for w, c in COMMANDS if w != "README.md"]) >= 8
 
 
@@ -164,6 +180,12 @@ def test_documented_command_runs(where, cmd, tmp_path, monkeypatch, capsys):
         (tmp_path / "docs" / "guide" / "a.txt").write_text("meshforge trains models.\n" * 50)
     if argv[0] == "train":
         argv = shortened_train(argv, tmp_path / "run")
+    if argv[0] in ("eval", "generate"):  # from the run of the example its path names: train that first, shortened
+        example = ROOT / "examples" / f"{Path(argv[1]).name}.yaml"
+        train = shortened_train(["train", str(example)], tmp_path / argv[1])
+        assert cli.main([*train, "checkpoint.save_final=true"]) == 0, capsys.readouterr().err[-3000:]
+    if argv[0] == "eval":
+        argv = [*argv, "training.seq_len=32", "--limit=4"]
     rc = cli.main(argv)
     err = capsys.readouterr().err
     assert rc == 0, f"{where}: `{cmd}` exited {rc}:\n{err[-3000:]}"

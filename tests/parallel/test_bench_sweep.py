@@ -1,9 +1,10 @@
-"""`meshforge bench` end to end on CPU/gloo: sweeps at N=1, 2 and 4, each configuration in fresh processes.
+"""`meshforge bench` end to end on CPU/gloo: sweeps at N=1, 2 and 4.
 
-Three commands, run once per module (8 launches in all): a strategy sweep at N=2
-(every built-in strategy, and `allreduce_dp`, a strategy registered from outside
-meshforge by `tests/plugin`), a precision sweep at N=1 with the bare-PyTorch
-baseline, and fsdp2 at N=4. Checks: files written and sane, positive throughput,
+Three commands, run once per module (5 launches in all): a strategy sweep at N=2 in one
+launch (`--interleave`: every built-in strategy, and `allreduce_dp`, a strategy registered from
+outside meshforge by `tests/plugin`, stepped in turn), a precision sweep at N=1 with the
+bare-PyTorch baseline and the device profile (`--profile-device`, then `meshforge plan --calibrate`
+on it), each configuration in fresh processes, and fsdp2 at N=4. Checks: files written and sane, positive throughput,
 memory per rank falling with sharding as theory says, FSDP2's bytes per step equal
 to ZeRO-3 theory for the tiny fp32 model, the plugin strategy training exactly
 like ddp, and `meshforge plan`'s state bytes for the plugin (from the sharding it
@@ -54,14 +55,14 @@ def _rows(res) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def n2(tmp_path_factory):
-    return _bench(tmp_path_factory, "n2", ["--nproc-per-node", "2", "--sweep",
+    return _bench(tmp_path_factory, "n2", ["--nproc-per-node", "2", "--interleave", "--sweep",
                                            "distributed.strategy=ddp,fsdp2,megatron_fsdp,allreduce_dp"], plugin_env())
 
 
 @pytest.fixture(scope="module")
 def n1(tmp_path_factory):
     return _bench(tmp_path_factory, "n1", ["--sweep", "training.precision=fp32,bf16", "--baseline",
-                                           "--baseline-rounds", "2"])
+                                           "--baseline-rounds", "2", "--profile-device"])
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +190,28 @@ def test_n1_precision_sweep_with_baseline(n1):
     md = (n1["_dir"] / "bench.md").read_text()
     assert "| bare PyTorch loop | 1 |" in md and "meshforge / bare PyTorch step time" in md
     _files(n1, 3)
+
+
+def test_n1_profile_calibrates_a_cpu_device(n1, capsys):
+    """`--profile-device` measures the CPU core (a matmul size curve, attention, the model's own elementwise
+    kernels; process CPU time); `meshforge plan --calibrate` makes a device of it and fits the host time, and
+    rows carry their busy time beside the wall time."""
+    prof = n1["rows"][0]["device_profile"]
+    assert prof["device"] == "cpu" and prof["clock"] == "process_cpu_time" and "collectives" not in prof
+    assert len(prof["matmul"]) >= 12 and prof["kernels"]["elementwise_bytes"] > 0
+    assert all(r["step_busy_s_median"] > 0 for r in n1["rows"])
+    capsys.readouterr()
+    assert main(["plan", "--calibrate", str(n1["_dir"])]) == 0
+    out = capsys.readouterr().out
+    assert "calibration on cpu" in out and "busy" in out
+    saved = json.loads((n1["_dir"] / "efficiency.json").read_text())
+    assert saved["device"]["name"] == "cpu" and saved["device"]["peak_tflops"] > 0
+    assert [r["name"] for r in saved["fit"]["rows"]] == ["precision=fp32", "precision=bf16"]
+    cfg = n1["_dir"].parent / "tiny.yaml"
+    # one process measured no links: planning several devices with it is refused in one line
+    assert main(["plan", str(cfg), "--world-size", "2", "--efficiency", str(n1["_dir"] / "efficiency.json")]) == 2
+    assert "links were not measured" in capsys.readouterr().err
+    assert main(["plan", str(cfg), "--world-size", "1", "--efficiency", str(n1["_dir"] / "efficiency.json")]) == 0
 
 
 def test_n4_fsdp2_quarter_state(n4):

@@ -6,7 +6,9 @@ that checkpoint and trains steps 3-4. Its losses must equal an uninterrupted sin
 global batch 3 at the new world size (a skipped or repeated batch changes the loss by far more).
 - sft: packed prompt/completion examples (3-tuples with document ids), data.num_workers=2 at N=2 and 0 at N=1
   (the worker count may change on resume: the step is the position);
-- stream: data.streaming over the same jsonl's prompts as text, one worker tokenizing ahead at N=2, none at N=1.
+- stream: data.streaming over the same jsonl's prompts as text, one worker tokenizing ahead at N=2, none at N=1;
+- mix: data.mix of the packed examples, a stream of the completions and synthetic tokens (weights 3:2:1), one
+  worker at N=2, none at N=1 (the schedule and every source's position continue exactly).
 """
 
 import os
@@ -25,8 +27,12 @@ DATA = Path(__file__).resolve().parents[2] / "examples" / "data" / "prompt_compl
 SOURCES = {
     "sft": ["data.source=dataset", f"data.paths=[{DATA}]", "data.format=prompt_completion", "data.packing=true"],
     "stream": ["data.source=dataset", f"data.paths=[{DATA}]", "data.text_field=prompt", "data.streaming=true"],
+    "mix": ["data.source=text",  # (the base run's synthetic source, back to the default data.mix replaces)
+            f"data.mix=[{{source: dataset, paths: [{DATA}], format: prompt_completion, packing: true, weight: 3}}, "
+            f"{{source: dataset, paths: [{DATA}], text_field: completion, streaming: true, weight: 2}}, "
+            "{source: synthetic, weight: 1}]"],
 }
-WORKERS_N2 = {"sft": ["data.num_workers=2"], "stream": ["data.num_workers=1"]}
+WORKERS_N2 = {"sft": ["data.num_workers=2"], "stream": ["data.num_workers=1"], "mix": ["data.num_workers=1"]}
 OUT = Path(tempfile.gettempdir()) / f"meshforge-data-resume-{os.getpid()}"
 RTOL = 1e-5
 

@@ -10,8 +10,9 @@ ones too, except under `if TYPE_CHECKING:`):
     config, planning, recipes           process-free: schema, strategy specs, rules, layout, plans
     distributed                         meshes, strategies, parallelisms, the parallel model runtime
     checkpoint                          stateful parts, commit protocol, resume, HF weight I/O
+    generation                          decoding (KV cache, sampling), `meshforge generate`
     training                            the Trainer and its parts
-    testing, bench, verify, cli, ...    tools on top
+    testing, bench, scale, verify, evaluation, cli  tools on top
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ LAYERS = [
     {"config", "planning", "recipes"},
     {"distributed"},
     {"checkpoint"},
+    {"generation"},
     {"training"},
-    {"testing", "bench", "verify", "plot", "cli", "__init__", "__main__"},
+    {"testing", "bench", "scale", "verify", "plot", "evaluation", "cli", "__init__", "__main__"},
 ]
 LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 # what a model is made of: names no code outside models/ may spell (the model contract says it instead)
@@ -43,8 +45,8 @@ MODEL_INTERNALS = {"tok_embeddings", "feed_forward", "attention_norm", "ffn_norm
 # what other packages may import from models/: the package, its contract, the model's fields (args: the schema
 # derives its model section from them), the presets, the loss, LoRA and the packed-sequence attention kernels
 # (context parallelism masks with the same ones), and the built-in models' torch-free description the planner
-# reads (shapes)
-MODELS_PUBLIC = {"protocol", "args", "presets", "loss", "lora", "attention", "shapes"}
+# reads (shapes), and the KV cache a built-in model's forward takes in generation (kv_cache)
+MODELS_PUBLIC = {"protocol", "args", "presets", "loss", "lora", "attention", "shapes", "kv_cache"}
 # a built-in strategy is spelled only in its own modules: its spec (options, rules, planner terms) and its runtime.
 # Everything else asks the spec (`StrategySpec`) or the runtime protocol (`distributed/strategy.py`).
 STRATEGY_OWNERS = {

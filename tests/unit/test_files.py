@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -89,9 +90,11 @@ def test_an_output_folder_is_new_its_own_kind_or_refused(tmp_path, monkeypatch):
 
 
 REPLACE = """
-import os, shutil, signal, sys
+import importlib.util, os, shutil, signal, sys
 from pathlib import Path
-import meshforge.outputs as o
+spec = importlib.util.spec_from_file_location("outputs", sys.argv[3])  # the module alone: no package import
+o = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(o)
 dest, point = Path(sys.argv[1]), sys.argv[2]
 die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
 if point == "publish":
@@ -121,8 +124,8 @@ def test_a_kill_during_a_replacement_leaves_the_old_or_the_new_output_whole(tmp_
     old = snapshot(dest)
     new = {**{f"shard{i}": hashlib.sha256(b"new" * 100).hexdigest() for i in range(20)},
            outputs.MARKER: None}
-    proc = subprocess.run([sys.executable, "-c", REPLACE, str(dest), point], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    proc = subprocess.run([sys.executable, "-c", REPLACE, str(dest), point, outputs.__file__], capture_output=True,
+                          text=True, timeout=60)
     assert proc.returncode == -9, proc.stderr[-2000:]
     if point in ("write", "publish"):
         assert snapshot(dest) == old
@@ -279,6 +282,7 @@ def test_a_utf8_error_names_its_line(tmp_path):
         build_source(DataConfig(paths=[str(tmp_path / "t.txt")]), 16, 256, 0)
 
 
+@pytest.mark.slow  # matplotlib renders twice: the slowest test of the fast tier otherwise
 def test_plot_writes_only_a_png_and_says_when_it_cannot(finished, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(finished, run)
@@ -418,3 +422,245 @@ def test_every_guarantee_in_docs_files_md_names_a_test_that_exists():
     defined = {name for f in files for name in re.findall(r"^def (test_\w+)", (ROOT / f).read_text(), re.M)}
     named = set(re.findall(r"`(test_\w+)`", text))
     assert len(named) >= 15 and named <= defined, named - defined
+
+
+# ------------------------------------------------------------------------------ checkpoint export / import
+def _files_of(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+def test_export_to_refuses_every_place_it_would_destroy_and_replaces_its_own(finished, tmp_path, capsys, monkeypatch):
+    home, runs = tmp_path / "home", tmp_path / "runs"
+    (home / "work").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(home / "work")
+    run = runs / "run"
+    shutil.copytree(finished, run)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    before = {f: snapshot(f) for f in (run, mine, finished)}
+    for to, fragment in [(run, "holds this command's own input"), (run / "checkpoints", "own input"),
+                         (run / "sub", "is inside the run directory"), (runs, "holds this command's own input"),
+                         (finished, "is a meshforge run directory"), (mine, "holds files meshforge did not write "
+                                                                            "(notes.txt)"),
+                         (".", "is the working directory"), ("~", "is the home folder"),
+                         ("/", "is the filesystem root")]:
+        rc, errors = run_cli(["checkpoint", "export", run, "--to", to], capsys)
+        assert rc == 2 and len(errors) == 1 and fragment in errors[0], (to, errors)
+    assert {f: snapshot(f) for f in before} == before and snapshot(home) == {}
+    out = tmp_path / "hf"
+    assert run_cli(["checkpoint", "export", run / "checkpoints" / "step_2", "--to", out], capsys)[0] == 0
+    (out / "stale.txt").write_text("from the earlier export")
+    assert run_cli(["checkpoint", "export", run, "--to", out], capsys)[0] == 0  # its own earlier export: replaced
+    assert json.loads((out / outputs.MARKER).read_text())["kind"] == "export" and not (out / "stale.txt").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+EXPORT_KILLED = """
+import os, signal, sys
+import meshforge.outputs as o
+import meshforge.checkpoint.hf as hf
+from meshforge.cli import main
+ck, dest, point = sys.argv[1:]
+die = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+real_save = hf.save_file
+if point == "write":  # half of the new export's files written
+    hf.save_file = lambda t, f, **k: (real_save(t, f, **k), die())
+elif point == "publish":
+    o._exchange = die
+elif point == "delete":  # the new export in place, the old one being deleted
+    o.shutil.rmtree = lambda p, **k: die() if os.path.exists(p) else None
+main(["checkpoint", "export", ck, "--to", dest])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["write", "publish", "delete"])
+def test_a_kill_during_an_export_leaves_the_old_export_or_the_new_one(finished, tmp_path, capsys, point):
+    out = tmp_path / "hf"
+    assert run_cli(["checkpoint", "export", finished / "checkpoints" / "step_2", "--to", out], capsys)[0] == 0
+    old = snapshot(out)
+    new_dir = tmp_path / "new"
+    assert run_cli(["checkpoint", "export", finished / "checkpoints" / "step_4", "--to", new_dir], capsys)[0] == 0
+    new = snapshot(new_dir)
+    assert {k: v for k, v in old.items() if k != outputs.MARKER} != {k: v for k, v in new.items()
+                                                                      if k != outputs.MARKER}
+    proc = subprocess.run([sys.executable, "-c", EXPORT_KILLED, str(finished / "checkpoints" / "step_4"), str(out),
+                           point], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    got = snapshot(out)
+    whole = {k: v for k, v in (old if point != "delete" else new).items() if k != outputs.MARKER}
+    assert {k: v for k, v in got.items() if k != outputs.MARKER} == whole
+    assert run_cli(["checkpoint", "export", finished, "--to", out], capsys)[0] == 0  # the next export cleans up
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "new"]
+
+
+def test_an_interrupted_consolidated_export_is_finished_or_undone_on_the_next_start(tmp_path):
+    from meshforge.checkpoint.paths import remove_leftovers
+
+    hf = tmp_path / "checkpoints" / "hf"
+    (hf / ".step_2.old-11").mkdir(parents=True)  # killed between setting step_2 aside and publishing its new export
+    (hf / ".step_2.old-11" / "model.safetensors").write_text("old")
+    (hf / ".step_2.partial-11").mkdir()
+    (hf / "step_4").mkdir()
+    (hf / ".step_4.old-12").mkdir()  # killed while deleting the replaced step_4
+    removed = remove_leftovers(tmp_path / "checkpoints")
+    assert len(removed) == 3 and sorted(p.name for p in hf.iterdir()) == ["step_2", "step_4"]
+    assert (hf / "step_2" / "model.safetensors").read_text() == "old"
+
+
+def test_import_never_moves_a_runs_latest_and_replaces_only_its_own_import(finished, tmp_path, capsys):
+    hf = tmp_path / "hf"
+    assert run_cli(["checkpoint", "export", finished, "--to", hf], capsys)[0] == 0
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    elsewhere = tmp_path / "ck"  # a run's checkpoint.dir outside its run directory
+    shutil.copytree(finished / "checkpoints", elsewhere)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    before = {f: snapshot(f) for f in (run, elsewhere, mine)}
+    for to, fragment in [(run / "checkpoints", "is inside the run directory"), (run, "is a meshforge run directory"),
+                         (elsewhere, "is a run's checkpoints folder"), (mine, "holds files meshforge did not write"),
+                         (hf, "holds this command's own input")]:
+        rc, errors = run_cli(["checkpoint", "import", hf, "--to", to], capsys)
+        assert rc == 2 and len(errors) == 1 and fragment in errors[0], (to, errors)
+    assert {f: snapshot(f) for f in before} == before
+    imp = tmp_path / "imported"
+    for _ in range(2):  # new, then its own earlier import: replaced whole
+        assert run_cli(["checkpoint", "import", hf, "--to", imp], capsys)[0] == 0
+        assert (imp / "LATEST").read_text() == "step_0\n" and (imp / "step_0" / "manifest.json").is_file()
+        (imp / "stale.txt").write_text("x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "hf", "imported", "mine", "run"]
+    res = _train([f"run.output_dir={tmp_path / 'from_import'}", f"checkpoint.resume={imp}"])
+    assert res.start_step == 0 and res.final_step == 2
+
+
+def test_crafted_safetensors_are_one_line_naming_the_file_and_nothing_is_written(tmp_path, capsys):
+    crafted = ROOT / "tests" / "corpus" / "bad_inputs" / "crafted_safetensors"
+    cases = sorted(crafted.iterdir())
+    assert len(cases) >= 11
+    for case in cases:
+        rc, errors = run_cli(["checkpoint", "import", case, "--to", tmp_path / "ck"], capsys)
+        assert rc == 2 and len(errors) == 1 and f"{case / 'model.safetensors'}: not a readable" in errors[0], errors
+    index = tmp_path / "indexed"
+    shutil.copytree(cases[0], index)
+    for weight_map in ['{"weight_map": {"w": "../../etc/passwd"}}', '{"weight_map": []}', "[]", '{"a": 1}', "{"]:
+        (index / "model.safetensors.index.json").write_text(weight_map)
+        rc, errors = run_cli(["checkpoint", "import", index, "--to", tmp_path / "ck"], capsys)
+        assert rc == 2 and len(errors) == 1 and "model.safetensors.index.json: " in errors[0], (weight_map, errors)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["indexed"]
+
+
+# ----------------------------------------------------------------------------------- damaged checkpoints
+def _rehash(ck: Path, name: str) -> None:
+    """Record `name`'s new size and sha256 in the manifest (a crafted file the manifest vouches for)."""
+    from meshforge.checkpoint.manifest import file_entry
+
+    m = json.loads((ck / "manifest.json").read_text())
+    m["files"][name] = file_entry(ck / name)
+    (ck / "manifest.json").write_text(json.dumps(m))
+
+
+def _manifest_variants(m: dict) -> dict[str, tuple[str, str]]:
+    """{name: (manifest.json text, the message fragment)}: wrong types, missing keys, nesting."""
+    def edit(**kw):
+        return json.dumps({k: v for k, v in {**m, **kw}.items() if v is not None})
+
+    first = sorted(m["files"])[0]
+    return {
+        "a list": ("[]", "not a manifest (a JSON list, not an object)"),
+        "files a list": (edit(files=[]), "key files must be an object"),
+        "bytes a string": (edit(files={**m["files"], first: {"bytes": "a", "sha256": "0"}}),
+                           f"files.{first} must be an object with bytes"),
+        "step missing": (json.dumps({k: v for k, v in m.items() if k != "step"}), "key step is missing"),
+        "step a string": (edit(step="4"), "key step must be an integer"),
+        "contents a string": (edit(contents="model"), "key contents must be a list"),
+        "model_args a list": (edit(model_args=[]), "key model_args must be an object"),
+        "model_args.dim a string": (edit(model_args={**m["model_args"], "dim": "x"}), "model_args.dim must be int"),
+        "a file outside": (edit(files={**m["files"], "../x": m["files"][first]}), "is not a file name in the"),
+        "nested 5000 deep": ('{"files": ' + "[" * 5000 + "]" * 5000 + "}", "unreadable manifest (RecursionError"),
+    }
+
+
+def test_a_manifest_of_the_wrong_types_is_one_line_naming_the_file_and_key(finished, tmp_path, capsys):
+    ck = tmp_path / "c" / "step_4"
+    shutil.copytree(finished / "checkpoints" / "step_4", ck)
+    good = json.loads((ck / "manifest.json").read_text())
+    for name, (text, fragment) in _manifest_variants(good).items():
+        (ck / "manifest.json").write_text(text)
+        for argv in (["checkpoint", "inspect", ck], ["checkpoint", "inspect", "--no-verify", ck],
+                     ["checkpoint", "export", ck, "--to", tmp_path / "hf"]):
+            rc, errors = run_cli(argv, capsys)
+            assert rc == 2 and len(errors) == 1, (name, argv, errors)
+            assert f"{ck / 'manifest.json'}: " in errors[0] and fragment in errors[0], (name, argv, errors)
+        if name == "step missing":  # a resume reads it the same way (each variant: the slow test below)
+            with pytest.raises(Exception, match=re.escape(fragment)) as err:
+                _train([f"run.output_dir={tmp_path / 'run'}", f"checkpoint.resume={ck}"], steps=5)
+            assert type(err.value).__name__ == "CheckpointError"
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.slow
+def test_a_trainer_state_of_the_wrong_types_is_one_line_naming_the_file_and_key(finished, tmp_path):
+    import torch
+
+    good = torch.load(finished / "checkpoints" / "step_4" / "trainer_state_rank0.pt", weights_only=True)
+    variants = {
+        "a list": ([1, 2], "not a trainer state (a list"),
+        "step a string": ({**good, "step": "x"}, "key step must be an integer"),
+        "scheduler missing": ({k: v for k, v in good.items() if k != "scheduler"}, "key scheduler is missing"),
+        "scheduler.last_epoch a string": ({**good, "scheduler": {**good["scheduler"], "last_epoch": "x"}},
+                                          "key scheduler.last_epoch must be a int"),
+        "scheduler.base_lrs missing": ({**good, "scheduler": {k: v for k, v in good["scheduler"].items()
+                                                              if k != "base_lrs"}}, "key scheduler.base_lrs is missing"),
+        "loader a list": ({**good, "loader": []}, "key loader must be a dict, not a list"),
+        "loader.step missing": ({**good, "loader": {k: v for k, v in good["loader"].items() if k != "step"}},
+                                "loader: key 'step' is missing"),
+        "rng.numpy missing": ({**good, "rng": {k: v for k, v in good["rng"].items() if k != "numpy"}},
+                              "rng: key 'numpy' is missing"),
+        "rng.numpy.kind missing": ({**good, "rng": {**good["rng"], "numpy": {k: v for k, v in good["rng"]["numpy"]
+                                                                             .items() if k != "kind"}}},
+                                   "rng: key 'kind' is missing"),
+    }
+    for name, (state, fragment) in variants.items():
+        ck = tmp_path / "c" / name.replace(" ", "_") / "step_4"
+        shutil.copytree(finished / "checkpoints" / "step_4", ck)
+        torch.save(state, ck / "trainer_state_rank0.pt")
+        _rehash(ck, "trainer_state_rank0.pt")
+        with pytest.raises(Exception, match=re.escape(fragment)) as err:
+            _train([f"run.output_dir={tmp_path / 'run'}", f"checkpoint.resume={ck}", "checkpoint.interval=2"], steps=5)
+        assert type(err.value).__name__ == "CheckpointError" and "trainer_state_rank0.pt: " in str(err.value), name
+        assert not list((tmp_path / "run").glob("checkpoints/step_*")), name
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2.5 MiB tmpfs (room for one checkpoint of the test model, not two); skipped where it cannot be mounted."""
+    where = tmp_path / "disk"
+    where.mkdir()
+    if shutil.which("mount") is None or os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root and mount(8)")
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2500k", "tmpfs", str(where)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.decode().strip()[:100]})")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=False)
+
+
+@pytest.mark.parametrize("async_save", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_a_full_disk_during_a_save_is_one_line_and_latest_stays(small_disk, tmp_path, async_save, capsys):
+    ck = small_disk / "ck"
+    with pytest.raises(Exception, match=r"^No space left on device while saving step 4 to .*the last complete "
+                                        "checkpoint is still step_2$") as err:
+        _train([f"run.output_dir={tmp_path / 'run'}", f"checkpoint.dir={ck}", "checkpoint.interval=2",
+                f"checkpoint.async_save={str(async_save).lower()}"], steps=4)
+    assert type(err.value).__name__ == "CheckpointError"
+    assert (ck / "LATEST").read_text() == "step_2\n" and sorted(p.name for p in ck.iterdir()) == ["LATEST", "step_2"]
+    capsys.readouterr()
+    rc, _errors = run_cli(["checkpoint", "inspect", ck], capsys)
+    assert rc == 0

@@ -151,8 +151,10 @@ def test_foreign_model_cannot_fuse():
 
 
 def test_auto_taking_the_plain_loss_is_in_the_plan_notes():
+    from meshforge.planning.hardware import DEFAULT_EFFICIENCY
     from meshforge.planning.plan import _notes
 
     auto = Config.model_validate({"model": {"hf_model": "some/folder"}})
-    assert fused_loss_note(auto) in _notes(auto)
-    assert not any("fused_loss" in n for n in _notes(Config.model_validate({"distributed": {"tp_size": 2}})))
+    assert fused_loss_note(auto) in _notes(auto, DEFAULT_EFFICIENCY["h100"])
+    assert not any("fused_loss" in n for n in _notes(Config.model_validate({"distributed": {"tp_size": 2}}),
+                                                     DEFAULT_EFFICIENCY["h100"]))

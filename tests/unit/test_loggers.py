@@ -1,7 +1,8 @@
 """Experiment tracking and profiling, against the real libraries: one tiny run logs to jsonl, TensorBoard,
 W&B (offline) and MLflow (local file store) and profiles two steps; each store is read back with the
 library's own reader (W&B's offline run file with its protobuf records) and must hold every logged step's
-metrics, the resolved config and the run metadata. Plus: the old logging booleans map exactly onto
+metrics, the resolved config and the run metadata, and the generated samples (`logging.samples`: a text table in
+TensorBoard, a W&B table, an MLflow JSON artifact). Plus: the old logging booleans map exactly onto
 `logging.loggers`, a missing extra is one line, a CUDA memory snapshot on CPU is refused in one line."""
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from meshforge.testing.parity import base_overrides, single_info
 from meshforge.training.trainer import train
 
 STEPS = 4
+# greedy text from the live model at steps 2 and 4 (byte-level: data.source=text)
+SAMPLES = ["data.source=text", "data.max_files=2",
+           "logging.samples={prompts: ['def f', 'x|y'], every: 2, max_new_tokens: 5}"]
 
 
 def _wandb_records(run_dir: str) -> list:
@@ -53,7 +57,8 @@ def tracked_run(tmp_path_factory):
     mp.delenv("MLFLOW_TRACKING_URI", raising=False)
     cfg = load_config(None, base_overrides(STEPS) + [
         f"run.output_dir={out}", "run.name=tracked", "logging.log_every=1", "logging.project=mf-test",
-        "logging.loggers=[jsonl,tensorboard,wandb,mlflow]", "profiling.enabled=true", "profiling.steps=[2,3]"],
+        "logging.loggers=[jsonl,tensorboard,wandb,mlflow]", "profiling.enabled=true", "profiling.steps=[2,3]",
+        *SAMPLES],
         world_size=1)
     try:
         res = train(cfg, single_info())
@@ -65,6 +70,9 @@ def tracked_run(tmp_path_factory):
 def test_jsonl_and_metadata(tracked_run):
     out, res = tracked_run
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in recs if "samples" in r] == res.samples and [r["step"] for r in res.samples] == [2, 4]
+    assert [s["prompt"] for s in res.samples[0]["samples"]] == ["def f", "x|y"]
+    recs = [r for r in recs if "samples" not in r]
     assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
     assert [r["loss"] for r in recs] == res.losses
     meta = json.loads((out / "run_meta.json").read_text())
@@ -86,6 +94,12 @@ def test_tensorboard(tracked_run):
     assert [e.value for e in losses] == pytest.approx(res.losses, rel=1e-6)
     assert {"grad_norm", "lr", "tokens_per_s"} <= set(acc.Tags()["scalars"])
     assert "mfu" not in acc.Tags()["scalars"]  # None on CPU: not logged as a number
+    texts = acc.Tensors("samples/text_summary")
+    assert [e.step for e in texts] == [2, 4]
+    table = texts[-1].tensor_proto.string_val[0].decode()
+    last = res.samples[-1]["samples"]
+    assert table.startswith("| prompt | completion |") and "x\\|y" in table
+    assert last[0]["completion"].replace("\n", "<br>").replace("|", "\\|") in table
 
 
 def test_wandb_offline(tracked_run):
@@ -99,6 +113,10 @@ def test_wandb_offline(tracked_run):
     assert run.project == "mf-test" and run.display_name == "tracked"
     config = {i.key: json.loads(i.value_json) for i in run.config.update}
     assert config["training"]["max_steps"] == STEPS and config["meta"]["world_size"] == 1
+    tables = [{i.nested_key[1]: json.loads(i.value_json) for i in r.history.item if i.nested_key[:1] == ["samples"]}
+              for r in recs if r.WhichOneof("record_type") == "history"]
+    tables = [t for t in tables if t]  # (the rows of steps 2 and 4)
+    assert [t["_type"] for t in tables] == ["table-file", "table-file"] and tables[-1]["nrows"] == 2
 
 
 def test_mlflow_local_store(tracked_run):
@@ -116,6 +134,8 @@ def test_mlflow_local_store(tracked_run):
     assert run.data.tags["meshforge.world_size"] == "1"
     art = client.download_artifacts(run.info.run_id, "config.json", str(out / "dl"))
     assert json.loads(open(art).read())["config"]["run"]["name"] == "tracked"
+    art = client.download_artifacts(run.info.run_id, "samples/step_000004.json", str(out / "dl"))
+    assert json.loads(open(art).read()) == res.samples[-1]
 
 
 def test_profiler_trace_has_step_markers(tracked_run):

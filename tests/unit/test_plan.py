@@ -286,13 +286,17 @@ LLAMA3_405B = ["model.dim=16384", "model.n_layers=128", "model.n_heads=128", "mo
     (16384, ["model.max_seq_len=131072", "distributed.cp_size=16", "training.seq_len=131072",
              "training.global_batch_size=128"], 0.38),
 ], ids=["8k_gpus", "16k_gpus", "16k_gpus_131k_seq"])
-def test_llama3_405b_layouts_fit_and_land_near_the_published_mfu(capsys, world, extra, published):
-    """The Llama 3 paper's 405B layouts (TP 8 x PP 16 x DP, CP 16 at 131K tokens, no checkpointing; Table 4)
-    fit an 80 GiB H100 in the plan, and at the compute efficiency calibrated on the 8,192-GPU row (0.575,
-    docs/strategies.md) every row lands within 10% of the published MFU (41.1% / 42.9% / 38.1%)."""
+def test_llama3_405b_layouts_land_near_the_published_mfu_and_do_not_fit(capsys, world, extra, published):
+    """The Llama 3 paper's 405B layouts (TP 8 x PP 16 x DP, CP 16 at 131K tokens, no checkpointing; Table 4): at
+    the compute efficiency calibrated on the 8,192-GPU row (0.575, docs/strategies.md) every row lands within 10%
+    of the published MFU (41.1% / 42.9% / 38.1%). They do NOT fit meshforge's program on an 80 GiB H100: the scale
+    trace of the 8,192-GPU layout (benchmarks/scale_trace.py, docs/scale.md; torch 2.13) measured 122.4 GB on
+    rank 0 and 96.6 GB on the last rank (FSDP2 under PP keeps each stage's gathered parameters and fp32
+    gradients through the schedule, the vocabulary-parallel embedding's gradient arrives whole); the plan used to
+    say 78.5 GB, counting one gathered block."""
     cfg = str(ROOT / "examples" / "llama3_70b_tp_pp.yaml")
     assert main(["plan", cfg, *LLAMA3_405B, *extra, "--world-size", str(world), "--mfu", "0.575", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["fits"] and out["peak_bytes"] < 80 * 2**30
+    assert not out["fits"] and out["peak_bytes"] > 80 * 2**30
     assert out["layout"]["tp"] == 8 and out["layout"]["pp"] == 16
     assert abs(out["mfu"] - published) <= 0.10 * published, out["mfu"]

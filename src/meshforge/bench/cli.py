@@ -1,5 +1,6 @@
 """`meshforge bench CONFIG [overrides] [--nproc-per-node N] [--steps S] [--warmup W]
-[--use-megatron-fsdp true|false] [--sweep key=v1,v2,...] [--baseline] [--peak-tflops T] [--output-dir D]`
+[--use-megatron-fsdp true|false] [--sweep key=v1,v2,...] [--baseline] [--peak-tflops T] [--output-dir D]
+[--interleave] [--profile-device]`
 
 Thin command: compose and validate the configurations (exit 2 on any bad input,
 before anything runs), run each in fresh processes (`runner`), print the table and
@@ -45,6 +46,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="device peak TFLOP/s for MFU (default: the table in training/metrics.py; none on CPU)")
     p.add_argument("--output-dir", default=None, help="where bench.json/md/png go (default <run.output_dir>/bench)")
+    p.add_argument("--interleave", action="store_true",
+                   help="run the configurations of each world size in one launch, their timed steps in turn (for a "
+                        "shared machine whose load changes; their memory adds up)")
+    p.add_argument("--profile-device", action="store_true",
+                   help="also measure the device (matmul size curve, attention, memory bandwidth, collectives) in "
+                        "the first configuration's processes, for `meshforge plan --calibrate OUTPUT_DIR`")
     p.add_argument("--timeout", type=float, default=1800, help="seconds allowed per configuration (default 1800)")
 
 
@@ -76,9 +83,10 @@ def run(args) -> int:
 
     result = runner.run_all(args.config, configs, args.steps, args.warmup, args.peak_tflops,
                             args.baseline_rounds if args.baseline else None, args.timeout,
-                            progress=lambda m: print(m, file=sys.stderr, flush=True))
+                            progress=lambda m: print(m, file=sys.stderr, flush=True), profile=args.profile_device,
+                            interleave=args.interleave)
     ok = [r for r in result["rows"] if "error" not in r]
-    result["meta"] = {"config": args.config, "overrides": args.overrides, "sweep": args.sweep,
+    result["meta"] = {"config": os.path.abspath(args.config), "overrides": args.overrides, "sweep": args.sweep,
                       "use_megatron_fsdp": args.use_megatron_fsdp, "steps": args.steps, "warmup": args.warmup,
                       "device": ok[0]["device_name"] if ok else "?"}
     import torch

@@ -115,16 +115,20 @@ class _StorageSet:
         self.seen: set = set()
 
     def add(self, t: torch.Tensor | None) -> int:
-        """Bytes of t's storage if not counted yet (0 for freed or already-counted storage)."""
+        """Bytes of t's storages not counted yet (0 for freed or already-counted storage); a wrapper subclass
+        (torchao's float8 weights) by the storages it wraps."""
+        from torch.distributed._tools.common_utils import get_untyped_storages
+
         if t is None:
             return 0
-        st = _local(t).untyped_storage()
-        n = st.nbytes()
-        key = (st.data_ptr(), str(st.device), n)
-        if n == 0 or key in self.seen:
-            return 0
-        self.seen.add(key)
-        return n
+        total = 0
+        for st in get_untyped_storages(_local(t)):
+            n = st.nbytes()
+            key = st._cdata  # the storage itself (fake tensors' storages all have data_ptr 0: the scale trace)
+            if n and key not in self.seen:
+                self.seen.add(key)
+                total += n
+        return total
 
 
 def state_bytes(models: list, optimizer: torch.optim.Optimizer, strategy=None) -> dict:

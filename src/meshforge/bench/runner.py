@@ -8,7 +8,9 @@ in a second with exit code 2, not after minutes of earlier runs.
 
 Each configuration runs in its own fresh processes (`meshforge.launch`, target
 `meshforge.bench.worker:run`), so no state (allocator caches, compiled graphs,
-process groups) leaks from one configuration into the next.
+process groups) leaks from one configuration into the next; with `--interleave` the
+configurations of one world size share one launch and take their timed steps in turn
+(`worker:run_interleaved`), so that a shared machine's changing load affects them alike.
 """
 
 from __future__ import annotations
@@ -103,9 +105,9 @@ def _launch(target: str, nproc: int, spec: dict, timeout: float) -> dict:
 
 
 def run_config(config_path: str | None, c: BenchConfig, steps: int, warmup: int, peak_tflops: float | None,
-               timeout: float) -> dict:
+               timeout: float, profile: bool = False) -> dict:
     spec = {"config": config_path, "overrides": c.overrides, "steps": steps, "warmup": warmup,
-            "peak_tflops": peak_tflops}
+            "peak_tflops": peak_tflops, "profile": profile}
     return _launch("meshforge.bench.worker:run", c.nproc, spec, timeout)
 
 
@@ -121,13 +123,34 @@ def run_baseline(config_path: str | None, c: BenchConfig, steps: int, warmup: in
     return _launch("meshforge.bench.baseline:run", 1, spec, timeout)
 
 
+def run_interleaved(config_path: str | None, configs: list[BenchConfig], steps: int, warmup: int,
+                    peak_tflops: float | None, timeout: float, profile: bool) -> list[dict]:
+    """The configurations of one world size in one launch, stepped in turn (`worker.measure_interleaved`)."""
+    spec = {"config": config_path, "overrides": [c.overrides for c in configs], "steps": steps, "warmup": warmup,
+            "peak_tflops": peak_tflops, "profile": profile}
+    res = _launch("meshforge.bench.worker:run_interleaved", configs[0].nproc, spec, timeout * len(configs))
+    results = [res] * len(configs) if isinstance(res, dict) else res  # a failed launch fails every row
+    return [{"name": c.name, "nproc": c.nproc, "overrides": c.overrides, "swept": c.swept, **r}
+            for c, r in zip(configs, results)]
+
+
 def run_all(config_path: str | None, configs: list[BenchConfig], steps: int, warmup: int,
-            peak_tflops: float | None, baseline_rounds: int | None, timeout: float, progress=print) -> dict:
+            peak_tflops: float | None, baseline_rounds: int | None, timeout: float, progress=print,
+            profile: bool = False, interleave: bool = False) -> dict:
     rows = []
+    if interleave:
+        for n in dict.fromkeys(c.nproc for c in configs):
+            group = [c for c in configs if c.nproc == n]
+            progress(f"bench: {len(group)} configuration(s) at N={n}, interleaved in one launch ...")
+            rows += run_interleaved(config_path, group, steps, warmup, peak_tflops, timeout, profile and not rows)
+            for r in rows[-len(group):]:
+                if "error" in r:
+                    progress(f"error: [{r['name']}] {r['error']}")
+        configs = []
     for i, c in enumerate(configs):
         where = "" if "N=" in c.name else f" (N={c.nproc})"
         progress(f"bench [{i + 1}/{len(configs)}] {c.name}{where} ...")
-        res = run_config(config_path, c, steps, warmup, peak_tflops, timeout)
+        res = run_config(config_path, c, steps, warmup, peak_tflops, timeout, profile and i == 0)
         rows.append({"name": c.name, "nproc": c.nproc, "overrides": c.overrides, "swept": c.swept, **res})
         if "error" in res:
             progress(f"error: [{c.name}] {res['error']}")

@@ -3,10 +3,12 @@
 - `inspect DIR`: the manifest (step, strategy, format, world layout, digests), the files' integrity, and
   the model tensors with shapes and sizes. DIR is a checkpoint, a checkpoints dir or a run dir (LATEST).
 - `export RUN_DIR/step_N --to DIR [--shard-mb M]`: Hugging Face safetensors + config.json (verified first);
-  of a LoRA checkpoint, `--adapter` writes the PEFT format and `--merge` the base with adapters merged.
+  of a LoRA checkpoint, `--adapter` writes the PEFT format and `--merge` the base with adapters merged. DIR is
+  new, empty or an earlier export (replaced whole); anything else is refused (`outputs.check_folder`).
 - `import HF_DIR --to DIR`: a weights-only meshforge checkpoint `DIR/step_0` (+ LATEST) from HF Llama
   safetensors (Llama, Qwen2, Qwen3, Mistral; config.json read exactly, unknown keys refused); prints the
-  `model.*` values to train it with `checkpoint.resume=DIR` (or `model.init_from=HF_DIR`).
+  `model.*` values to train it with `checkpoint.resume=DIR` (or `model.init_from=HF_DIR`). DIR is new, empty or
+  an earlier import (replaced whole); never a run's checkpoints folder (its LATEST stays where it is).
 """
 
 from __future__ import annotations
@@ -38,12 +40,12 @@ def add_arguments(parser) -> None:
 
 
 def _inspect(args) -> int:
-    from meshforge.checkpoint.manifest import verify_files
+    from meshforge.checkpoint.manifest import read_manifest, verify_files
     from meshforge.checkpoint.paths import resolve_checkpoint_path
     from meshforge.checkpoint.safe_dcp import dcp_tensor_shapes
 
     path = resolve_checkpoint_path(args.dir)
-    manifest = verify_files(path) if not args.no_verify else json.loads((path / "manifest.json").read_text())
+    manifest = verify_files(path) if not args.no_verify else read_manifest(path)
     if args.json:
         print(json.dumps(manifest, indent=1, sort_keys=True))
         return 0
@@ -87,9 +89,10 @@ def _export(args) -> int:
     from meshforge.checkpoint.paths import resolve_checkpoint_path
 
     path = resolve_checkpoint_path(args.dir)
+    _check_destination(args.to, [args.dir, path])
     manifest = verify_files(path)
     if args.adapter or args.merge or "adapter" in manifest.get("contents", []):
-        return _export_lora(args, path)
+        return _export_lora(args, path, manifest)
     s = export_checkpoint(path, args.to, args.shard_mb)
     print(f"exported {path} -> {s['dir']}: {s['tensors']} tensors, {s['bytes'] / 2**20:.2f} MiB in {s['files']} "
           "safetensors file(s) + config.json, generation_config.json" +
@@ -97,12 +100,24 @@ def _export(args) -> int:
     return 0
 
 
-def _export_lora(args, path) -> int:
+def _check_destination(dest: str, sources: list) -> None:
+    """`--to` is new, empty or an earlier export, and holds none of the command's inputs: else one line."""
+    import meshforge.outputs as outputs
+
+    problem = outputs.check_folder(dest, outputs.EXPORT, "--to", sources=sources)
+    if problem is not None:
+        raise CheckpointError(problem)
+
+
+def _export_lora(args, path, manifest: dict) -> int:
     from meshforge.checkpoint.peft import export_adapter, export_merged
 
     if not (args.adapter or args.merge):
         raise CheckpointError(f"{path} is a LoRA adapter checkpoint: export it with --adapter (PEFT format) or "
                               "--merge (merged Hugging Face weights)")
+    base = (manifest.get("peft_base") or {}).get("init_from")
+    if base:  # the base a merge reads is an input too
+        _check_destination(args.to, [base])
     s = export_adapter(path, args.to) if args.adapter else export_merged(path, args.to)
     what = "PEFT adapter" if args.adapter else "merged Hugging Face safetensors + config.json"
     print(f"exported {path} -> {s['dir']}: {s['tensors']} tensors, {s['bytes'] / 2**20:.2f} MiB ({what})")

@@ -20,12 +20,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from meshforge.checkpoint.manifest import MANIFEST, file_entry, new_manifest
-from meshforge.checkpoint.paths import follow_umask, publish_checkpoint, publish_dir, staging_dir, write_atomic
+import meshforge.outputs as outputs
+from meshforge.checkpoint.manifest import MANIFEST, file_entry, manifest_model_args, new_manifest, read_manifest
+from meshforge.checkpoint.paths import follow_umask, publish_checkpoint, write_atomic, write_export
 from meshforge.checkpoint.safe_dcp import dcp_load, dcp_tensor_shapes
 from meshforge.distributed.master_weights import write_param
 from meshforge.errors import CheckpointError
@@ -53,6 +54,16 @@ def _adapter(model, where: Path):
         raise CheckpointError(f"{where}: {err}") from None
 
 
+def open_safetensors(path: Path, what: str = ""):
+    """`safe_open`, a damaged or crafted file (header length, non-JSON or nested header, offsets out of range,
+    reversed or overlapping, unknown dtypes, shapes that do not fit their bytes) refused with one line naming it:
+    safetensors validates all of that when it opens the file, before any tensor is read."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{what}{path}: not a readable safetensors file ({str(err)[:200]})") from None
+
+
 # --------------------------------------------------------------------------------- export
 @torch.no_grad()
 def copy_param(p: torch.Tensor, t: torch.Tensor) -> None:
@@ -68,10 +79,11 @@ def copy_param(p: torch.Tensor, t: torch.Tensor) -> None:
 def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, shard_mb: int = 2048) -> dict:
     """Write a meshforge DCP checkpoint's model as HF safetensors + config.json; returns a summary."""
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
-    manifest = json.loads((ckpt_dir / MANIFEST).read_text())
-    if manifest["model_args"].get("hf_model"):
+    manifest = read_manifest(ckpt_dir)
+    args = manifest_model_args(ckpt_dir, manifest)
+    if args.hf_model:
         return export_hf_model(ckpt_dir, out_dir, manifest, shard_mb)
-    model = build_model(ModelArgs(**manifest["model_args"]), device="meta")  # names and adapter, no memory
+    model = build_model(args, device="meta")  # names and adapter, no memory
     adapter = _adapter(model, ckpt_dir)
     shapes = dcp_tensor_shapes(ckpt_dir)
     names = [n for n, _ in _state(model) if adapter.hf_names(n)]  # tied: once
@@ -97,45 +109,41 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, shard_mb: int =
             else:
                 shards[-1].setdefault(ours, [unit[0], unit[0]])[1] = unit[1]
             size += nbytes
-    tmp = staging_dir(out_dir)
     n = len(shards)
-    weight_map = {}
-    for i, group in enumerate(track(shards, "export: safetensors files")):
-        fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        whole, part, offsets = {}, {}, {}
-        for k, r in group.items():
-            shape, dtype = shapes[f"model.{k}"]
-            if r is None:
-                whole[f"model.{k}"] = torch.empty(shape, dtype=dtype)
-            else:  # only experts r[0]..r[1]-1 of the stacked weight
-                part[f"model.{k}"] = torch.empty((r[1] - r[0], *shape[1:]), dtype=dtype)
-                offsets[f"model.{k}"] = (r[0],) + (0,) * (len(shape) - 1)
-        for state, box in ((whole, None), (part, offsets)):
-            if state:
-                dcp_load(state, ckpt_dir, no_dist=True, offsets=box)
-        out = {}
-        for k, r in group.items():
-            if r is None:
-                out.update(adapter.to_hf(k, whole.pop(f"model.{k}")))
-            else:
-                out.update(adapter.to_hf_experts(k, r[0], part.pop(f"model.{k}")))
-        weight_map.update(dict.fromkeys(out, fname))
-        save_file(out, str(tmp / fname), metadata={"format": "pt"})
-        follow_umask(tmp / fname)
-        del out
-    dtype = shapes[f"model.{names[0]}"][1]
-    hf_config = adapter.hf_config(dtype)
-    tokenizer = copy_tokenizer(manifest.get("tokenizer"), tmp)
-    for key, value in (tokenizer or {}).items():  # bos/eos from the run's tokenizer where the model has none
-        if hf_config.get(key) is None and value is not None:
-            hf_config[key] = value
-    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
-    (tmp / "generation_config.json").write_text(json.dumps(generation_config(hf_config), indent=2))
-    if n > 1:
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": total, "meshforge_step": manifest["step"]}, "weight_map": weight_map},
-            indent=2))
-    publish_dir(tmp, out_dir)
+    weight_map: dict[str, str] = {}
+
+    def write(tmp: Path) -> dict | None:
+        for i, group in enumerate(track(shards, "export: safetensors files")):
+            fname = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            whole, part, offsets = {}, {}, {}
+            for k, r in group.items():
+                shape, dtype = shapes[f"model.{k}"]
+                if r is None:
+                    whole[f"model.{k}"] = torch.empty(shape, dtype=dtype)
+                else:  # only experts r[0]..r[1]-1 of the stacked weight
+                    part[f"model.{k}"] = torch.empty((r[1] - r[0], *shape[1:]), dtype=dtype)
+                    offsets[f"model.{k}"] = (r[0],) + (0,) * (len(shape) - 1)
+            for state, box in ((whole, None), (part, offsets)):
+                if state:
+                    dcp_load(state, ckpt_dir, no_dist=True, offsets=box)
+            out = {}
+            for k, r in group.items():
+                if r is None:
+                    out.update(adapter.to_hf(k, whole.pop(f"model.{k}")))
+                else:
+                    out.update(adapter.to_hf_experts(k, r[0], part.pop(f"model.{k}")))
+            weight_map.update(dict.fromkeys(out, fname))
+            save_file(out, str(tmp / fname), metadata={"format": "pt"})
+            follow_umask(tmp / fname)
+            del out
+        tokenizer = write_hf_config(tmp, adapter.hf_config(shapes[f"model.{names[0]}"][1]), manifest)
+        if n > 1:
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(
+                {"metadata": {"total_size": total, "meshforge_step": manifest["step"]}, "weight_map": weight_map},
+                indent=2))
+        return tokenizer
+
+    tokenizer = write_export(out_dir, write)
     return {"files": n, "tensors": len(weight_map), "bytes": total, "dir": str(out_dir),
             "tokenizer": tokenizer is not None}
 
@@ -166,20 +174,23 @@ def export_hf_model(ckpt_dir: Path, out_dir: Path, manifest: dict, shard_mb: int
                                                   dtype=shapes[f"model.{HF_PREFIX}{k}"][1]) for k in own}
     dcp_load(state, ckpt_dir, no_dist=True)
     model.load_state_dict({k: state[f"model.{HF_PREFIX}{k}"] for k in own}, strict=True)
-    tmp = staging_dir(out_dir)
-    tokenizer = copy_tokenizer(manifest.get("tokenizer"), tmp)
-    for key, value in (tokenizer or {}).items():  # bos/eos from the run's tokenizer where the model has none
-        for cfg in (model.config, model.generation_config):
-            if getattr(cfg, key, None) is None and value is not None:
-                setattr(cfg, key, value)
-    model.save_pretrained(str(tmp), max_shard_size=f"{shard_mb}MB")
-    for f in tmp.iterdir():
-        follow_umask(f)
-    publish_dir(tmp, out_dir)
+
+    def write(tmp: Path) -> dict | None:
+        tokenizer = copy_tokenizer(manifest.get("tokenizer"), tmp)
+        for key, value in (tokenizer or {}).items():  # bos/eos from the run's tokenizer where the model has none
+            for cfg in (model.config, model.generation_config):
+                if getattr(cfg, key, None) is None and value is not None:
+                    setattr(cfg, key, value)
+        model.save_pretrained(str(tmp), max_shard_size=f"{shard_mb}MB")
+        for f in tmp.iterdir():
+            follow_umask(f)
+        return tokenizer
+
+    tokenizer = write_export(out_dir, write)
     files = sorted(out_dir.glob("*.safetensors"))
     written = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as sf:
+        with open_safetensors(f) as sf:
             written.update({k: sf.get_slice(k).get_shape() for k in sf.keys()})  # noqa: SIM118
     return {"files": len(files), "tensors": len(written), "dir": str(out_dir), "tokenizer": tokenizer is not None,
             "bytes": sum(torch.Size(v).numel() * 4 for v in written.values())}
@@ -195,6 +206,18 @@ def _stacked_experts(model) -> set[str]:
     """Names of the stacked routed-expert weights (dim 0 = expert) of the model's MoE layers."""
     ids = {id(p) for layer in contract_of(model).moe_layers() for p in layer.experts.parameters(recurse=False)}
     return {n for n, p in model.named_parameters() if id(p) in ids}
+
+
+def write_hf_config(folder: Path, hf_config: dict, manifest: dict) -> dict | None:
+    """config.json, generation_config.json and the run's tokenizer (`copy_tokenizer`) into an export folder, so
+    every export (plain or merged) is the same complete Hugging Face folder; returns the tokenizer's token ids."""
+    tokenizer = copy_tokenizer(manifest.get("tokenizer"), folder)
+    for key, value in (tokenizer or {}).items():  # bos/eos from the run's tokenizer where the model has none
+        if hf_config.get(key) is None and value is not None:
+            hf_config[key] = value
+    (folder / "config.json").write_text(json.dumps(hf_config, indent=2))
+    (folder / "generation_config.json").write_text(json.dumps(generation_config(hf_config), indent=2))
+    return tokenizer
 
 
 def generation_config(hf_config: dict) -> dict:
@@ -215,7 +238,7 @@ def tokenizer_of(cfg) -> str | None:
     (model.hf_model or model.init_from), when it has one; else None."""
     if cfg.data.tokenizer:
         return str(Path(cfg.data.tokenizer).expanduser().resolve())
-    if cfg.data.source == "text":
+    if any(s.source == "text" for s in cfg.data.sources()):
         return "bytes"
     for folder in (cfg.model.hf_model, cfg.model.init_from):
         if folder and (Path(folder) / "tokenizer.json").is_file():
@@ -291,7 +314,14 @@ def _hf_tensor_files(hf_dir: Path) -> dict[str, Path]:
     """HF tensor name -> the safetensors file holding it."""
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
-        wm = json.loads(index.read_text())["weight_map"]
+        try:
+            wm = json.loads(index.read_text())["weight_map"]
+        except (ValueError, RecursionError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{index}: not a safetensors index with a weight_map ({type(err).__name__})") \
+                from None
+        if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) and Path(v).name == v
+                                               and v not in ("", ".", "..") for k, v in wm.items()):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to file names in its folder")
         return {k: hf_dir / v for k, v in wm.items()}
     single = hf_dir / "model.safetensors"
     files = [single] if single.is_file() else sorted(hf_dir.glob("*.safetensors"))
@@ -299,7 +329,7 @@ def _hf_tensor_files(hf_dir: Path) -> dict[str, Path]:
         raise CheckpointError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json")
     out = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as sf:
+        with open_safetensors(f) as sf:
             out.update({k: f for k in sf.keys()})  # noqa: SIM118
     return out
 
@@ -366,7 +396,7 @@ def load_hf_into(model, hf_dir: str | Path, progress: bool = False) -> list[str]
     def opened(name: str):
         f = files[name]
         if f not in handles:
-            handles[f] = safe_open(str(f), framework="pt")
+            handles[f] = open_safetensors(f)
         return handles[f]
 
     def read(name: str, box: list[tuple[int, int]]) -> torch.Tensor:  # only the rows/columns in `box`
@@ -464,10 +494,28 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path) -> dict:
     hf_dir = Path(hf_dir)
     if not hf_dir.is_dir():
         raise CheckpointError(f"{hf_dir} is not a directory")
+    check_import_destination(out_dir, hf_dir)
     args = hf_model_args(hf_dir, "checkpoint import")
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelArgs)
                  if getattr(args, f.name) != getattr(ModelArgs(), f.name)}
     model = build_model(args)
     load_hf_into(model, hf_dir, progress=True)
-    final = save_weights_only(model, out_dir, str(hf_dir))
-    return {"dir": str(final), "model_overrides": overrides}
+    outputs.replace_folder(out_dir, outputs.CHECKPOINTS, lambda tmp: save_weights_only(model, tmp, str(hf_dir)))
+    return {"dir": str(Path(out_dir) / "step_0"), "model_overrides": overrides}
+
+
+def check_import_destination(out_dir: str | Path, hf_dir: Path) -> None:
+    """An import goes into a new or empty folder, or replaces an earlier import (a checkpoints folder holding only
+    an imported step_0): never a run's checkpoints, whose LATEST it would move. Else one line."""
+    problem = outputs.check_folder(out_dir, outputs.CHECKPOINTS, "--to", sources=[hf_dir])
+    if problem is None and outputs.kind_of(Path(out_dir)) == outputs.CHECKPOINTS:
+        steps = [p for p in Path(out_dir).iterdir() if p.name.startswith("step_")]
+        try:
+            imported = [json.loads((p / MANIFEST).read_text()).get("strategy") for p in steps] == ["import"]
+        except (OSError, ValueError, AttributeError):
+            imported = False
+        if not imported:
+            problem = (f"--to={out_dir} is a run's checkpoints folder ({outputs.entries(Path(out_dir))}): an import "
+                       "never moves a run's LATEST; give a new folder")
+    if problem is not None:
+        raise CheckpointError(problem)

@@ -45,6 +45,8 @@ Hugging Face safetensors into `<dir>/hf/step_<N>` (`hf.export_checkpoint`, strea
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import errno
 import json
 import shutil
 import time
@@ -54,6 +56,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.stateful import Stateful
 
 from meshforge.checkpoint.collectives import all_gather_object, barrier, dist_on, log
@@ -83,6 +87,58 @@ from meshforge.config.rules import resolved_ckpt_format
 from meshforge.errors import CheckpointError
 
 MODEL = "model"  # the part the manager checks against the checkpoint, and the one a weights-only load loads
+
+
+def unlike(saved, mine, name: str, require: bool) -> str | None:
+    """Why a part's saved state cannot be this run's (`mine`: what the part holds now): not a dict where it holds a
+    dict, or a key of another kind (numbers, text, lists, tensors, dicts); with `require` (a part whose load takes
+    any dict silently: torch's LR schedulers), a public key of its own missing. None when alike. One level deep:
+    below, and for missing keys of the other parts, the part's own `load_state_dict` checks (its KeyError is
+    reported as a missing key)."""
+    if not isinstance(mine, dict):
+        return None
+    if not isinstance(saved, dict):
+        return f"key {name} must be a dict, not a {type(saved).__name__}"
+    kinds = ((bool, int, float), (str,), (list, tuple), (torch.Tensor,), (dict,))
+    for key, value in mine.items():
+        if key not in saved:
+            if require and not str(key).startswith("_"):  # private keys differ between torch versions
+                return f"key {name}.{key} is missing"
+            continue
+        kind = next((k for k in kinds if isinstance(value, k)), None)
+        if kind is not None and saved[key] is not None and not isinstance(saved[key], kind):
+            return f"key {name}.{key} must be a {type(value).__name__}, not {saved[key]!r:.60}"
+    return None
+
+
+def _nbytes(obj) -> int:
+    """Bytes of the tensors in a (nested) state dict, as this rank holds them."""
+    if isinstance(obj, DTensor):
+        return _nbytes(obj.to_local())
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+def _no_space(err: BaseException) -> bool:
+    """ENOSPC (or a quota) anywhere in an error, its causes, or the per-rank failures DCP collects."""
+    seen, todo = set(), [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
+            return True
+        todo += [e.__cause__, e.__context__, *[f for f in (getattr(e, "failures", None) or {}).values()
+                                               if isinstance(f, BaseException)]]
+    return False
 
 
 def rank_file(path: Path, rank: int) -> Path:
@@ -178,24 +234,51 @@ class CheckpointManager:
         barrier()
         state = {name: part.state_dict_to_save() for name, part in self.sharded.items()}
         own = {"step": step, **{name: part.state_dict() for name, part in self.per_rank.items()}}
-        if allow_async and self.cfg.checkpoint.async_save:
-            group = self._group()
-            fut = dcp.async_save(state, checkpoint_id=str(partial), process_group=group, no_dist=not dist_on())
-            del state  # staged to CPU already: training may change the parameters now
-            torch.save(own, rank_file(partial, self.rank))
-            if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meshforge-ckpt")
-            self._pending = self._executor.submit(self._finish_async, fut, step, partial, final, group, t0)
-        else:
-            dcp.save(state, checkpoint_id=str(partial), no_dist=not dist_on())
-            torch.save(own, rank_file(partial, self.rank))
-            self._commit(step, partial, final, None, t0)
+        need = _nbytes(state) + _nbytes(own)
+        with self._disk_full(step, partial, need):
+            if allow_async and self.cfg.checkpoint.async_save:
+                group = self._group()
+                fut = dcp.async_save(state, checkpoint_id=str(partial), process_group=group, no_dist=not dist_on())
+                del state  # staged to CPU already: training may change the parameters now
+                torch.save(own, rank_file(partial, self.rank))
+                if self._executor is None:
+                    self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meshforge-ckpt")
+                self._pending = self._executor.submit(self._finish_async, fut, step, partial, final, group, t0, need)
+            else:
+                dcp.save(state, checkpoint_id=str(partial), no_dist=not dist_on())
+                torch.save(own, rank_file(partial, self.rank))
+                self._commit(step, partial, final, None, t0)
         self.last_saved = final
         return final
 
-    def _finish_async(self, fut, step, partial, final, group, t0) -> None:
-        fut.result()
-        self._commit(step, partial, final, group, t0, background=True)
+    def _finish_async(self, fut, step, partial, final, group, t0, need) -> None:
+        with self._disk_full(step, partial, need):
+            fut.result()
+            self._commit(step, partial, final, group, t0, background=True)
+
+    @contextlib.contextmanager
+    def _disk_full(self, step: int, partial: Path, need: int):
+        """A save that fails for want of space (ENOSPC anywhere in the error, or less room left on the checkpoint
+        folder's filesystem than this rank's share of the save, written or not: torch's writers report a short
+        write as an `inline_container` error) is one line saying so; its `.partial` folder is removed (it never
+        became a checkpoint: LATEST still names the previous one)."""
+        try:
+            yield
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - re-raised unless the disk is full
+            try:
+                free = shutil.disk_usage(self.root).free
+                written = sum(p.stat().st_size for p in partial.iterdir() if p.is_file())
+            except OSError:
+                free, written = 0, 0
+            if not (_no_space(err) or free + written < need):
+                raise
+            if self.rank == 0:
+                shutil.rmtree(partial, ignore_errors=True)
+            latest = read_latest(self.root)
+            raise CheckpointError(
+                f"No space left on device while saving step {step} to {self.root} ({free / 2**20:.1f} MiB free, "
+                f"this save writes about {need / 2**20:.1f} MiB per rank): free some space or set checkpoint.dir "
+                f"elsewhere; the last complete checkpoint is still {latest.name if latest else 'none'}") from None
 
     def _commit(self, step: int, partial: Path, final: Path, group, t0: float, background: bool = False) -> None:
         if self.before_commit is not None:
@@ -315,14 +398,24 @@ class CheckpointManager:
         except Exception as err:  # noqa: BLE001 - one line naming the file
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
             raise CheckpointError(f"{ts_path}: refused by torch.load(weights_only=True): {first}") from None
+        if not isinstance(own, dict):
+            raise CheckpointError(f"{ts_path}: not a trainer state (a {type(own).__name__}, not a dict)")
+        if type(own.get("step")) is not int:
+            raise CheckpointError(f"{ts_path}: key step " + ("is missing" if "step" not in own else
+                                                              f"must be an integer, not {own['step']!r:.60}"))
         for name, part in self.per_rank.items():
-            if not isinstance(own, dict) or name not in own:
-                raise CheckpointError(f"{ts_path}: holds no {name} state")
+            if name not in own:
+                raise CheckpointError(f"{ts_path}: key {name} is missing (holds no {name} state)")
+            silent = isinstance(part, torch.optim.lr_scheduler.LRScheduler)
+            if (problem := unlike(own[name], part.state_dict(), name, require=silent)) is not None:
+                raise CheckpointError(f"{ts_path}: {problem}")
             try:
                 part.load_state_dict(own[name])
-            except ValueError as err:
-                raise CheckpointError(f"{ts_path}: {err}") from None
-        return int(own["step"])
+            except (ValueError, KeyError, TypeError, AttributeError, IndexError, RuntimeError) as err:
+                what = f"key {err.args[0]!r} is missing" if isinstance(err, KeyError) else \
+                    (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+                raise CheckpointError(f"{ts_path}: {name}: {what}") from None
+        return own["step"]
 
     def close(self) -> None:
         try:

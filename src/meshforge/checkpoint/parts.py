@@ -41,6 +41,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from meshforge.checkpoint.collectives import log
 from meshforge.checkpoint.hf import hf_config_of, tokenizer_of
 from meshforge.checkpoint.peft import (
     adapter_manifest,
@@ -48,6 +49,7 @@ from meshforge.checkpoint.peft import (
     refuse_adapter_checkpoint,
     trainable_names,
 )
+from meshforge.checkpoint.verify import check_model_inputs, model_inputs
 from meshforge.config.rules import resolved_ckpt_format
 from meshforge.distributed.master_weights import MasterWeightAdamW
 
@@ -87,9 +89,11 @@ class ModelWeights(ShardedPart):
 
     content = "model"
 
-    def __init__(self, pm, gather_on_save: bool, hf_config: dict | None = None, tokenizer: str | None = None):
+    def __init__(self, pm, gather_on_save: bool, hf_config: dict | None = None, tokenizer: str | None = None,
+                 inputs: dict | None = None, allow_changed_inputs: bool = False):
         self.pm, self.gather_on_save = pm, gather_on_save
         self.hf_config, self.tokenizer = hf_config, tokenizer
+        self.inputs, self.allow_changed_inputs = inputs or {}, allow_changed_inputs  # `verify.model_inputs`
         self._resumed_tokenizer: str | None = None
         self._full: bool | None = None
 
@@ -117,10 +121,14 @@ class ModelWeights(ShardedPart):
 
     def manifest_entries(self) -> dict:
         return {"tokenizer": self.tokenizer or self._resumed_tokenizer,  # for the export's tokenizer files
-                "hf_config": self.hf_config}  # model.hf_model: its config.json, for the export
+                "hf_config": self.hf_config,  # model.hf_model: its config.json, for the export
+                "model_inputs": self.inputs}  # what the model started from, by content
 
     def check_manifest(self, path: Path, manifest: dict) -> None:
         self._check_kind(path, manifest)
+        note = check_model_inputs(path, manifest.get("model_inputs"), self.inputs, self.allow_changed_inputs)
+        if note is not None:
+            log(note, warn=True)
         self._resumed_tokenizer = manifest.get("tokenizer")  # e.g. an imported folder's, carried on to the export
 
     def _check_kind(self, path: Path, manifest: dict) -> None:
@@ -134,8 +142,8 @@ class AdapterWeights(ModelWeights):
 
     content = "adapter"
 
-    def __init__(self, pm, gather_on_save: bool, cfg, hf_config: dict | None = None, tokenizer: str | None = None):
-        super().__init__(pm, gather_on_save, hf_config, tokenizer)
+    def __init__(self, pm, gather_on_save: bool, cfg, **export):
+        super().__init__(pm, gather_on_save, **export)
         self.cfg = cfg
 
     def _trainable(self, state: dict) -> dict:
@@ -231,7 +239,8 @@ class RNGState(Stateful):
 def training_parts(cfg, pm, optimizer: torch.optim.Optimizer, scheduler, loader) -> dict[str, Stateful]:
     """The parts of a training run, in the order they are saved and loaded (see the module docstring)."""
     gather = resolved_ckpt_format(cfg) == "torch_dist"
-    export = {"hf_config": hf_config_of(cfg), "tokenizer": tokenizer_of(cfg)}
+    export = {"hf_config": hf_config_of(cfg), "tokenizer": tokenizer_of(cfg), "inputs": model_inputs(cfg),
+              "allow_changed_inputs": cfg.checkpoint.allow_changed_inputs}
     weights = AdapterWeights(pm, gather, cfg, **export) if cfg.peft is not None else ModelWeights(pm, gather, **export)
     model = MasterWeights(weights, optimizer) if isinstance(optimizer, MasterWeightAdamW) else weights
     return {"model": model, "optim": OptimizerState(pm, optimizer, weights), "scheduler": scheduler,

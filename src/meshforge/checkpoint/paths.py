@@ -8,8 +8,8 @@ Layout of `checkpoint.dir` (default `<run.output_dir>/checkpoints`)::
     hf/step_<N>/                `checkpoint.save_consolidated`: Hugging Face safetensors + config.json
 
 A file is written whole (`write_atomic`: a temporary file, fsync, `os.replace`); a folder is written under a
-`.partial` name and renamed into place (`staging_dir` / `publish_dir`, `publish_checkpoint`, which then moves
-`LATEST`). Retention (`remove_old`) never deletes the checkpoint `LATEST` names.
+`.partial` name and renamed into place (`publish_checkpoint`, which then moves `LATEST`); an export folder is
+swapped in whole (`write_export`). Retention (`remove_old`) never deletes the checkpoint `LATEST` names.
 """
 
 from __future__ import annotations
@@ -17,11 +17,15 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
+import meshforge.outputs as outputs
 from meshforge.checkpoint.manifest import MANIFEST
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
+T = TypeVar("T")
 
 
 # ------------------------------------------------------------------------------ finding
@@ -104,19 +108,11 @@ def follow_umask(path: Path) -> None:
     os.chmod(path, 0o666 & ~umask())
 
 
-def staging_dir(out_dir: Path) -> Path:
-    """An empty `<out_dir>.partial` to write an export into (`publish_dir` then puts it in place whole)."""
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
-
-
-def publish_dir(tmp: Path, out_dir: Path) -> None:
-    """Replace `out_dir` by the finished staging folder (a reader never sees a half-written export)."""
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+def write_export(out_dir: Path, write: Callable[[Path], T]) -> T:
+    """Write an export folder with `write(folder)` and put it in place whole, replacing an earlier export
+    (`outputs.replace_folder`: a kill at any moment leaves the old or the new export). Where it may go is the
+    caller's check (`outputs.check_folder`, the command's `--to`); `save_consolidated`'s own hf/step_N needs none."""
+    return outputs.replace_folder(out_dir, outputs.EXPORT, write)
 
 
 def publish_checkpoint(partial: Path, final: Path) -> None:
@@ -137,9 +133,13 @@ def remove_leftovers(root: Path) -> list[Path]:
     """Delete interrupted saves and exports (`*.partial`) and a stale `LATEST.tmp`; the folders removed."""
     removed = []
     if root.is_dir():
-        for p in sorted([*root.glob("*.partial"), *root.glob("hf/*.partial")]):
+        for p in sorted(root.glob("*.partial")):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
+        for p in sorted(root.glob("hf/.step_*-*")):  # an interrupted export: finished or undone (`recover`)
+            if (m := re.match(r"^\.(step_\d+)\.(partial|old)-\d+$", p.name)):
+                removed.append(p)
+                outputs.recover(p.with_name(m.group(1)))
         (root / "LATEST.tmp").unlink(missing_ok=True)
     return removed
 

@@ -28,16 +28,16 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from meshforge.checkpoint.hf import _adapter, copy_param, load_hf_into
-from meshforge.checkpoint.manifest import MANIFEST, model_args_dict
-from meshforge.checkpoint.paths import publish_dir, staging_dir
+from meshforge.checkpoint.hf import _adapter, copy_param, load_hf_into, open_safetensors, write_hf_config
+from meshforge.checkpoint.manifest import MANIFEST, manifest_model_args, model_args_dict, read_manifest
+from meshforge.checkpoint.paths import follow_umask, write_export
 from meshforge.checkpoint.safe_dcp import dcp_load, dcp_tensor_shapes
+from meshforge.checkpoint.verify import changed_inputs, folder_inputs
 from meshforge.errors import CheckpointError
-from meshforge.models import ModelArgs, build_model, init_weights
+from meshforge.models import build_model, init_weights
 from meshforge.models.lora import (
     adapter_modules,
     apply_lora,
@@ -150,8 +150,12 @@ def _peft_model(manifest: dict, where: Path, device: str = "meta"):
                               "without --adapter/--merge")
     from meshforge.config.schema import PeftConfig
 
-    pcfg = PeftConfig(**manifest["peft"])
-    model = build_model(ModelArgs(**manifest["model_args"]), device=device)
+    try:
+        pcfg = PeftConfig(**manifest["peft"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{where / MANIFEST}: key peft is missing or not a peft section "
+                              f"({str(err).splitlines()[0][:200]})") from None
+    model = build_model(manifest_model_args(where, manifest), device=device)
     return model, pcfg
 
 
@@ -164,21 +168,28 @@ def _load_tensors(ckpt_dir: Path, targets: dict[str, torch.Tensor]) -> None:
     dcp_load({f"model.{k}": t for k, t in targets.items()}, ckpt_dir, no_dist=True)
 
 
-def _write_dir(out_dir: Path, files: dict[str, dict | str]) -> None:
-    """Write {name: tensors dict (safetensors) | text} into `out_dir` atomically (a .partial, then a rename)."""
-    tmp = staging_dir(out_dir)
-    for name, content in files.items():
-        if isinstance(content, str):
-            (tmp / name).write_text(content)
-        else:
-            save_file(content, str(tmp / name), metadata={"format": "pt"})
-    publish_dir(tmp, out_dir)
+def _write_dir(out_dir: Path, files: dict[str, dict | str], hf_config: dict | None = None,
+               manifest: dict | None = None) -> None:
+    """Write {name: tensors dict (safetensors) | text} into `out_dir` whole (`write_export`); with `hf_config`,
+    also config.json, generation_config.json and the checkpoint's tokenizer, as a plain export has them."""
+
+    def write(tmp: Path) -> None:
+        for name, content in files.items():
+            if isinstance(content, str):
+                (tmp / name).write_text(content)
+            else:
+                save_file(content, str(tmp / name), metadata={"format": "pt"})
+                follow_umask(tmp / name)
+        if hf_config is not None:
+            write_hf_config(tmp, hf_config, manifest or {})
+
+    write_export(out_dir, write)
 
 
 def export_adapter(ckpt_dir: str | Path, out_dir: str | Path) -> dict:
     """An adapter checkpoint -> PEFT `adapter_config.json` + `adapter_model.safetensors`."""
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
-    manifest = json.loads((ckpt_dir / MANIFEST).read_text())
+    manifest = read_manifest(ckpt_dir)
     model, pcfg = _peft_model(manifest, ckpt_dir)
     adapter = _adapter(model, ckpt_dir)
     apply_lora(model, pcfg)
@@ -221,14 +232,21 @@ def export_adapter(ckpt_dir: str | Path, out_dir: str | Path) -> dict:
 def export_merged(ckpt_dir: str | Path, out_dir: str | Path) -> dict:
     """An adapter checkpoint + its base (rebuilt from `peft_base`) -> merged HF safetensors + config.json."""
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
-    manifest = json.loads((ckpt_dir / MANIFEST).read_text())
+    manifest = read_manifest(ckpt_dir)
     model, pcfg = _peft_model(manifest, ckpt_dir, device="cpu")
     adapter = _adapter(model, ckpt_dir)
     base = manifest.get("peft_base", {})
-    if base.get("init_from"):
+    if base.get("init_from"):  # the very base the adapters were trained on, by content
+        what = changed_inputs(manifest.get("model_inputs"),
+                              {"model.init_from": folder_inputs("model.init_from", base["init_from"])})
+        if what is not None:
+            raise CheckpointError(f"{ckpt_dir}: {what}: the adapters were trained on another base; merging them "
+                                  "into this one would give wrong weights: restore the base")
         load_hf_into(model, base["init_from"])
+    elif type(base.get("seed")) is int:
+        init_weights(model, base["seed"])
     else:
-        init_weights(model, int(base["seed"]))
+        raise CheckpointError(f"{ckpt_dir / MANIFEST}: key peft_base must name the base's init_from or seed")
     apply_lora(model, pcfg)
     trained = {n: p.data for n, p in model.named_parameters() if p.requires_grad}
     _load_tensors(ckpt_dir, trained)
@@ -238,7 +256,7 @@ def export_merged(ckpt_dir: str | Path, out_dir: str | Path) -> dict:
         if adapter.hf_names(name):
             tensors.update(adapter.to_hf(name, p.detach()))
     dtype = next(model.parameters()).dtype
-    _write_dir(out_dir, {"model.safetensors": tensors, "config.json": json.dumps(adapter.hf_config(dtype), indent=2)})
+    _write_dir(out_dir, {"model.safetensors": tensors}, adapter.hf_config(dtype), manifest)
     return {"dir": str(out_dir), "tensors": len(tensors),
             "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
@@ -295,7 +313,7 @@ def load_peft_adapter(model: nn.Module, pcfg) -> None:
     if sorted(cfg.get("modules_to_save") or []) != saved:
         raise CheckpointError(f"{where / ADAPTER_CONFIG}: modules_to_save={cfg.get('modules_to_save')} but this run "
                               f"trains {saved or 'none'} besides the adapters: set peft.freeze to match")
-    with safe_open(str(where / ADAPTER_WEIGHTS), framework="pt") as sf:
+    with open_safetensors(where / ADAPTER_WEIGHTS, "peft.init_from: ") as sf:
         left = set(sf.keys())
 
         def take(key: str, name: str) -> torch.Tensor:

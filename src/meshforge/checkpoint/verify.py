@@ -1,6 +1,12 @@
 """Is this checkpoint this model's? Its tensor names and shapes and its stored model arguments, checked before
 anything is loaded; a difference is one line naming the parameter or the argument, or, with
 `checkpoint.allow_partial_load`, the set of tensors both have (their shapes must still match).
+
+And did the model start from the same files? The manifest records `model_inputs`: the content fingerprint
+(`data/fingerprint.py`: full SHA-256 up to 64 MiB a file, sampled blocks above) of the folders the model was
+built from: `model.init_from` (config.json and the safetensors: a LoRA run's frozen base) and `peft.init_from`
+(the PEFT adapter files). A resume from the same folder whose files changed is refused naming the file, unless
+`checkpoint.allow_changed_inputs=true`; `export --merge` refuses a changed base outright.
 """
 
 from __future__ import annotations
@@ -11,8 +17,57 @@ from pathlib import Path
 
 from meshforge.checkpoint.collectives import all_gather_object
 from meshforge.checkpoint.safe_dcp import dcp_tensor_shapes
-from meshforge.errors import CheckpointError
+from meshforge.data import fingerprint
+from meshforge.errors import CheckpointError, DataError
 from meshforge.models import ModelArgs
+
+# the files of a folder a model starts from, by its setting (what `load_hf_into` / `load_peft_adapter` read)
+_MODEL_FILES = {"model.init_from": ("config.json", "model.safetensors.index.json", "*.safetensors"),
+                "peft.init_from": ("adapter_config.json", "adapter_model.safetensors")}
+
+
+def folder_inputs(key: str, folder: str | Path) -> dict:
+    """{"folder": absolute path, "files": {"<key>: <file>": fingerprint entry}} of the files `key` reads there."""
+    root = Path(folder).expanduser().resolve()
+    names = sorted({p for pattern in _MODEL_FILES[key] for p in root.glob(pattern) if p.is_file()})
+    try:
+        return {"folder": str(root), "files": fingerprint.files(key, names)}
+    except DataError as err:
+        raise CheckpointError(str(err)) from None
+
+
+def model_inputs(cfg) -> dict[str, dict]:
+    """The `model_inputs` manifest entry of a run: {setting: `folder_inputs`} for model.init_from and
+    peft.init_from where set."""
+    folders = {"model.init_from": cfg.model.init_from,
+               "peft.init_from": cfg.peft.init_from if cfg.peft is not None else None}
+    return {key: folder_inputs(key, folder) for key, folder in folders.items() if folder}
+
+
+def changed_inputs(saved, mine: dict[str, dict]) -> str | None:
+    """The first difference between a checkpoint's `model_inputs` and `mine` (and how many more), setting by
+    setting where both read the same folder (another folder is another start: the LoRA base's own check refuses
+    that); None when none (or the checkpoint predates model-input fingerprints)."""
+    if not isinstance(saved, dict):
+        return None
+    diffs = []
+    for key, now in mine.items():
+        was = saved.get(key)
+        if isinstance(was, dict) and was.get("folder") == now["folder"] and isinstance(was.get("files"), dict):
+            diffs += fingerprint.differences(was["files"], now["files"])
+    return diffs[0] + (f" (and {len(diffs) - 1} more)" if len(diffs) > 1 else "") if diffs else None
+
+
+def check_model_inputs(path: Path, saved, mine: dict[str, dict], allow: bool) -> str | None:
+    """`changed_inputs` on resume: None when equal; a warning line when they differ and `allow`; else one
+    CheckpointError line naming the first changed file."""
+    what = changed_inputs(saved, mine)
+    if what is None:
+        return None
+    if not allow:
+        raise CheckpointError(f"{path}: {what}: the model started from other files; restore them, or set "
+                              f"{fingerprint.ALLOW_KEY}=true to resume on the changed ones")
+    return f"warning: resuming on changed model inputs, {fingerprint.ALLOW_KEY}=true: {what}"
 
 
 def _names(keys, limit: int = 5) -> str:

@@ -153,6 +153,14 @@ def overwrite_starts_fresh(cfg: Config, world_size: int) -> list[str]:
 
 
 @rule
+def restarts_resume(cfg: Config, world_size: int) -> list[str]:
+    if cfg.resilience.max_restarts and cfg.checkpoint.resume != "auto":
+        return [f"resilience.max_restarts={cfg.resilience.max_restarts} restarts from the last committed checkpoint, "
+                f"but checkpoint.resume={cfg.checkpoint.resume}: set checkpoint.resume=auto (or max_restarts 0)"]
+    return []
+
+
+@rule
 def checkpoint_format(cfg: Config, world_size: int) -> list[str]:
     fmt, spec = cfg.checkpoint.ckpt_format, cfg.distributed.spec
     if fmt is not None and fmt not in spec.ckpt_formats:
@@ -216,7 +224,7 @@ def model_fits_data(cfg: Config, world_size: int) -> list[str]:
     if args.sliding_window is not None and cfg.training.seq_len > args.sliding_window and not exact_windows:
         out.append(f"training.seq_len={cfg.training.seq_len} exceeds model.sliding_window={args.sliding_window}: "
                    "sliding-window attention is exact only up to the window; shorten seq_len")
-    if cfg.data.source == "text" and args.vocab_size < 256:
+    if any(s.source == "text" for s in cfg.data.sources()) and args.vocab_size < 256:
         out.append(f"model.vocab_size={args.vocab_size} is smaller than the 256 byte tokens of data.source=text")
     d = cfg.distributed
     if d.tp_size > 1:
@@ -322,7 +330,8 @@ def hf_model_keys(cfg: Config, world_size: int) -> list[str]:
     given = set(m.overrides()) | {"init_from"} | ({"preset"} if m.preset != "tiny" else set())  # tiny: the default
     out = [f"model.{k} cannot be set {what} (its config.json gives the model): remove it"
            for k in sorted(m.model_fields_set & given)]
-    for key, value, on in (("data.packing", "true", cfg.data.packing),  # (fused_loss: `fused_loss_layout`)
+    packing = any(s.packing for s in cfg.data.sources())
+    for key, value, on in (("data.packing", "true", packing),  # (fused_loss: `fused_loss_layout`)
                            ("training.fp8.enabled", "true", t.fp8.enabled), ("peft", "(LoRA)", cfg.peft is not None),
                            ("distributed.pp_size", d.pp_size, d.pp_size > 1),
                            ("distributed.cp_size", d.cp_size, d.cp_size > 1),
@@ -447,6 +456,9 @@ def warnings(cfg: Config, world_size: int | None = None) -> list[str]:
         out.append("distributed.moe is ignored because ep_size=1")
     for fn in d.spec.warnings:
         out += fn(cfg, ws)
+    if cfg.resilience.max_restarts and not cfg.checkpoint.interval:
+        out.append(f"resilience.max_restarts={cfg.resilience.max_restarts} with checkpoint.interval=0: a restart "
+                   "finds no checkpoint and starts again from step 0")
     fused = fused_loss_note(cfg)
     if fused:
         out.append(fused)
@@ -478,12 +490,23 @@ def resolved_ckpt_format(cfg: Config) -> str:
 @rule
 def validation_data(cfg: Config, world_size: int) -> list[str]:
     """training.val_every and data.validation go together: either alone would do nothing."""
-    every, val = cfg.training.val_every, cfg.data.validation
+    every, val = cfg.training.val_every, [s.validation for s in cfg.data.sources() if s.validation] or None
     if every and val is None:
         return [f"training.val_every={every} needs data.validation (paths: [files] or fraction: 0.05)"]
     if val is not None and not every:
         return ["data.validation is set but training.val_every=0, so it would never run: set training.val_every"]
     return []
+
+
+@rule
+def samples_support(cfg: Config, world_size: int) -> list[str]:
+    """logging.samples runs the whole sequence through the model on every rank: not through pipeline stages (the
+    schedule drives their forwards) or context parallelism (it splits the sequence)."""
+    d = cfg.distributed
+    if cfg.logging.samples is None:
+        return []
+    return [f"logging.samples with distributed.{k}={v} is not supported yet: generate from a checkpoint with "
+            "`meshforge generate` instead" for k, v in (("pp_size", d.pp_size), ("cp_size", d.cp_size)) if v > 1]
 
 
 @rule
@@ -494,7 +517,7 @@ def packing_support(cfg: Config, world_size: int) -> list[str]:
     takes the ids (`Family.packs_documents`: the default MoE model, DeepSeek-V3's and GPT-OSS's do). Context
     parallelism under pipeline parallelism does not carry them yet: its attention reads the full ids of one micro
     batch at a time, and a pipeline keeps several in flight."""
-    if not cfg.data.packing:
+    if not any(s.packing for s in cfg.data.sources()):
         return []
     d, out = cfg.distributed, []
     if d.pp_size > 1 and d.cp_size > 1:

@@ -132,7 +132,9 @@ class ValidationDataConfig(Section):
         return self
 
 
-class DataConfig(Section):
+class SourceConfig(Section):
+    """What one data source reads and how its samples are shaped: `data` itself, or one entry of `data.mix`."""
+
     # dataset: records from local jsonl/json, parquet, arrow files or `datasets` save_to_disk folders (data.paths)
     source: Literal["synthetic", "text", "tokenized", "dataset"] = "text"
     # text: files or globs; empty = the Python standard library's own .py sources. dataset: record files/folders
@@ -141,8 +143,6 @@ class DataConfig(Section):
     path: str | None = None
     # text: read only the first max_files files
     max_files: int | None = Field(None, gt=0)
-    # a local tokenizer.json or Hugging Face tokenizer folder; None = byte-level (vocab 256, documents end in NUL)
-    tokenizer: str | None = None
     # dataset records: text (pre-training on `text_field`), chat ({messages}) or prompt_completion
     format: Literal["text", "chat", "prompt_completion"] = "text"
     text_field: str = "text"
@@ -157,14 +157,9 @@ class DataConfig(Section):
     # dataset + format text: read and tokenize the records while training, in file order (no shuffle), never
     # holding the corpus in memory; every dp rank reads the whole stream (docs/data.md)
     streaming: bool = False
-    # background worker processes building each step's batches ahead of it (torchdata StatefulDataLoader, in the
-    # checkpoint); 0 = built in the step, in the training process. Which batches, and their order, never change
-    num_workers: int = Field(0, ge=0)
-    # batches each worker keeps ready (read with num_workers > 0)
-    prefetch_factor: int = Field(2, gt=0)
 
     @model_validator(mode="after")
-    def _source_inputs(self) -> DataConfig:
+    def _source_inputs(self) -> SourceConfig:
         if self.source == "tokenized" and not self.path:
             raise ValueError("data.source=tokenized needs data.path (a .npy file from `meshforge data prepare`)")
         if self.source != "tokenized" and self.path:
@@ -174,15 +169,10 @@ class DataConfig(Section):
             raise ValueError(f"data.paths is only read by data.source=text or dataset (source is {self.source!r})")
         if self.source == "dataset" and not self.paths:
             raise ValueError("data.source=dataset needs data.paths (jsonl/parquet/arrow files or a saved dataset)")
-        if self.source == "synthetic" and (self.tokenizer or self.validation):
+        if self.source == "synthetic" and (getattr(self, "tokenizer", None) or self.validation):
             raise ValueError("data.tokenizer and data.validation are not read by data.source=synthetic")
         if self.source == "tokenized" and self.validation and len(self.validation.paths) > 1:
             raise ValueError("data.validation.paths: data.source=tokenized reads one .npy file")
-        if self.num_workers == 0 and self.prefetch_factor != type(self).model_fields["prefetch_factor"].default:
-            raise ValueError(f"data.prefetch_factor={self.prefetch_factor} is only read with data.num_workers > 0")
-        if self.streaming and self.num_workers > 1:
-            raise ValueError(f"data.streaming reads one stream in order: data.num_workers={self.num_workers} "
-                             "must be 0 or 1")
         if self.streaming and self.validation and self.validation.fraction is not None:
             raise ValueError("data.validation.fraction needs random access to the samples; with data.streaming "
                              "give data.validation.paths")
@@ -197,6 +187,72 @@ class DataConfig(Section):
                                  f"remove it (it is {getattr(self, key)!r}) or override "
                                  f"data.{key}={'null' if default is None else str(default).lower()}")
         return self
+
+
+SOURCE_KEYS = tuple(SourceConfig.model_fields)  # what a `data.mix` entry sets for itself (the rest is shared)
+
+
+class MixSourceConfig(SourceConfig):
+    """One source of `data.mix`: its own files, format, fields, loss masking and validation, and its weight."""
+
+    name: str | None = None  # in metrics (mix/<name>, val_loss/<name>); None = source<i>
+    weight: float  # its share of the samples: weight / the sum of the weights (any positive scale)
+
+    @field_validator("weight", mode="before")
+    @classmethod
+    def _a_number(cls, v: Any) -> Any:
+        import math
+
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"must be a positive number (a source's share of the samples), got {v!r}")
+        return v
+
+
+class DataConfig(SourceConfig):
+    # a local tokenizer.json or Hugging Face tokenizer folder; None = byte-level (vocab 256, documents end in NUL)
+    tokenizer: str | None = None
+    # background worker processes building each step's batches ahead of it (torchdata StatefulDataLoader, in the
+    # checkpoint); 0 = built in the step, in the training process. Which batches, and their order, never change
+    num_workers: int = Field(0, ge=0)
+    # batches each worker keeps ready (read with num_workers > 0)
+    prefetch_factor: int = Field(2, gt=0)
+    # weighted mixing (data/mix.py): several sources, each with the keys above its own, blended by weight; it
+    # replaces the source keys here (tokenizer, num_workers and prefetch_factor stay shared)
+    mix: list[MixSourceConfig] | None = None
+
+    @model_validator(mode="after")
+    def _shared(self) -> DataConfig:
+        if self.num_workers == 0 and self.prefetch_factor != type(self).model_fields["prefetch_factor"].default:
+            raise ValueError(f"data.prefetch_factor={self.prefetch_factor} is only read with data.num_workers > 0")
+        if any(s.streaming for s in self.sources()) and self.num_workers > 1:
+            raise ValueError(f"data.streaming reads one stream in order: data.num_workers={self.num_workers} "
+                             "must be 0 or 1")
+        if self.mix is None:
+            return self
+        if not self.mix:
+            raise ValueError("data.mix is empty: list the sources to blend (each with a weight), or remove it")
+        own = sorted(k for k in SOURCE_KEYS if k in self.model_fields_set  # (a dumped config spells the defaults)
+                     and getattr(self, k) != SourceConfig.model_fields[k].get_default(call_default_factory=True))
+        if own:
+            raise ValueError(f"data.{own[0]} is set next to data.mix: with data.mix every source's keys go in its "
+                             f"own entry (data.mix[i].{own[0]})")
+        names = self.mix_names()
+        if len(set(names)) < len(names):
+            raise ValueError(f"data.mix names must differ (got {', '.join(names)})")
+        return self
+
+    def sources(self) -> list[SourceConfig]:
+        """The sources this section reads: the mix's entries, or itself."""
+        return list(self.mix) if self.mix else [self]
+
+    def mix_names(self) -> list[str]:
+        return [m.name or f"source{i}" for i, m in enumerate(self.mix or [])]
+
+    def source_config(self, i: int) -> DataConfig:
+        """Mix entry i as a data section of its own (the shared keys and that entry's source keys)."""
+        own = self.mix[i].model_dump(include=set(SOURCE_KEYS), exclude_unset=True)
+        shared = {} if self.mix[i].source == "synthetic" else {"tokenizer": self.tokenizer}  # (reads no tokens)
+        return DataConfig.model_validate({**shared, **own})
 
 
 # --------------------------------------------------------------------- distributed
@@ -464,7 +520,39 @@ class CheckpointConfig(Section):
         self.resume = value
 
 
+# ----------------------------------------------------------------------- resilience
+class ResilienceConfig(Section):
+    """What a job does about faults at scale (docs/faults.md)."""
+
+    # a failed attempt (any rank failing) restarts the whole job this many times, resuming from the last committed
+    # checkpoint (needs checkpoint.resume=auto); the same failure twice in a row ends it. `--max-restarts` sets it
+    max_restarts: int = Field(0, ge=0, le=1000)
+
+
 # -------------------------------------------------------------------------- logging
+
+class SamplesConfig(Section):
+    """Text generated from the live model during training (training/samples.py): each prompt's continuation every
+    `every` steps (and at the last step), logged as a `samples` record to metrics.jsonl and every logger. It forks
+    the RNG and leaves the data order alone, so training and exact resume are unchanged."""
+
+    prompts: list[str] = Field(min_length=1)
+    every: int = Field(gt=0)
+    max_new_tokens: int = Field(32, gt=0)
+    temperature: float = Field(0.0, ge=0)  # 0: greedy
+    top_k: int = Field(0, ge=0)  # 0: off
+    top_p: float = Field(1.0, gt=0, le=1)  # 1: off
+    seed: int = Field(0, ge=0)
+    chat: bool | None = None  # wrap each prompt in the tokenizer's chat template; None: when it has one
+
+    @model_validator(mode="after")
+    def _sampling(self) -> SamplesConfig:
+        if self.temperature == 0 and (self.top_k or self.top_p < 1):
+            raise ValueError("logging.samples: top_k/top_p sample, but temperature is 0 (greedy): set a temperature")
+        if any(not p for p in self.prompts):
+            raise ValueError("logging.samples.prompts: a prompt is empty")
+        return self
+
 
 class LoggingConfig(Section):
     """Where metrics go (rank 0 only; see training/loggers.py). The old booleans `jsonl: BOOL` and
@@ -478,6 +566,7 @@ class LoggingConfig(Section):
     project: str = "meshforge"  # the W&B project / MLflow experiment; the run is named run.name
     mlflow_tracking_uri: str | None = None  # None = $MLFLOW_TRACKING_URI, else file:<output_dir>/mlruns
     peak_tflops: float | None = Field(None, gt=0)  # override of the device table for MFU
+    samples: SamplesConfig | None = None  # text from the live model every N steps (None: never)
 
     @model_validator(mode="before")
     @classmethod
@@ -565,6 +654,7 @@ class Config(Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    resilience: ResilienceConfig = Field(default_factory=ResilienceConfig)
     profiling: ProfilingConfig = Field(default_factory=ProfilingConfig)
     peft: PeftConfig | None = None  # None = full fine-tuning (applied right after the model is built)
     dist: BridgeDistConfig = Field(default_factory=BridgeDistConfig)

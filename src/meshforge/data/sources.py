@@ -157,6 +157,8 @@ def build_source(data_cfg, seq_len: int, vocab_size: int, seed: int):
     from meshforge.data.records import documents
     from meshforge.data.tokenizer import check_vocab, load_tokenizer
 
+    if data_cfg.mix:  # several sources blended by weight (data/mix.py)
+        return build_mix(data_cfg, seq_len, vocab_size, seed)
     if data_cfg.source == "synthetic":
         return SyntheticSource(vocab_size, seq_len, seed)
     tok = load_tokenizer(data_cfg.tokenizer)
@@ -199,6 +201,26 @@ def build_source(data_cfg, seq_len: int, vocab_size: int, seed: int):
     return src
 
 
+def build_mix(data_cfg, seq_len: int, vocab_size: int, seed: int):
+    """Every source of `data.mix` read as the single-source path reads it (its own validation split included);
+    a problem with one is one line naming it."""
+    names, sources, validation = data_cfg.mix_names(), [], {}
+    for i, name in enumerate(names):
+        cfg, own_seed = data_cfg.source_config(i), (seed + i) % 2**64  # (synthetic sources: their own tokens)
+        try:
+            src, val = split_validation(cfg, build_source(cfg, seq_len, vocab_size, own_seed), seq_len,
+                                        vocab_size, own_seed)
+        except DataError as err:
+            raise DataError([f"data.mix[{i}] ({name}): {p.removeprefix('data: ')}" for p in err.problems]) \
+                from None
+        sources.append(src)
+        if val is not None:
+            validation[name] = val
+    from meshforge.data.mix import MixedSource
+
+    return MixedSource(names, [m.weight for m in data_cfg.mix], sources, validation)
+
+
 class SubsetSource:
     """The samples `indices` of another source (a held-out split, or what remains for training)."""
 
@@ -209,6 +231,7 @@ class SubsetSource:
         split = hashlib.sha256(self.indices.tobytes()).hexdigest()[:32]
         self.inputs = {**source.inputs, "data split": f"{tag} samples={self.num_samples} sha256={split}"}
         self.report = getattr(source, "report", None)  # what the whole source left out (SFT examples)
+        self.packing = getattr(source, "packing", False)
         if hasattr(source, "batch"):
             self.batch = self._batch  # a method, not a lambda: the source pickles (spawned data workers)
 
@@ -234,6 +257,8 @@ SPLIT_SEED = 0x5EED  # the held-out split is a property of the data, the same fo
 def split_validation(data_cfg, source, seq_len: int, vocab_size: int, seed: int):
     """(training source, validation source or None) for data.validation: held-out `fraction` of the samples
     (a fixed random split), or `paths` read like the training data."""
+    if getattr(source, "mixed", False):  # each source of the mix was split as it was read: {name: validation}
+        return source, source.validation or None
     val = data_cfg.validation
     if val is None:
         return source, None
@@ -262,6 +287,11 @@ def batch_loader(source, global_batch_size: int, micro_batch_size: int, dp_rank:
     `allow_changed_inputs` (checkpoint.allow_changed_inputs): a resume onto changed data warns instead of failing."""
     from meshforge.data.loader import ShardedBatchLoader
 
+    if getattr(source, "mixed", False):
+        from meshforge.data.mix import MixedBatchLoader
+
+        return MixedBatchLoader(source, global_batch_size, micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                                seed=seed, allow_changed_inputs=allow_changed_inputs)
     if getattr(source, "streaming", False):
         from meshforge.data.streaming import StreamingBatchLoader
 

@@ -48,6 +48,9 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")  # specials have no bytes
+
     def fingerprint(self) -> dict[str, str]:
         return {}  # no files: "byte-level" is in every source's name
 
@@ -114,6 +117,10 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        """Generation shows special tokens it did not stop on; evaluation skips them (`skip_special`)."""
+        return self._tok.decode(ids, skip_special_tokens=skip_special)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]

@@ -7,6 +7,8 @@ initialised from (seed, parameter name), so every layout starts from the same we
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from meshforge.distributed.master_weights import keep_masters
@@ -27,10 +29,12 @@ def use_meta_init(cfg, world_size: int, n_params: int) -> bool:
     return world_size > 1 and n_params > 500_000_000
 
 
-def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device, load_plain=None) -> ParallelModel:
+def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device, load_plain=None,
+                         shape_only: contextlib.AbstractContextManager | None = None) -> ParallelModel:
     """Model on CPU or meta -> parallelised -> materialised and initialised identically at any world size.
     `load_plain(model)` (optional) writes weights into the plain, initialised model before any parallelism, on the
-    CPU path only (not meta, not pipeline stages)."""
+    CPU path only (not meta, not pipeline stages). `shape_only` (the scale trace's FakeTensorMode; needs the meta
+    path): the meta model is materialised under it and left uninitialised, its values are never read."""
     try:
         meta_probe = build_model(cfg.model, device="meta")
     except ValueError as err:  # model.hf_model that transformers cannot build: one line
@@ -40,8 +44,10 @@ def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device, load_
                           "_no_split_modules): set distributed.block_classes to its layer class")
     n_params = sum(p.numel() for p in meta_probe.parameters())
     meta = use_meta_init(cfg, mesh_ctx.world_size, n_params)
+    if shape_only is not None and not meta:
+        raise ConfigError("a shape-only build (the scale trace) needs the meta-device path: set model.init_device=meta")
     if mesh_ctx.pp_size > 1:
-        return build_pipeline_model(cfg, mesh_ctx, device, meta=meta)
+        return build_pipeline_model(cfg, mesh_ctx, device, meta=meta, shape_only=shape_only)
     model = meta_probe if meta else build_model(cfg.model)
     if cfg.peft is not None:  # before init and wrapping: adapters initialise by name, strategies see them frozen
         apply_lora(model, cfg.peft)
@@ -59,6 +65,7 @@ def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device, load_
                              fp8=cfg.training.fp8, precision=cfg.training.precision,
                              compile_backend=cfg.training.compile_backend, fused_loss=fused)
     if meta:
-        part.strategy.materialize(part.model, cfg.run.seed)
+        with shape_only or contextlib.nullcontext():
+            part.model = part.strategy.materialize(part.model, cfg.run.seed, init=shape_only is None)
     keep_masters(part.model, part.strategy, cfg.training.precision)  # bf16_params: where the fp32 masters live
     return ParallelModel([part], mesh_ctx, device, cfg.training.precision)

@@ -18,10 +18,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshforge.distributed.env import policy_device_type
+
 
 def compile_enabled(setting: bool | str, device: torch.device) -> bool:
     """`training.compile` (true / false / auto) on this device."""
-    return device.type == "cuda" if setting == "auto" else bool(setting)
+    return policy_device_type(device) == "cuda" if setting == "auto" else bool(setting)
 
 
 def apply_compile(blocks: list[nn.Module], backend: str = "inductor") -> None:

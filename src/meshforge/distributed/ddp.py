@@ -28,14 +28,33 @@ class DDPStrategy(Strategy):
         return self.active and self.param_dtype is not None
 
     def parallelize(self, model: nn.Module) -> nn.Module:
-        if not self.active or self._fp32_main_grads:
+        # a meta-device model is wrapped once materialised: DDP broadcasts the parameters when it is made
+        if not self.active or self._fp32_main_grads or any(p.is_meta for p in model.parameters()):
             return model
+        return self._wrap(model)
+
+    def materialize(self, model: nn.Module, seed: int, init: bool = True,
+                    names: dict[str, str] | None = None) -> nn.Module:
+        model = super().materialize(model, seed, init, names)
+        if not self.active or self._fp32_main_grads or isinstance(model, DistributedDataParallel):
+            return model
+        return self._wrap(model, values=init)
+
+    def _wrap(self, model: nn.Module, values: bool = True) -> DistributedDataParallel:
+        """DDP over the dp group. `values=False` (uninitialised parameters, the scale trace's fake tensors): no
+        check or broadcast of values at construction, and the buckets all-reduced by `_allreduce_bucket` (the
+        same collective from Python), because a fake process group completes the reducer's C++ future with no
+        tensor, which the reducer asserts on."""
         o = self.options
         kwargs = {} if o.bucket_cap_mb is None else {"bucket_cap_mb": o.bucket_cap_mb}
-        return DistributedDataParallel(
-            model, process_group=self.mesh_ctx.group("dp"),
-            device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            find_unused_parameters=bool(o.find_unused_parameters), static_graph=bool(o.static_graph), **kwargs)
+        group = self.mesh_ctx.group("dp")
+        ddp = DistributedDataParallel(
+            model, process_group=group, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            find_unused_parameters=bool(o.find_unused_parameters), static_graph=bool(o.static_graph),
+            init_sync=values, **kwargs)
+        if not values:
+            ddp.register_comm_hook(group, _allreduce_bucket)
+        return ddp
 
     def micro_step(self, model, is_last):
         # static_graph DDP cannot skip a reduction (its reducer asserts), so it syncs every micro-batch;
@@ -60,6 +79,15 @@ class DDPStrategy(Strategy):
             return 0  # grads are views into the buckets: already counted once
         sizes = str(data.get("bucket_sizes", "") or "")
         return sum(int(s) for s in sizes.replace(",", " ").split())
+
+
+def _allreduce_bucket(group, bucket):  # no return annotation: DDP checks it, and annotations here are strings
+    """DDP's default reduction of one bucket (mean over the group), run at once and handed back done."""
+    buf = bucket.buffer().div_(dist.get_world_size(group))
+    dist.all_reduce(buf, group=group)
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
 
 
 @torch.no_grad()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
@@ -128,6 +129,26 @@ def choose_cuda_device_max_connections(dcfg, world_size: int, cuda: bool) -> str
             return "CUDA_DEVICE_MAX_CONNECTIONS=1 set for TP/CP without FSDP"
         return f"CUDA_DEVICE_MAX_CONNECTIONS={current} kept as set by the user"
     return f"CUDA_DEVICE_MAX_CONNECTIONS={current or 'unset'} (strategy {dcfg.strategy})"
+
+
+_POLICY_DEVICE: list[str] = []  # the device type whose defaults a run takes, when it emulates another device
+
+
+@contextlib.contextmanager
+def device_policy(device_type: str):
+    """Take `device_type`'s defaults while running on another device: the scale trace (`meshforge.scale`) runs a
+    CUDA run's choices (bf16 gathers and compute buffers, `training.compile: auto` on) on CPU. Only the choices
+    read through `policy_device_type` change; what must run on the device itself keeps the real one."""
+    _POLICY_DEVICE.append(device_type)
+    try:
+        yield
+    finally:
+        _POLICY_DEVICE.pop()
+
+
+def policy_device_type(device: torch.device) -> str:
+    """The device type whose defaults (dtype policies, compile: auto) a run on `device` takes."""
+    return _POLICY_DEVICE[-1] if _POLICY_DEVICE else device.type
 
 
 def init_distributed(device: str = "auto", timeout_minutes: float = 10.0) -> DistInfo:

@@ -66,23 +66,34 @@ class AllToAllDispatcher:
         self.stats: dict = {}
         self.reset_stats()
 
-    def __call__(self, xs: torch.Tensor, counts: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+    def __call__(self, xs: torch.Tensor, counts: torch.Tensor, experts: nn.Module,
+                 counts_list: list[int] | None = None) -> torch.Tensor:
+        """`counts_list`: this rank's counts when the host knows them (balanced routing, where every rank routes
+        alike, so what arrives is known too); the counts are exchanged either way."""
         ep, el = self.ep, self.local_experts
         send_counts = counts.to(torch.long)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # [src, local expert] after view
-        in_splits = send_counts.view(ep, el).sum(1).tolist()
-        rc = recv_counts.view(ep, el)
-        out_splits = rc.sum(1).tolist()
+        if counts_list is None:
+            in_splits = send_counts.view(ep, el).sum(1).tolist()
+            rc = recv_counts.view(ep, el)
+            rc_list = rc.tolist()
+        else:
+            in_splits = [sum(counts_list[j * el:(j + 1) * el]) for j in range(ep)]
+            rc_list = [counts_list[self.my_ep_rank * el:(self.my_ep_rank + 1) * el]] * ep
+            rc = torch.tensor(rc_list, device=xs.device)
+        out_splits = [sum(row) for row in rc_list]
         xr = all_to_all_single_autograd(xs.contiguous(), out_splits, in_splits, self.group)
         # arrivals are ordered (source rank, local expert): regroup by local expert, sources in rank order
         local_id = torch.arange(el, device=xs.device).repeat(ep)
-        perm = torch.argsort(torch.repeat_interleave(local_id, rc.flatten().to(xs.device)), stable=True)
-        local_counts = rc.sum(0)
-        y_local = _outside_selective_ac(experts, xr[perm], local_counts)
+        perm = torch.argsort(torch.repeat_interleave(local_id, rc.flatten().to(xs.device), output_size=sum(out_splits)),
+                             stable=True)
+        local_list = [sum(row[e] for row in rc_list) for e in range(el)]
+        local_counts = torch.tensor(local_list, device=xs.device)
+        y_local = _outside_selective_ac(experts, xr[perm], local_counts, local_list)
         y_arrival = y_local[torch.argsort(perm)]
         ys = all_to_all_single_autograd(y_arrival.contiguous(), in_splits, out_splits, self.group)
-        self._count(xs, xr, ys, in_splits, out_splits, local_counts)
+        self._count(xs, xr, ys, in_splits, out_splits, local_list)
         return ys
 
     # ------------------------------------------------------------------ accounting (benchmarks/moe_dispatch.py)
@@ -101,7 +112,7 @@ class AllToAllDispatcher:
         s = self.stats
         s["calls"] += 1
         s["rows_sent"] += int(sum(in_splits))
-        s["tokens_per_local_expert"] += local_counts.detach().cpu()
+        s["tokens_per_local_expert"] = [a + b for a, b in zip(s["tokens_per_local_expert"], local_counts)]
         self._add("forward", in_splits, d, elt)  # dispatch: my token copies to their experts' ranks
         self._add("forward", out_splits, ys.shape[-1], ys.element_size())  # combine: results back to senders
         if torch.is_grad_enabled() and ys.requires_grad:
@@ -112,7 +123,7 @@ class AllToAllDispatcher:
     def reset_stats(self) -> None:
         self.stats.clear()
         self.stats.update({"calls": 0, "rows_sent": 0,
-                           "tokens_per_local_expert": torch.zeros(self.local_experts, dtype=torch.long)})
+                           "tokens_per_local_expert": [0] * self.local_experts})
         for phase in ("forward", "backward", "recompute"):
             self.stats[f"{phase}_bytes"] = self.stats[f"{phase}_bytes_remote"] = 0
 

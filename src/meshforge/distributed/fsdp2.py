@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
+from meshforge.distributed.env import policy_device_type
 from meshforge.distributed.strategy import Strategy
 from meshforge.models import blocks_of, contract_of, submodule_or_none
 
@@ -92,7 +93,7 @@ class FSDP2Strategy(Strategy):
 
     def mp_policy(self, root: bool) -> MixedPrecisionPolicy:
         mp = self.options.mp_policy
-        cuda = self.device.type == "cuda"
+        cuda = policy_device_type(self.device) == "cuda"
         low = self.param_dtype or (torch.bfloat16 if cuda else None)  # bf16_params: bf16 on CPU too
         param = _DTYPES[mp.param_dtype] if mp and mp.param_dtype else low
         reduce = _DTYPES[mp.reduce_dtype] if mp and mp.reduce_dtype else (torch.float32 if low else None)

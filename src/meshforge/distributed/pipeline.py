@@ -200,10 +200,24 @@ class PipelineParallelModel(ParallelModel):
         self._shell_factory = shell_factory
         stages = {s: self.strategy.unwrap(p) for s, p in zip(stage_ids, self.parts)}
         self.tied = TiedEnds(stages, ties, tied_aliases or {}, plan.num_stages, plan.stage_rank, mesh_ctx)
-        cls = schedule_class(plan.schedule)
-        kwargs = {"n_microbatches": plan.n_microbatches, "loss_fn": self._loss_fn,
-                  "scale_grads": scale_grads_in_schedule}
-        self.schedule = cls(self.stages[0], **kwargs) if plan.single_stage else cls(self.stages, **kwargs)
+        self.schedule = self._make_schedule()
+
+    def _make_schedule(self):
+        cls = schedule_class(self.plan.schedule)
+        kwargs = {"n_microbatches": self.plan.n_microbatches, "loss_fn": self._loss_fn,
+                  "scale_grads": self.scale_in_schedule}
+        return cls(self.stages[0], **kwargs) if self.plan.single_stage else cls(self.stages, **kwargs)
+
+    def set_stage_examples(self, examples: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Give every local stage an example input and output (stage id -> (input, output), tensors with the
+        shapes, dtypes and requires_grad of one micro batch's): torch's static stage metadata. The schedule then
+        runs no metadata-inference pass on its first step (an extra forward and backward per stage, and pickled
+        metadata sent between pp ranks), which a fake process group (the scale trace) cannot carry."""
+        self.stages = [Stage(part, s, self.plan.num_stages, self.device, input_args=examples[s][0],
+                             output_args=examples[s][1], group=self.pp_group,
+                             moe_layers=contract_of(self.strategy.unwrap(part)).moe_layers())
+                       for part, s in zip(self.parts, self.stage_ids)]
+        self.schedule = self._make_schedule()
 
     def _loss_fn(self, output, target: torch.Tensor) -> torch.Tensor:
         parts = lm_loss(self._head.rejoin(output), target)  # inside the loss context `forward_backward` opens
@@ -337,8 +351,8 @@ def _stage_numerics(cfg, module: nn.Module, last: bool) -> dict:
             "fused_loss": set_fused_loss(module, cfg) and last}
 
 
-def build_pipeline_model(cfg, mesh_ctx: MeshContext, device: torch.device, meta: bool = False
-                         ) -> PipelineParallelModel:
+def build_pipeline_model(cfg, mesh_ctx: MeshContext, device: torch.device, meta: bool = False,
+                         shape_only: contextlib.AbstractContextManager | None = None) -> PipelineParallelModel:
     plan = plan_for(cfg, mesh_ctx)
     schedule_class(plan.schedule)  # fail before building anything if torch lacks it
     dcfg = cfg.distributed
@@ -356,8 +370,10 @@ def build_pipeline_model(cfg, mesh_ctx: MeshContext, device: torch.device, meta:
                                  **_stage_numerics(cfg, module, last=s == plan.num_stages - 1))
         if s != plan.num_stages - 1:
             carry_aux_loss(part.model, aux_loss_weight(plan, scale_in_schedule))
-        if meta:
-            part.strategy.materialize(part.model, cfg.run.seed, names=aliases[s])
+        if meta:  # shape_only: see `distributed.build.build_parallel_model`
+            with shape_only or contextlib.nullcontext():
+                part.model = part.strategy.materialize(part.model, cfg.run.seed, init=shape_only is None,
+                                                       names=aliases[s])
         keep_masters(part.model, part.strategy, cfg.training.precision)
         parts.append(part)
 

@@ -148,6 +148,11 @@ class ParallelModel:
         for part in self.parts:
             part.train()
 
+    def eval(self) -> None:
+        """Eval mode (generation from the live model: logits from the head, no MoE load counted)."""
+        for part in self.parts:
+            part.eval()
+
     def unwrapped_parts(self) -> list[nn.Module]:
         """The modules holding this rank's parameters under the whole model's names (checkpoints, export)."""
         return [self.strategy.unwrap(p) for p in self.parts]

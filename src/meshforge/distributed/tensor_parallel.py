@@ -117,7 +117,8 @@ class _ShardSaved:
     already active (a measurement, an outer checkpoint), so those see what is really kept."""
 
     def __init__(self, shard: torch.Tensor, full: torch.Tensor, mesh):
-        self.mesh, self.full_ptr = mesh, full.untyped_storage().data_ptr()
+        # the storage itself, not its address: fake tensors (the scale trace) all have address 0
+        self.mesh, self.full_storage = mesh, _storage_id(full)
         self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         self.shard, self.packed_shard, self.regathered = shard, None, None
 
@@ -126,7 +127,7 @@ class _ShardSaved:
 
     def pack(self, t):
         local = t._local_tensor if isinstance(t, DTensor) else t
-        if _storage_ptr(local) != self.full_ptr:
+        if _storage_id(local) != self.full_storage:
             return self.outer[0](t) if self.outer else t
         if self.packed_shard is None:
             self.packed_shard = self.outer[0](self.shard) if self.outer else self.shard
@@ -145,10 +146,11 @@ class _ShardSaved:
         return view if packed.spec is None else DTensor(view, packed.spec, requires_grad=False)
 
 
-def _storage_ptr(t: torch.Tensor) -> int | None:
-    """The tensor's storage address; None for a wrapper subclass without storage (float8's casts)."""
+def _storage_id(t: torch.Tensor) -> int | None:
+    """The tensor's storage itself, not its address (fake tensors, the scale trace's, all have address 0); None for
+    a wrapper subclass without storage (float8's casts)."""
     try:
-        return t.untyped_storage().data_ptr()
+        return t.untyped_storage()._cdata
     except RuntimeError:
         return None
 

@@ -121,10 +121,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, wind
             return masked_attention(q, k, v, mask, scale)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                               enable_gqa=k.shape[1] != q.shape[1])
-    if q.is_cuda:
+    if q.is_cuda and (mask is None or is_block_mask(mask)):
         return _flex_attend(q, k, v, mask, window, scale, sinks)
-    pos = torch.arange(q.shape[-2], device=q.device)
-    ok = allowed(pos, pos, window)
+    # the queries are the last Sq of the Sk keys: Sq < Sk when a KV cache holds the earlier ones (generation, whose
+    # dense mask hides the left padding, so key index differences are position differences)
+    k_pos = torch.arange(k.shape[-2], device=q.device)
+    ok = allowed(k_pos[k.shape[-2] - q.shape[-2]:], k_pos, window)
     if mask is not None:
         ok = ok & mask
     return dense_attention(q, k, v, ok, scale, sinks)

@@ -33,10 +33,10 @@ from torch import nn
 from meshforge.models import deepseek_v3_shapes as ds
 from meshforge.models import rope
 from meshforge.models.args import ModelArgs
-from meshforge.models.attention import document_mask
 from meshforge.models.hf_families import dense_adapter
+from meshforge.models.kv_cache import KVCache, LayerCache
 from meshforge.models.layer_types import global_rope
-from meshforge.models.llama import Llama, TransformerBlock, apply_rope
+from meshforge.models.llama import Llama, TransformerBlock, apply_rope, block_forward, cache_mask
 from meshforge.models.materialize import build_children, buildable
 from meshforge.models.moe import MoE, Router, take_aux_loss, with_aux_loss
 from meshforge.models.protocol import AdapterLayout, InitSpec, StateDictAdapter
@@ -92,7 +92,8 @@ class MLA(nn.Module):
         self.rotate = apply_rope if args.rope_interleave else apply_rope_halves
         build_children(self, ds.mla(args))  # wq | wq_a, q_norm, wq_b; wkv_a, kv_norm, wkv_b, wo, k_rope, core
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None,
+                cache: LayerCache | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.wq(x) if "wq" in self._modules else self.wq_b(self.q_norm(self.wq_a(x)))
         # -1 instead of n_heads: under tensor parallelism each rank holds a slice of the heads
@@ -108,6 +109,8 @@ class MLA(nn.Module):
             q = q * self.q_scale
         k = torch.cat([k_nope, k_rot.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if cache is not None:  # the expanded keys/values (models/kv_cache.py); caching the latent would be smaller
+            k, v = cache.append(k, v)
         out = self.core(q, k, v) if mask is None else self.core(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -166,19 +169,17 @@ class DeepSeekV3(Llama):
         build_children(self, ds.describe(args))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None):
+                document_ids: torch.Tensor | None = None, cache: KVCache | None = None):
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin = mla_rope(positions, self.args)
-        mask = None if document_ids is None else document_mask(document_ids)
+        mask = cache_mask(cache, tokens, document_ids)
         in_document = None if document_ids is None else document_ids >= 0  # padding: out of router statistics
         aux = None
-        for block in self.layers.values():
-            if mask is None:
-                h = block(h, cos, sin)
-            else:
-                h = block(h, cos, sin, mask, in_document if isinstance(block.feed_forward, MoE) else None)
+        for i, block in enumerate(self.layers.values()):
+            h = block_forward(block, h, cos, sin, mask, cache, i,
+                              in_document if isinstance(block.feed_forward, MoE) else None)
             aux = take_aux_loss(block.feed_forward, aux)
         if self.norm is not None:
             h = self.norm(h)

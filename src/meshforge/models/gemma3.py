@@ -18,6 +18,7 @@ from torch import nn
 
 from meshforge.models import gemma3_shape
 from meshforge.models.args import ModelArgs
+from meshforge.models.kv_cache import LayerCache
 from meshforge.models.layer_types import rope_of
 from meshforge.models.layered import LayeredDecoder
 from meshforge.models.llama import Attention
@@ -68,8 +69,12 @@ class Gemma3Block(nn.Module):
         build_children(self, gemma3_shape.block(args, layer))
         self.rope = rope_of(args, layer)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
-        h = x + self.post_attention_norm(self.attention(self.attention_norm(x), cos, sin, mask))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None,
+                cache: LayerCache | None = None) -> torch.Tensor:
+        attn_in = self.attention_norm(x)
+        attn = self.attention(attn_in, cos, sin, mask) if cache is None else self.attention(attn_in, cos, sin, mask,
+                                                                                             cache)
+        h = x + self.post_attention_norm(attn)
         return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
 
 

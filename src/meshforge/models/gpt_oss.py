@@ -80,8 +80,9 @@ class GptOssExperts(GroupedExperts):
         self.down_proj.copy_(down)
         self.adapters = nn.ModuleDict()
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x: (N, dim) rows grouped by expert in order; counts: (local experts,) rows per expert."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, counts_list: list[int] | None = None) -> torch.Tensor:
+        """x: (N, dim) rows grouped by expert in order; counts: (local experts,) rows per expert (`counts_list`:
+        the same, when the host already knows them: balanced routing)."""
         w1, b1 = self._local(self.gate_up_proj), self._local(self.gate_up_proj_bias)
         w2, b2 = self._local(self.down_proj), self._local(self.down_proj_bias)
         if len(self.adapters):
@@ -97,7 +98,7 @@ class GptOssExperts(GroupedExperts):
             return out
         # every expert runs, also on zero rows: its weights then get a zero gradient, never None
         outs = []
-        for e, xe in enumerate(torch.split(x, counts.tolist())):
+        for e, xe in enumerate(torch.split(x, counts.tolist() if counts_list is None else counts_list)):
             outs.append(clamped_swiglu(xe @ w1[e] + b1[e], self.alpha, self.limit) @ w2[e] + b2[e])
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
 

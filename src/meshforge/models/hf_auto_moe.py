@@ -119,10 +119,15 @@ def _dispatched_forward(layer: HFMoELayer, hidden: torch.Tensor, top_k_index: to
     return out.to(hidden.dtype)
 
 
-def _local_experts(experts: nn.Module, x: torch.Tensor, local_counts: torch.Tensor) -> torch.Tensor:
-    """Rows grouped by local expert (`local_counts` rows each) through transformers' own experts forward."""
+def _local_experts(experts: nn.Module, x: torch.Tensor, local_counts: torch.Tensor,
+                   counts_list: list[int] | None = None) -> torch.Tensor:
+    """Rows grouped by local expert (`local_counts` rows each) through transformers' own experts forward.
+
+    `counts_list` (the dispatcher's host copy of `local_counts`, part of the Experts signature) is not needed: the
+    rows are exactly `x`'s, so the expert ids are built without a device-to-host sync either way."""
     n_local = local_counts.numel()
-    ids = torch.repeat_interleave(torch.arange(n_local, device=x.device), local_counts.to(x.device)).unsqueeze(-1)
+    ids = torch.repeat_interleave(torch.arange(n_local, device=x.device), local_counts.to(x.device),
+                                  output_size=x.shape[0]).unsqueeze(-1)
     scale = getattr(experts, "grad_scale", 1.0)
     local = {}
     for name, p in experts.named_parameters(recurse=False):

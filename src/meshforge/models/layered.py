@@ -2,9 +2,10 @@
 
 It is Llama's forward with what those families add: each block brings its own rotary table (`block.rope`, from
 models/layer_types.py; the tables of one forward are computed once per distinct table), a sliding window in its
-attention slot, an embedding scale and a final logit soft-cap where the family has them, and the auxiliary
-loss of MoE blocks collected as `MoETransformer` does. Packed sequences (document ids) mask every layer; the
-window is applied on top of the document mask by each layer's attention (models/attention.py).
+attention slot, an embedding scale and a final logit soft-cap where the family has them, the auxiliary loss of
+MoE blocks collected as `MoETransformer` does, and generation's KV cache (`cache=`, as Llama). Packed sequences
+(document ids) mask every layer and keep padding out of MoE blocks' router statistics; the window is applied on
+top of the document (or cache) mask by each layer's attention (models/attention.py).
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from __future__ import annotations
 import torch
 
 from meshforge.models import rope
-from meshforge.models.attention import document_mask
-from meshforge.models.llama import Llama
+from meshforge.models.kv_cache import KVCache
+from meshforge.models.llama import Llama, block_forward, cache_mask
 from meshforge.models.materialize import build_children
+from meshforge.models.moe import MoE
 
 
 class LayeredDecoder(Llama):
@@ -22,6 +24,7 @@ class LayeredDecoder(Llama):
     description (`description`) and may scale the embedding (`embed_scale`) or soft-cap the logits
     (`logit_softcap`). In training, an MoE decoder returns (logits, aux loss) like `MoETransformer`."""
 
+    applies_windows = True  # each local layer's attention applies its sliding window (Llama's forward does not)
     embed_scale: float | None = None
     logit_softcap: float | None = None
 
@@ -35,7 +38,7 @@ class LayeredDecoder(Llama):
         raise NotImplementedError
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None):
+                document_ids: torch.Tensor | None = None, cache: KVCache | None = None):
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         h = tokens
@@ -43,14 +46,16 @@ class LayeredDecoder(Llama):
             h = self.tok_embeddings(tokens)
             if self.embed_scale is not None:  # rounded to fp32, then to the embedding's dtype, as transformers does
                 h = h * torch.tensor(self.embed_scale, dtype=torch.float32, device=h.device).to(h.dtype)
-        mask = None if document_ids is None else document_mask(document_ids)
+        mask = cache_mask(cache, tokens, document_ids)
+        in_document = None if document_ids is None else document_ids >= 0  # padding: out of router statistics
         tables: dict = {}
         aux = None
-        for block in self.layers.values():
+        for i, block in enumerate(self.layers.values()):
             if block.rope not in tables:
                 tables[block.rope] = rope.tables(positions, self.args.hd, block.rope)
             cos, sin = tables[block.rope]
-            h = block(h, cos, sin) if mask is None else block(h, cos, sin, mask)
+            h = block_forward(block, h, cos, sin, mask, cache, i,
+                              in_document if isinstance(block.feed_forward, MoE) else None)
             ff_aux = getattr(block.feed_forward, "aux_loss", None)
             if ff_aux is not None:
                 aux = ff_aux if aux is None else aux + ff_aux

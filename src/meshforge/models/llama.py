@@ -25,6 +25,7 @@ from meshforge.models import rope, shapes
 from meshforge.models.args import ModelArgs
 from meshforge.models.attention import attend, document_mask, masked_attention
 from meshforge.models.hf_families import dense_adapter
+from meshforge.models.kv_cache import KVCache, LayerCache
 from meshforge.models.layer_types import global_rope
 from meshforge.models.loss import HeadInput, head_input
 from meshforge.models.materialize import buildable, build_children
@@ -155,7 +156,8 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.hd
         build_children(self, shapes.attention(args))  # wq, wk, wv, wo, core; q_norm, k_norm (Qwen3)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None,
+                cache: LayerCache | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         # -1 instead of n_heads: under tensor parallelism each rank holds a slice of the heads
         q = self.wq(x).view(b, s, -1, self.head_dim)
@@ -165,6 +167,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if cache is not None:  # incremental decoding: attend over the cached tokens too (models/kv_cache.py)
+            k, v = cache.append(k, v)
         if hasattr(self, "sinks"):  # GPT-OSS: a learned per-head logit in every softmax (this rank's heads)
             out = self.core(q, k, v, mask, sinks=self.sinks())
         else:
@@ -192,12 +196,33 @@ class TransformerBlock(nn.Module):
         build_children(self, shapes.block(args))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None,
-                in_document: torch.Tensor | None = None) -> torch.Tensor:
+                cache: LayerCache | None = None, in_document: torch.Tensor | None = None) -> torch.Tensor:
         """`in_document` (packed sequences, an MoE feed-forward only): (B, S) True where a token belongs to a
         document, so padding never reaches the router's statistics."""
-        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
+        attn_in = self.attention_norm(x)
+        h = x + (self.attention(attn_in, cos, sin, mask) if cache is None else
+                 self.attention(attn_in, cos, sin, mask, cache))
         ff_in = self.ffn_norm(h)
         return h + (self.feed_forward(ff_in) if in_document is None else self.feed_forward(ff_in, in_document))
+
+
+def cache_mask(cache: KVCache | None, tokens: torch.Tensor, document_ids: torch.Tensor | None):
+    """The attention mask of a forward: the cache's (causal over cached + new tokens, padding hidden), the packed
+    sequences' document mask, or None (plain causal)."""
+    if cache is not None:
+        return cache.attention_mask(tokens.shape[1])
+    return None if document_ids is None else document_mask(document_ids)
+
+
+def block_forward(block: nn.Module, h: torch.Tensor, cos, sin, mask, cache: KVCache | None, i: int,
+                  in_document: torch.Tensor | None = None) -> torch.Tensor:
+    """Block `i` on `h`, passing only the arguments in use (wrappers see training's exact call); `in_document`
+    (packed sequences, for a block whose feed-forward is an MoE): see `TransformerBlock.forward`."""
+    if cache is not None:
+        return block(h, cos, sin, mask, cache.at(i))
+    if in_document is not None:
+        return block(h, cos, sin, mask, in_document=in_document)
+    return block(h, cos, sin) if mask is None else block(h, cos, sin, mask)
 
 
 class Llama(nn.Module):
@@ -215,16 +240,17 @@ class Llama(nn.Module):
         build_children(self, shapes.describe(args))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+                document_ids: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
         """tokens: (B, S) ids on the first stage, (B, S, dim) hidden states on later pipeline stages.
-        document_ids: (B, S), for packed sequences: attention stays within a document (`positions` restart)."""
+        document_ids: (B, S), for packed sequences: attention stays within a document (`positions` restart).
+        cache (generation): the keys/values of the tokens before these, and which positions are padding."""
         if positions is None:  # from the input: a sequence-parallel embedding returns a sequence shard
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin = rope_cos_sin(positions, self.args)
-        mask = None if document_ids is None else document_mask(document_ids)
-        for block in self.layers.values():
-            h = block(h, cos, sin) if mask is None else block(h, cos, sin, mask)
+        mask = cache_mask(cache, tokens, document_ids)
+        for i, block in enumerate(self.layers.values()):
+            h = block_forward(block, h, cos, sin, mask, cache, i)
         if self.norm is not None:
             h = self.norm(h)
         return self.head(h)

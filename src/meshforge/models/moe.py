@@ -46,9 +46,9 @@ from torch import nn
 
 from meshforge.models import shapes
 from meshforge.models.args import ModelArgs
-from meshforge.models.attention import document_mask
 from meshforge.models.hf_families import dense_adapter
-from meshforge.models.llama import Llama, rope_cos_sin, swiglu
+from meshforge.models.kv_cache import KVCache
+from meshforge.models.llama import Llama, block_forward, cache_mask, rope_cos_sin, swiglu
 from meshforge.models.lora import ExpertLoRA
 from meshforge.models.materialize import buildable, build_children
 from meshforge.models.protocol import AdapterLayout, InitSpec, StateDictAdapter
@@ -214,8 +214,9 @@ class GroupedExperts(nn.Module):
             w = w.to_local()
         return _ScaleGrad.apply(w, self.grad_scale) if self.grad_scale != 1.0 else w
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x: (N, dim) rows grouped by expert in order; counts: (local experts,) rows per expert."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, counts_list: list[int] | None = None) -> torch.Tensor:
+        """x: (N, dim) rows grouped by expert in order; counts: (local experts,) rows per expert (`counts_list`:
+        the same, when the host already knows them: balanced routing)."""
         w1, w3, w2 = self._local(self.w1), self._local(self.w3), self._local(self.w2)
         if len(self.adapters):
             w1, w3, w2 = self._adapted(w1, w3, w2)
@@ -230,9 +231,15 @@ class GroupedExperts(nn.Module):
             return out
         # every expert runs, also on zero rows: its weights then get a zero gradient, never None
         outs = []
-        for e, xe in enumerate(torch.split(x, counts.tolist())):
+        for e, xe in enumerate(torch.split(x, counts.tolist() if counts_list is None else counts_list)):
             outs.append(swiglu(xe @ w1[e], xe @ w3[e]) @ w2[e])
         return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[-1])
+
+
+def balanced_counts(copies: int, n_experts: int) -> list[int]:
+    """Token copies per expert when copy i goes to expert i % n_experts."""
+    base, extra = divmod(copies, n_experts)
+    return [base + (e < extra) for e in range(n_experts)]
 
 
 @buildable
@@ -250,6 +257,9 @@ class MoE(nn.Module):
         self.stats_reducer = None
         self.aux_grad_scale = 1.0
         self.last_counts: torch.Tensor | None = None  # token copies per expert of the last forward (stats)
+        # route token copy i to expert i % n_experts whatever the scores: every expert gets the same load, known
+        # without reading a value (the scale trace runs on fake tensors, which have none)
+        self.balanced_routing = False
         # auxiliary-loss-free balancing: token copies per expert since the last bias update (a plain attribute, not
         # a buffer: DDP would overwrite buffers with rank 0's at every forward)
         self.expert_load: torch.Tensor | None = None
@@ -296,15 +306,23 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         scores, idx, weights = self.router(x)
+        counts_list = None
+        if self.balanced_routing:
+            copies = idx.numel()
+            idx = torch.arange(copies, device=x.device).remainder(self.n_experts).view(idx.shape)
+            counts_list = balanced_counts(copies, self.n_experts)
+            counts = torch.tensor(counts_list, device=x.device)
         flat = idx.reshape(-1)
-        counts = torch.bincount(flat, minlength=self.n_experts)
+        if counts_list is None:
+            counts = torch.bincount(flat, minlength=self.n_experts)
         keep = None if in_document is None else in_document.reshape(-1)
         stat_counts = counts if keep is None else self.router_counts(idx, keep)
         aux = self.load_balance_loss(scores, stat_counts, keep)
         order = torch.argsort(flat, stable=True)  # token copies grouped by expert, token order inside
         token = order // self.top_k
         xs = x[token]
-        ys = self.experts(xs, counts) if self.dispatcher is None else self.dispatcher(xs, counts, self.experts)
+        ys = (self.experts(xs, counts, counts_list) if self.dispatcher is None
+              else self.dispatcher(xs, counts, self.experts, counts_list))
         ys = ys * weights.reshape(-1)[order].unsqueeze(-1).to(ys.dtype)
         out = torch.zeros(x.shape[0], ys.shape[-1], dtype=ys.dtype, device=ys.device).index_add(0, token, ys)
         out = out.to(x.dtype)
@@ -366,17 +384,18 @@ class MoETransformer(Llama):
         return [m for m in self.modules() if isinstance(m, MoE)]
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None):
+                document_ids: torch.Tensor | None = None, cache: KVCache | None = None):
         """As `Llama.forward`; packed sequences (`document_ids`, padding -1: in no document) also keep padding out
         of the router statistics and the aux loss."""
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin = rope_cos_sin(positions, self.args)
-        packed = () if document_ids is None else (document_mask(document_ids), document_ids >= 0)
+        mask = cache_mask(cache, tokens, document_ids)
+        in_document = None if document_ids is None else document_ids >= 0
         aux = None
-        for block in self.layers.values():
-            h = block(h, cos, sin, *packed)
+        for i, block in enumerate(self.layers.values()):
+            h = block_forward(block, h, cos, sin, mask, cache, i, in_document)
             aux = take_aux_loss(block.feed_forward, aux)
         if self.norm is not None:
             h = self.norm(h)

@@ -31,6 +31,9 @@ names in a declaration are dotted paths of `named_modules()` (patterns: `*` matc
   states and the output head's weight) instead of logits, so the loss projects chunk by chunk and never holds
   the full logits (eval mode returns logits); returns whether the model can (False: it keeps returning logits).
 
+A built-in model's forward also takes `cache=` (models/kv_cache.py), for generation: the keys and values of the
+tokens before these, and which positions are padding (tensor parallelism keeps working: each rank caches its heads).
+
 A model meshforge did not define (bring your own `nn.Module`) gets `ForeignModel`: blocks by class name
 (`distributed.block_classes`) or the largest ModuleList/ModuleDict, and nothing else (tensor parallelism
 then needs `distributed.tp_plan`; pipeline and context parallelism and HF interop are refused). A transformers

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import math
 
+from meshforge.planning.activations import lowered_passes
 from meshforge.planning.layout import Layout, MeshAxis
 from meshforge.planning.params import F32, ParamRec, chunk_rows, local_shape, replicate_grad
-from meshforge.planning.precision import bf16_compute, fused_loss_on
+from meshforge.planning.precision import bf16_compute, fused_loss_on, residual_bytes
 from meshforge.planning.state import pipeline_plan_of, stage_params, terms_of
 from meshforge.planning.terms import AddComm
 
@@ -40,8 +41,9 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
         n_micro, micro = pplan.n_microbatches, pplan.microbatch_size
     stages = stage_params(params, cfg, layout, c[MeshAxis.PP], args.n_layers)
     terms = terms_of(cfg)
-    for stage in stages:
-        terms.comm(stage, cfg, layout, accum, add)
+    passes = _stage_passes(cfg, layout, c[MeshAxis.PP], args.n_layers, len(stages))
+    for i, stage in enumerate(stages):
+        terms.comm(stage, cfg, layout, accum, add, passes[i])
     mine = [p for st in stages for p in st]
     if layout.tp > 1:
         _tensor_parallel(mine, args, cfg, layout, n_micro, micro, add)
@@ -69,7 +71,7 @@ def _pipeline(params: list[ParamRec], terms, args, cfg, layout: Layout, c: dict,
     tied across the first and the last stage (the local shards of both ends, on those two pp ranks)."""
     t = cfg.training
     pplan = pipeline_plan_of(cfg, layout, args.n_layers)
-    e = 2 if bf16_compute(cfg) else F32
+    e = residual_bytes(cfg, layout)  # the hidden states a stage hands on
     act = (pplan.microbatch_size * t.seq_len // layout.cp * args.dim
            // (layout.tp if cfg.distributed.sequence_parallel else 1))
     r = c[MeshAxis.PP]
@@ -93,6 +95,18 @@ def _grad_piece(p: ParamRec, layout: Layout, shard: int | None) -> int:
     return chunk_rows(shape[0], layout.dp_shard * layout.cp, shard) * (math.prod(shape) // shape[0] if shape[0] else 0)
 
 
+def _stage_passes(cfg, layout: Layout, pp_rank: int, n_layers: int, n_stages: int) -> list[list[str] | None]:
+    """Each local stage's forwards ("F"), backwards ("B"), unshards ("U") and reshards ("R") in the schedule's order
+    (None without PP or where not replayed)."""
+    if layout.pp == 1:
+        return [None] * n_stages
+    pplan = pipeline_plan_of(cfg, layout, n_layers)
+    seq = lowered_passes(pplan.schedule, layout.pp, pp_rank, pplan.n_microbatches, pplan.stages_per_rank)
+    if seq is None:
+        return [None] * n_stages
+    return [[op for op, s in seq if s == i] for i in range(n_stages)]
+
+
 def _grad_norm(mine: list[ParamRec], terms, cfg, layout: Layout, add: AddComm) -> None:
     """One 4-byte all-reduce per DTensor gradient and mesh dimension it is sharded over (the strategy says whether
     its gradients are DTensors over the dp mesh), and the strategy's own reductions."""
@@ -104,8 +118,9 @@ def _grad_norm(mine: list[ParamRec], terms, cfg, layout: Layout, add: AddComm) -
             continue
         n_dp += dtensor
         n_tp += layout.tp > 1 and p.tp_dim is not None and (dtensor or not replicate_grad(p))
-    add("ep", "all_reduce", n_ep * F32 * (1 + (dtensor and layout.size(MeshAxis.EP_SHARD) > 1)))
-    add("dp_cp", "all_reduce", n_dp * F32)
+    add("ep", "all_reduce", n_ep * F32)
+    add("ep_shard", "all_reduce", n_ep * F32 * (dtensor and layout.size(MeshAxis.EP_SHARD) > 1))
+    add("dp_shard_cp", "all_reduce", n_dp * F32)  # the sharded mesh dimension (HSDP's replicas hold the same)
     add("tp", "all_reduce", n_tp * F32)
     terms.norm_comm(cfg, layout, add)
 
@@ -161,7 +176,9 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
         add("tp", "all_gather", n_micro * layout.tp * 2 * tokens * F32)
     # replicated parameters with Partial gradients are all-reduced twice per step, by the gradient norm and by the
     # optimizer step (measured, torch 2.13, dp 1)
-    partial = 2 * F32 * sum(math.prod(p.shape) for p in mine_all if p.partial_grad and p.trainable)
+    # (once when the strategy's gradients are DTensors over the data-parallel mesh too: measured with the scale trace)
+    partial = (1 if terms_of(cfg).dtensor_grads(cfg, layout) else 2) * F32 * sum(
+        math.prod(p.shape) for p in mine_all if p.partial_grad and p.trainable)
     if d.sequence_parallel:
         g, regather = _gathered_sublayers(mine_all, projections, recompute)
         whole = sum(1 for p in projections if p.whole_out)  # all-reduced whole (an MoE's shared experts), not scattered
@@ -228,7 +245,10 @@ def _expert_parallel(mine: list[ParamRec], args, cfg, layout: Layout, n_micro: i
     e = 2 if bf16_compute(cfg) else F32
     tokens = micro * t.seq_len // layout.cp
     moe_layers = len({p.block for p in mine if p.expert})
-    add("ep", "all_to_all", n_micro * moe_layers * (4 * tokens * args.top_k * args.dim * e + args.n_experts * 8))
+    # activation checkpointing runs the forward's two again in backward (and the counts' exchange)
+    passes = 6 if cfg.distributed.ac_mode else 4
+    counts = args.n_experts * 8 * (2 if cfg.distributed.ac_mode else 1)
+    add("ep", "all_to_all", n_micro * moe_layers * (passes * tokens * args.top_k * args.dim * e + counts))
 
 
 def _context_parallel(mine: list[ParamRec], args, cfg, layout: Layout, n_micro: int, micro: int,

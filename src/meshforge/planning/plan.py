@@ -7,7 +7,8 @@
                   strategy's spec says (`StrategySpec.plan`, planning/terms.py); equal to what the bench counts
   activations.py  what autograd saves per micro batch, and how many micro batches a pipeline rank keeps alive
   comm.py         bytes per step per (mesh axis, collective kind), the strategy's own collectives from its spec
-  step.py         compute from the model contract's FLOPs per token at an assumed efficiency (`mfu`), plus
+  step.py         compute from each rank's matmul, attention and elementwise work at the device's efficiencies
+                  (`hardware.Efficiency`: datasheet defaults, a calibration on a measured run, or `--mfu`), plus
                   recomputation and the pipeline bubble; tensor/context/expert/pipeline traffic is on the critical
                   path (meshforge's eager TP collectives do not overlap compute), data-parallel traffic adds only
                   what compute does not hide
@@ -20,14 +21,21 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
-from meshforge.planning.activations import activation_bytes, alive_peak, lora_profile
+from meshforge.planning.activations import (
+    activation_bytes,
+    alive_peak,
+    embedding_backward_bytes,
+    lora_profile,
+    loss_backward_bytes,
+)
 from meshforge.planning.comm import comm_per_step
-from meshforge.planning.hardware import Device
+from meshforge.planning.hardware import Device, Efficiency, default_efficiency, flat_efficiency
+from meshforge.planning.headroom import Headroom, communicators
 from meshforge.planning.layout import Layout, MeshAxis
 from meshforge.planning.params import ParamRec, model_params, n_params
-from meshforge.planning.precision import bf16_params, compiled, fused_loss_note
-from meshforge.planning.state import pipeline_plan_of, rank_state, spec_of, terms_of
-from meshforge.planning.step import bubble_fraction, comm_seconds, flops_per_token
+from meshforge.planning.precision import bf16_params, compiled, fused_loss_note, residual_bytes
+from meshforge.planning.state import pipeline_plan_of, rank_held, rank_state, spec_of, terms_of
+from meshforge.planning.step import StepTime, flops_per_token, largest_state_per_pp_rank, step_time
 from meshforge.planning.terms import Parts
 
 
@@ -38,6 +46,7 @@ class RankPlan:
     activations: dict[str, int]
     in_flight: int  # micro batches whose activations are alive at once
     peak: int
+    moments: dict[str, int] = field(default_factory=dict)  # bytes live at each candidate moment of the peak
 
 
 @dataclass
@@ -59,10 +68,23 @@ class Plan:
     device: Device
     fits: bool
     notes: list[str] = field(default_factory=list)
+    # what the device needs beyond the peak rank's tensors (planning/headroom.py), by margin
+    headroom: dict[str, int] = field(default_factory=dict)
+    efficiency: Efficiency | None = None
+    time: StepTime | None = None  # the step time's parts (step.py)
+
+    @property
+    def required_bytes(self) -> int:
+        """The peak rank's tensors plus the headroom: what must be at most the device's memory to fit."""
+        return self.peak_rank.peak + sum(self.headroom.values())
 
     @property
     def peak_rank(self) -> RankPlan:
         return max(self.ranks, key=lambda r: r.peak)
+
+    def rank(self, rank: int) -> RankPlan:
+        """The plan of global rank `rank` (planned when `plan(..., ranks=)` asked for it)."""
+        return next(r for r in self.ranks if r.rank == rank)
 
     def to_dict(self) -> dict:
         pr = self.peak_rank
@@ -72,13 +94,17 @@ class Plan:
             "device": dataclasses.asdict(self.device),
             "ranks": [{"rank": r.rank, **{k: getattr(r.parts, k) for k in ("params", "grads", "optimizer", "host",
                                                                            "buffers")},
-                       "activations": r.activations, "in_flight_microbatches": r.in_flight, "peak": r.peak}
+                       "activations": r.activations, "in_flight_microbatches": r.in_flight, "peak": r.peak,
+                       "moments": r.moments}
                       for r in self.ranks],
-            "peak_bytes": pr.peak, "peak_rank": pr.rank, "fits": self.fits,
+            "peak_bytes": pr.peak, "peak_rank": pr.rank, "headroom": self.headroom,
+            "required_bytes": self.required_bytes, "fits": self.fits,
             "comm": [{"axis": a, "kind": k, "bytes": b} for (a, k), b in self.comm.items()],
             "comm_s": self.comm_s, "compute_s": self.compute_s, "pp_bubble": self.bubble, "step_s": self.step_s,
             "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "flops_per_token": self.flops_per_token,
-            "notes": self.notes,
+            "notes": self.notes, "efficiency": self.efficiency.to_dict() if self.efficiency else None,
+            "compute_parts_s": self.time.parts if self.time else None,
+            "busy_s": self.time.busy_s if self.time else None,
         }
 
 
@@ -104,75 +130,104 @@ def representative_ranks(layout: Layout, every: bool = False) -> list[int]:
 
 
 
-def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: float = 0.4,
-         params: list[ParamRec] | None = None, args=None, state_cache: dict | None = None) -> Plan:
-    """The plan of `cfg` on `world_size` devices like `device` (`params`/`args` from `model_params` and a
-    `state_cache` dict let a search share the work between candidates)."""
+def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: float | None = None,
+         params: list[ParamRec] | None = None, args=None, state_cache: dict | None = None,
+         efficiency: Efficiency | None = None, ranks: list[int] | None = None,
+         headroom: Headroom | None = None) -> Plan:
+    """The plan of `cfg` on `world_size` devices like `device`, its step time priced with `efficiency` (default:
+    the device's stated defaults; `mfu` alone: the one-number model). `params`/`args` from `model_params` and a
+    `state_cache` dict let a search share the work between candidates; `ranks`: plan these ranks too, beside the
+    representative ones; `headroom`: the margins the verdict adds to the peak, `Headroom()` by default."""
     d, t = cfg.distributed, cfg.training
+    eff = efficiency or (flat_efficiency(mfu) if mfu is not None else default_efficiency(device))
     layout = Layout.from_sizes(world_size, tp=d.tp_size, pp=d.pp_size, cp=d.cp_size, ep=d.ep_size,
                                dp=d.dp_size, dp_replicate=d.dp_replicate_size)
     if params is None:
         params, args = model_params(cfg)
     pplan = pipeline_plan_of(cfg, layout, args.n_layers) if layout.pp > 1 else None
-    key = (layout, d.strategy, d.options.model_dump_json(), t.device)
-    if state_cache is None or key not in state_cache:
-        states = _rank_states(params, cfg, layout, pplan)
-        if state_cache is not None:
+    # what a rank's state and held bytes depend on (a search varies the pipeline and the micro batch too)
+    key = (layout, d.strategy, d.options.model_dump_json(), d.pipeline and d.pipeline.model_dump_json(),
+           t.model_dump_json(include={"device", "precision", "micro_batch_size", "global_batch_size"}))
+    if ranks or state_cache is None or key not in state_cache:
+        states = _rank_states(params, cfg, layout, pplan, ranks or [])
+        if state_cache is not None and not ranks:
             state_cache[key] = states
     else:
         states = state_cache[key]
     ranks = _rank_plans(states, args, cfg, layout, pplan)
     comm = comm_per_step(params, args, cfg, layout)
-    secs = {key: comm_seconds(key, n, layout, device, gpus_per_node) for key, n in comm.items()}
-    comm_s = sum(secs.values())
+    timing = step_time(params, args, cfg, layout, pplan, device, eff, _comm_of_pp_rank(params, args, cfg, layout,
+                                                                                      pplan, comm),
+                       gpus_per_node, largest_state_per_pp_rank(states, layout))
     model_fpt = flops_per_token(args, t.seq_len)
     tokens = t.global_batch_size * t.seq_len
-    recompute = {None: 1.0, "full": 4 / 3, "selective": 1.05}[d.ac_mode]
-    flops = tokens * model_fpt * recompute
-    if layout.cp > 1:  # context parallelism recomputes the local attention forward in backward
-        from meshforge.models.shapes import attention_forward_flops_per_token
-
-        flops += tokens * attention_forward_flops_per_token(args, t.seq_len)
-    compute_s = flops / world_size / (device.peak_tflops * 1e12 * mfu)
-    bubble = 0.0
-    if pplan is not None:
-        bubble = bubble_fraction(pplan.schedule, layout.pp, pplan.n_microbatches, pplan.stages_per_rank)
-    # data-parallel traffic overlaps compute; what does not hide adds; TP/CP/EP traffic is on the critical path
-    exposed = sum(sec for (a, _k), sec in secs.items() if a in ("tp", "cp", "ep", "pp"))
-    hidden = comm_s - exposed
-    step_s = compute_s / (1 - bubble) + exposed + max(0.0, hidden - compute_s)
-    tps = tokens / step_s
+    step_s = timing.step_s
     achieved = tokens * model_fpt / step_s / world_size / (device.peak_tflops * 1e12)
     peak = max(r.peak for r in ranks)
-    return Plan(world_size, layout, d.strategy, terms_of(cfg).sharding(d.options), ranks, comm, comm_s, compute_s,
-                bubble, step_s, tps, achieved, model_fpt, n_params(params), device, peak <= device.memory_bytes,
-                _notes(cfg))
+    margins = (headroom or Headroom()).parts(peak, communicators(layout), compiled(cfg), cfg.training.fp8.enabled)
+    return Plan(world_size, layout, d.strategy, terms_of(cfg).sharding(d.options), ranks, comm, timing.comm_s,
+                timing.compute_s, timing.bubble, step_s, tokens / step_s, achieved, model_fpt, n_params(params),
+                device, peak + sum(margins.values()) <= device.memory_bytes, _notes(cfg, eff), margins, eff,
+                timing)
 
 
-def _rank_states(params: list[ParamRec], cfg, layout: Layout, pplan) -> list[tuple[int, Parts]]:
-    """[(rank, its state)] of the representative ranks. Ranks whose pipeline stages hold the same number of blocks
-    (and the same ends of the model) at the same data-parallel coordinates hold the same bytes: each distinct one
-    is computed once."""
+def _comm_of_pp_rank(params: list[ParamRec], args, cfg, layout: Layout, pplan, rank0: dict):
+    """pp rank -> the bytes the first rank of that pipeline rank hands to collectives (pipeline ranks whose stages
+    hold alike blocks and ends send alike: each distinct one is counted once, when asked)."""
+    same = {_stage_signature(pplan, 0) if pplan is not None else None: rank0}
+
+    def comm_of(r: int) -> dict:
+        sig = _stage_signature(pplan, r) if pplan is not None else None
+        if sig not in same:
+            same[sig] = comm_per_step(params, args, cfg, layout, layout.rank_of(
+                {MeshAxis.PP: r, MeshAxis.DP_REPLICATE: 0, MeshAxis.DP_SHARD: 0, MeshAxis.CP: 0, MeshAxis.TP: 0}))
+        return same[sig]
+
+    return comm_of
+
+
+def _rank_states(params: list[ParamRec], cfg, layout: Layout, pplan, extra: list[int]
+                 ) -> list[tuple[int, Parts, dict[str, int]]]:
+    """[(rank, its state after a step, what its strategy holds at each moment of the peak)] of the representative
+    ranks. Ranks whose pipeline stages hold the same number of blocks (and the same ends of the model) at the same
+    data-parallel coordinates hold the same bytes: each distinct one is computed once."""
+    t = cfg.training
+    accum = t.global_batch_size // layout.dp // t.micro_batch_size
     states, same = [], {}
-    for r in representative_ranks(layout, every=terms_of(cfg).every_rank):
+    n_layers = sum(len(blocks) for blocks in pplan.stage_layers) if pplan is not None else None
+    for r in sorted(set(representative_ranks(layout, every=terms_of(cfg).every_rank)) | set(extra)):
         c = layout.coords(r)
         sig = (c[MeshAxis.DP_SHARD_CP], c[MeshAxis.DP_CP], c[MeshAxis.EP_SHARD], c[MeshAxis.PP] if pplan is None
                else _stage_signature(pplan, c[MeshAxis.PP]))
         if sig not in same:
-            same[sig] = rank_state(params, cfg, layout, r)
-        states.append((r, same[sig]))
+            same[sig] = (rank_state(params, cfg, layout, r, n_layers), rank_held(params, cfg, layout, r, accum,
+                                                                                 n_layers))
+        states.append((r, *same[sig]))
     return states
 
 
-def _rank_plans(states: list[tuple[int, Parts]], args, cfg, layout: Layout, pplan) -> list[RankPlan]:
-    """Each rank's state beside the activations its stages keep alive at the peak."""
+def _rank_plans(states: list[tuple[int, Parts, dict]], args, cfg, layout: Layout, pplan) -> list[RankPlan]:
+    """Each rank's peak: the larger of its moments (what was measured to be live, with the scale trace):
+      head   the loss's backward on the last micro batch: optimizer state, what the strategy holds then
+             (`StrategyPlanTerms.held`), every activation alive (a pipeline rank's in-flight micro batches) and,
+             on the rank with the last stage, the loss backward's own tensors (`loss_backward_bytes`);
+      block  a block's recomputation under activation checkpointing, the head's activations freed;
+      end    the last reductions, activations gone;
+      forward    the strategy's own gathers in forward (fsdp2: a block's unshard beside the root), no activations;
+      embedding  (a pipeline's first stage) the embedding's backward in the schedule's steady state."""
 
     @functools.cache
     def acts_of(blocks: int, first: bool, last: bool) -> dict:
         return activation_bytes(args, cfg, layout, blocks, first, last, pplan.microbatch_size if pplan else None)
 
+    loss_bw = loss_backward_bytes(args, cfg, layout, pplan.microbatch_size if pplan else None)
+    emb_bw = embedding_backward_bytes(args, cfg, layout, pplan.microbatch_size) if pplan else 0
+    # a pipeline stage's receive buffers, one per micro batch, kept across steps (torch's PipelineStage makes them
+    # at its first step): the activations a stage receives and the gradients it receives back
+    hidden = 0 if pplan is None else (pplan.microbatch_size * cfg.training.seq_len // layout.cp // (
+        layout.tp if cfg.distributed.sequence_parallel else 1) * args.dim * residual_bytes(cfg, layout))
     ranks = []
-    for r, parts in states:
+    for r, parts, held in states:
         c = layout.coords(r)
         if pplan is not None:
             here = pplan.rank_stages(c[MeshAxis.PP])
@@ -182,22 +237,46 @@ def _rank_plans(states: list[tuple[int, Parts]], args, cfg, layout: Layout, ppla
             weights = tuple(acts_of(len(pplan.stage_layers[s]), s == 0, s == pplan.num_stages - 1)["total"]
                             for s in here)
             alive, in_flight = alive_peak(pplan.schedule, layout.pp, c[MeshAxis.PP], pplan.n_microbatches, weights)
+            recv = pplan.n_microbatches * hidden * sum((s > 0) + (s < pplan.num_stages - 1) for s in here)
         else:
             acts = dict(acts_of(args.n_layers, True, True))
             in_flight, alive = 1, acts["total"]
-        peak = parts.total + parts.buffers + alive + acts["recompute"]
-        ranks.append(RankPlan(r, parts, acts, in_flight, peak))
+            first = last = True
+            recv = 0
+        base = parts.optimizer + recv
+        moments = {"head": base + held["head"] + alive + (loss_bw if last else 0),
+                   "block": base + held["head"] + alive - acts["head"] + acts["recompute"],
+                   "end": base + held["end"] + (acts["embedding"] if first else 0)}
+        if held["forward"]:  # the strategy's gathers in forward, the embedding's output the activation then
+            moments["forward"] = parts.optimizer + held["forward"] + acts["embedding"]
+        if pplan is not None and first:  # a first stage's embedding backward, in the schedule's steady state
+            moments["embedding"] = base + held["head"] + alive + emb_bw
+        peak = max(moments.values())
+        ranks.append(RankPlan(r, parts, acts, in_flight, peak, moments))
     return ranks
 
 
-def _notes(cfg) -> list[str]:
+def _notes(cfg, eff: Efficiency) -> list[str]:
     """What the plan does not count exactly for this config, said with the plan."""
     out = []
     d = cfg.distributed
+    if cfg.training.fp8.enabled:
+        out.append(f"training.fp8: the step time prices the linears torchao converts at {eff.fp8_gemm_speedup:g}x "
+                   f"the bf16 matmul rate ({eff.source})")
+    if d.tp_size > 1 and eff.host_s_per_call > 0 and not eff.overlap:
+        out.append("tensor parallelism: DTensor's host time is not in the step time (on a CPU core it doubled a "
+                   "small model's measured step: tests/parallel/test_time_calibration.py)")
+    if compiled(cfg):
+        out.append("training.compile: step time priced with eager kernels (compile's fusion of elementwise work is "
+                   "not credited)")
     if compiled(cfg):
         out.append("training.compile: activations are counted as measured with torch.compile on CPU (eager's "
                    "tensors, and under sequence parallelism without checkpointing each sub-layer's gathered input "
                    "whole, where eager keeps the shard); inductor's partitioner on CUDA may keep less")
+    if cfg.training.fp8.enabled:
+        out.append("training.fp8: counted as the same run without float8: torchao's float8 all-gathers (1 byte per "
+                   "converted weight instead of 2), its amax reductions and the float8 copies its matmuls make are "
+                   "not (`meshforge plan ... --trace` measures them)")
     if cfg.peft is not None and d.tp_size * d.cp_size > 1:
         out.append("LoRA: activations are exact on one process; under tensor/context parallelism they were "
                    "measured within 0.4% (TP2 + sequence parallelism +0.2%, CP2 +0.4%), not exact")

@@ -33,6 +33,17 @@ def gather_bytes(cfg) -> int:
     return 2 if (on_cuda(cfg) or bf16_params(cfg)) else F32
 
 
+def residual_bytes(cfg, layout) -> int:
+    """Element size of the hidden states a block hands on: the dtype its parameters are computed in (bf16 when a
+    sharding strategy gathers bf16 or keeps bf16 compute buffers, and under bf16_params), fp32 when autocast
+    runs over fp32 parameters (the residual additions stay fp32)."""
+    if bf16_params(cfg):
+        return 2
+    spec = cfg.distributed.spec
+    sharded = getattr(spec, "flat_buffers", False) or (spec.shards_parameters and layout.size("dp_cp") > 1)
+    return 2 if on_cuda(cfg) and sharded else F32
+
+
 def fused_loss_conflict(cfg) -> str | None:
     """Why the fused loss cannot run here (None: it can): only a model whose forward cannot hand the loss its
     head's input (a transformers model returns logits) or whose logits are not the head's plain output (Gemma 3's

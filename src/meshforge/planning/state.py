@@ -93,12 +93,38 @@ def _refuse_uncounted(params: list[ParamRec], cfg) -> None:
                           f"{cfg.distributed.strategy}: plan with strategy {either(able)}")
 
 
-def rank_state(params: list[ParamRec], cfg, layout: Layout, rank: int) -> Parts:
-    """Bytes of parameters, gradients and optimizer state global rank `rank` holds after a step."""
+def rank_state(params: list[ParamRec], cfg, layout: Layout, rank: int, n_layers: int | None = None) -> Parts:
+    """Bytes of parameters, gradients and optimizer state global rank `rank` holds after a step (`n_layers`: the
+    model's blocks when the caller knows them, saving their resolution)."""
     _refuse_uncounted(params, cfg)
     c = layout.coords(rank)
     terms = terms_of(cfg)
     out = Parts()
-    for stage in stage_params(params, cfg, layout, c[MeshAxis.PP]):
+    for stage in stage_params(params, cfg, layout, c[MeshAxis.PP], n_layers):
         terms.state(stage, cfg, layout, c, out)
+    return out
+
+
+MOMENTS = ("head", "end", "forward")
+
+
+def rank_held(params: list[ParamRec], cfg, layout: Layout, rank: int, accum: int,
+              n_layers: int | None = None) -> dict[str, int]:
+    """{moment: bytes of parameters and gradients the strategy holds then} for global rank `rank` (its terms'
+    `held`, over its pipeline stages); `accum`: micro batches per step without pipeline parallelism."""
+    c = layout.coords(rank)
+    terms = terms_of(cfg)
+    stages = stage_params(params, cfg, layout, c[MeshAxis.PP], n_layers)
+    out = {m: sum(terms.held(st, cfg, layout, c, m, accum, layout.pp > 1) for st in stages) for m in MOMENTS}
+    if layout.pp > 1:  # the stages the schedule holds unsharded at once, the largest such set
+        from meshforge.planning.activations import gathered_sets, lowered_passes
+
+        pplan = pipeline_plan_of(cfg, layout, n_layers)
+        sizes = [terms.stage_gathered(st, cfg, layout) for st in stages]
+        lowered = lowered_passes(pplan.schedule, layout.pp, c[MeshAxis.PP], pplan.n_microbatches,
+                                 pplan.stages_per_rank)
+        sets = gathered_sets(lowered, len(stages)) if lowered is not None else [frozenset(range(len(stages)))]
+        if getattr(cfg.distributed.options, "reshard_after_forward", None) is True:
+            sets = [frozenset([i]) for i in range(len(stages))]  # freed after every forward: the running stage
+        out["head"] += max(sum(sizes[i] for i in group) for group in sets)
     return out

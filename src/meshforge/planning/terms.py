@@ -8,11 +8,22 @@ side of each collective):
   state(stage, cfg, layout, coords, out)  parameters, gradients, optimizer state (and host memory, gathered
                                           buffers) that the rank at `coords` holds for one pipeline stage's
                                           parameters (`ParamRec`s), added to `out`
-  comm(stage, cfg, layout, accum, add)    its data-parallel collectives of one optimizer step for that stage
-                                          (`accum` micro batches per step): add(axis, kind, bytes)
+  comm(stage, cfg, layout, accum, add, passes)
+                                          its data-parallel collectives of one optimizer step for that stage
+                                          (`accum` micro batches per step; under PP `passes`, the stage's
+                                          forwards "F" and backwards "B" in schedule order): add(axis, kind, bytes)
   dtensor_grads(cfg, layout)              gradients are DTensors sharded over the data-parallel mesh: clipping
                                           all-reduces 4 bytes per gradient and mesh dimension
   norm_comm(cfg, layout, add)             the gradient norm's collectives of its own
+  held(stage, cfg, layout, coords, moment, accum, pipelined)
+                                          parameters and gradients (sharded, gathered, accumulated, in
+                                          reduction buffers) it holds at a moment of a step's last micro batch:
+                                          "head" (the loss's backward, every activation alive), "end" (the
+                                          last reductions) or "forward" (its gathers in forward; 0: no moment of
+                                          its own); the peak is the largest (planning/plan.py). Default: what
+                                          `state` holds after the step
+  stage_gathered(stage, cfg, layout)      under PP, a stage's gathered parameters while the schedule keeps it
+                                          unsharded (torch's multi-stage schedules: at most 3 stages at once)
   sharding(options)                       a mode the plan names beside the strategy, or None
   every_rank                              its bytes differ across data-parallel ranks beyond the first and last
                                           shard (a large world's plan then counts every rank)
@@ -59,11 +70,24 @@ class StrategyPlanTerms:
     def state(self, stage: list[ParamRec], cfg, layout: Layout, coords: dict[MeshAxis, int], out: Parts) -> None:
         raise NotImplementedError
 
-    def comm(self, stage: list[ParamRec], cfg, layout: Layout, accum: int, add: AddComm) -> None:
+    def comm(self, stage: list[ParamRec], cfg, layout: Layout, accum: int, add: AddComm,
+             passes: list[str] | None = None) -> None:
         raise NotImplementedError
 
     def dtensor_grads(self, cfg, layout: Layout) -> bool:
         return False
+
+    def held(self, stage: list[ParamRec], cfg, layout: Layout, coords: dict[MeshAxis, int], moment: str,
+             accum: int, pipelined: bool) -> int:
+        if moment == "forward":
+            return 0
+        out = Parts()
+        self.state(stage, cfg, layout, coords, out)
+        return out.params + out.grads + out.buffers
+
+    def stage_gathered(self, stage: list[ParamRec], cfg, layout: Layout) -> int:
+        """Bytes of a pipeline stage's parameters while the schedule holds the stage unsharded (beyond `held`)."""
+        return 0
 
     def norm_comm(self, cfg, layout: Layout, add: AddComm) -> None:
         pass
@@ -158,7 +182,7 @@ class DeclaredSharding(StrategyPlanTerms):
             kept = {"replicated": whole, "dim0": piece, "owner": whole if owned else 0}[self.optimizer]
             out.optimizer += 2 * kept * F32 + STEP_BYTES if kept or self.optimizer == "dim0" else 0
 
-    def comm(self, stage, cfg, layout, accum, add) -> None:
+    def comm(self, stage, cfg, layout, accum, add, passes=None) -> None:
         n = self._ranks(layout)
         if n == 1:
             return
@@ -180,3 +204,15 @@ class DeclaredSharding(StrategyPlanTerms):
     def norm_comm(self, cfg, layout, add) -> None:
         if self.grads != "replicated" and self._ranks(layout) > 1:
             add(self.axis, "all_reduce", F32)
+
+    def held(self, stage, cfg, layout, coords, moment, accum, pipelined) -> int:
+        """Replicated gradients appear in backward (set to None after every step): at the loss's backward only
+        the earlier micro batches' (accumulated), all at the end; the reducer's buckets are there throughout."""
+        out = Parts()
+        self.state(stage, cfg, layout, coords, out)
+        if moment == "forward":
+            return 0  # nothing beyond the loss's backward: the plan takes the larger moment
+        if self.grads != "replicated" or moment == "end" or accum > 1 or pipelined:
+            return out.params + out.grads + out.buffers
+        buckets = self.grad_buckets and self._ranks(layout) > 1 and layout.dp * layout.cp > 1
+        return out.params + (out.grads // 2 if buckets else 0) + out.buffers

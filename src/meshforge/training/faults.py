@@ -9,6 +9,11 @@ The variable holds comma-separated specs; each is `name:step[:rank[:arg]]` (rank
   joining the next collective, so the others must time out (`distributed.timeout_minutes`).
 - `nan_at_step:STEP`  every rank's loss and gradients of step STEP become NaN, to test `training.nonfinite`.
 
+- `kill_at_step:STEP[:RANK]`  SIGKILL this rank after step STEP (a node lost mid-run).
+
+A fault fires in a job's first attempt only (a restarted attempt runs clean, as after a transient fault), or in
+attempt N when its name says so: `kill_during_save@1:6:0` fires in the first restart (`--max-restarts`).
+
 The variable is read once, when a trainer is built (`install`), and the faults it names become hooks of
 that trainer and its checkpoint manager: a run without it carries no fault code in its loop. A test that runs
 several phases in one process sets it before each phase's trainer is built.
@@ -24,15 +29,19 @@ import time
 import torch
 
 from meshforge.distributed.grad_norm import grad_of
+from meshforge.launch import restart_attempt
 
 
-def parse(raw: str, rank: int, world_size: int) -> dict[str, dict[int, list[str]]]:
-    """{fault name: {step: extra args}} of the faults armed for this rank."""
+def parse(raw: str, rank: int, world_size: int, attempt: int = 0) -> dict[str, dict[int, list[str]]]:
+    """{fault name: {step: extra args}} of the faults armed for this rank in this attempt."""
     out: dict[str, dict[int, list[str]]] = {}
     for spec in (s.strip().split(":") for s in raw.split(",") if s.strip()):
         if len(spec) < 2:
             continue
-        name, step = spec[0], int(spec[1])
+        name, _, when = spec[0].partition("@")
+        if int(when or 0) != attempt:
+            continue
+        step = int(spec[1])
         target = int(spec[2]) if len(spec) > 2 and spec[2] != "" else world_size - 1
         if name == "nan_at_step" or target == rank:
             out.setdefault(name, {})[step] = spec[3:]
@@ -45,7 +54,7 @@ def install(trainer) -> None:
     if not raw:
         return
     rank, world = trainer.info.rank, trainer.info.world_size
-    faults = parse(raw, rank, world)
+    faults = parse(raw, rank, world, restart_attempt()[0])
 
     def nan_at_step(step: int, loss: torch.Tensor) -> torch.Tensor:
         if step not in faults.get("nan_at_step", {}):
@@ -64,6 +73,9 @@ def install(trainer) -> None:
             sig = {"TERM": signal.SIGTERM, "INT": signal.SIGINT}.get(name, signal.SIGUSR1)
             print(f"fault: rank {rank} sends itself {sig.name} after step {step}", file=sys.stderr, flush=True)
             os.kill(os.getpid(), sig)
+        if step in faults.get("kill_at_step", {}):
+            print(f"fault: rank {rank} kills itself (SIGKILL) after step {step}", file=sys.stderr, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         args = faults.get("hang_at_step", {}).get(step)
         if args is not None:
             seconds = float(args[0]) if args else 3600.0

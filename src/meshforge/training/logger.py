@@ -46,8 +46,13 @@ class MetricsLogger:
             return
         for sink in self.sinks:
             sink.log(record)
+        if "samples" in record:  # generated text (training/samples.py)
+            for sample in record["samples"]:
+                self.info(f"step={record['step']} sample {sample['prompt']!r} -> {sample['completion']!r}")
+            return
         if "val_loss" in record:  # a validation record (training/validation.py)
-            self.info(" ".join(f"{k}={_fmt(record.get(k))}" for k in ("step", "val_loss", "val_ppl")))
+            self.info(" ".join(f"{k}={_fmt(record.get(k))}" for k in ("step", "val_loss", "val_ppl")) +
+                      "".join(f" {k}={_fmt(v)}" for k, v in record.items() if k.startswith("val_loss/")))
             return
         line = " ".join(f"{k}={_fmt(record.get(k))}" for k in
                         ("step", "loss", "grad_norm", "lr", "tokens_per_s", "tflops", "mfu", "max_mem_gib"))

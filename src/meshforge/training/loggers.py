@@ -74,6 +74,15 @@ def _scalars(record: dict) -> dict[str, float]:
             and not isinstance(v, bool) and math.isfinite(v)}
 
 
+def samples_markdown(samples: list[dict]) -> str:
+    """A markdown table of generated samples (TensorBoard renders its text as markdown)."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", "<br>")
+
+    return "| prompt | completion |\n|---|---|\n" + "\n".join(
+        f"| {cell(s['prompt'])} | {cell(s['completion'])} |" for s in samples)
+
+
 def _flatten(d: dict, prefix: str = "") -> dict[str, str]:
     out = {}
     for k, v in d.items():
@@ -85,7 +94,8 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, str]:
 
 
 class RunLogger:
-    """The interface: `start` once, `log` per logged step, `close` at the end."""
+    """The interface: `start` once, `log` per logged step, `close` at the end. A record with `samples` (generated
+    text, training/samples.py: [{prompt, completion}]) is text, which each sink stores its own way."""
 
     def start(self, config: dict, meta: dict) -> None: ...
 
@@ -138,6 +148,8 @@ class TensorBoardLogger(RunLogger):
         self.writer.add_text("meta", "```\n" + json.dumps(meta, indent=1) + "\n```")
 
     def log(self, record: dict) -> None:
+        if "samples" in record:
+            self.writer.add_text("samples", samples_markdown(record["samples"]), record["step"])
         for k, v in _scalars(record).items():
             self.writer.add_scalar(k, v, record["step"])
 
@@ -157,6 +169,13 @@ class WandbLogger(RunLogger):
                               config={**config, "meta": meta}, reinit="create_new")
 
     def log(self, record: dict) -> None:
+        if "samples" in record:
+            import wandb
+
+            rows = [[record["step"], s["prompt"], s["completion"]] for s in record["samples"]]
+            self.run.log({"samples": wandb.Table(columns=["step", "prompt", "completion"], data=rows)},
+                         step=record["step"])
+            return
         self.run.log(_scalars(record), step=record["step"])
 
     def close(self) -> None:
@@ -194,6 +213,10 @@ class MLflowLogger(RunLogger):
     def log(self, record: dict) -> None:
         from mlflow.entities import Metric
 
+        if "samples" in record:  # one JSON table per logged step: samples/step_000010.json
+            self.client.log_dict(self.run_id, {"step": record["step"], "samples": record["samples"]},
+                                 f"samples/step_{record['step']:06d}.json")
+            return
         ts = int(time.time() * 1000)
         metrics = [Metric(k, v, ts, record["step"]) for k, v in _scalars(record).items()]
         self.client.log_batch(self.run_id, metrics=metrics)

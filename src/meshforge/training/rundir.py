@@ -39,6 +39,7 @@ from meshforge.checkpoint.collectives import all_gather_object
 from meshforge.checkpoint.paths import checkpoint_dir, complete_checkpoints, has_checkpoint
 from meshforge.config.loader import write_yaml
 from meshforge.errors import ConfigError
+from meshforge.launch import restart_attempt
 
 LOCK = outputs.LOCK
 
@@ -238,7 +239,8 @@ def claim(cfg, info, log=print) -> RunDir:
                         log(f"meshforge: {note}")
         resume = cfg.checkpoint.resume
         fresh = resume is None or (resume == "auto" and not has_checkpoint(cfg))  # this run starts at step 0
-        if problem is None and fresh and ((old := _holds_run(cfg, out)) or foreign):
+        own_restart = restart_attempt()[0] > 0 and resume == "auto" and not foreign  # this job's earlier attempt
+        if problem is None and fresh and not own_restart and ((old := _holds_run(cfg, out)) or foreign):
             if cfg.run.overwrite:
                 log(f"meshforge: {_move_aside(cfg, out)}")
             elif resume is None:

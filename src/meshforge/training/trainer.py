@@ -48,6 +48,7 @@ from meshforge.distributed.env import (
 from meshforge.distributed.mesh import MeshContext
 from meshforge.distributed.runtime import ParallelModel
 from meshforge.errors import ConfigError
+from meshforge.launch import restart_attempt
 from meshforge.models import contract_of, resolve_model_args
 from meshforge.training import faults, rundir
 from meshforge.training.logger import MetricsLogger
@@ -55,6 +56,7 @@ from meshforge.training.metrics import device_peak_tflops, max_memory_gib, throu
 from meshforge.training.nonfinite import NonFinitePolicy
 from meshforge.training.optim import build_optimizer, build_scheduler
 from meshforge.training.profiling import StepProfiler
+from meshforge.training.samples import Samples
 from meshforge.training.signals import StopSignal
 from meshforge.training.validation import Validation
 
@@ -67,6 +69,7 @@ class TrainResult:
     final_step: int = 0
     skipped_steps: int = 0
     validations: list[dict] = field(default_factory=list)  # {step, val_loss, val_ppl} per validation run
+    samples: list[dict] = field(default_factory=list)  # {step, samples: [{prompt, completion}]} (logging.samples)
     stopped_by_signal: bool = False
     signal: str | None = None  # the signal that stopped the run ("SIGTERM", "SIGINT", ...)
     parallel_model: ParallelModel | None = None
@@ -90,6 +93,7 @@ class Trainer:
         self.after_step: list[Callable[[int], None]] = []  # (step) -> None
         self.before_commit: Callable[[int], None] | None = None  # handed to the checkpoint manager
         self.validation: Validation | None = None  # set by build() when training.val_every > 0
+        self.samples: Samples | None = None  # set by build() with logging.samples
         self.data_notes: list[str] = []  # set by build(): lines on data left out, logged at start
         faults.install(self)
 
@@ -121,10 +125,16 @@ class Trainer:
         pm.train()
         trainer = cls(cfg, info, mesh_ctx, pm, optimizer, scheduler, loader)
         trainer.validation = Validation.build(cfg, mesh_ctx, pm, val_source)
+        trainer.samples = Samples.build(cfg, pm)
         # what of the data did not reach training as written (SFT examples dropped, truncated, left out)
         reports = [getattr(s, "report", None) for s in (source, val_source) if s is not None]
         trainer.data_notes = [f"{'validation ' if i else ''}{r}" for i, r in enumerate(reports) if r
                               and r not in reports[:i]]
+        if cfg.data.mix:  # the weights, and the shares the schedule gives the whole run
+            run = (loader.loader if hasattr(loader, "loader") else loader).realised(t.max_steps)
+            trainer.data_notes.append("data mix: " + ", ".join(
+                f"{n} weight {w:.4f} realised {run[n]:.4f}" for n, w in source.shares().items()) +
+                f" (samples of the {t.max_steps * t.global_batch_size} this run trains on)")
         return trainer
 
     # ------------------------------------------------------------------ one step
@@ -191,6 +201,10 @@ class Trainer:
         log.start(cfg, world_size=info.world_size, layout=self.mesh_ctx.layout.named_shape(), device=str(info.device))
         for w in config_rules.warnings(cfg, info.world_size):
             log.info(f"warning: {w}")
+        restarts, cause = restart_attempt()
+        if restarts:
+            log.info(f"meshforge: restart {restarts} (after: {cause or 'a failure its launcher did not name'}): "
+                     f"resumed at step {self.step}")
         for note in [*self.data_notes, self.loader.resume_note]:  # (resume_note: resumed onto changed data)
             if note:
                 log.info(note)
@@ -215,6 +229,8 @@ class Trainer:
                     metrics.log(result)
                 if self.validation is not None and self.validation.due(self.step):
                     metrics.t0 += self.validation(self.step, result, log)
+                if self.samples is not None and self.samples.due(self.step):
+                    metrics.t0 += self.samples(self.step, result, log)
                 if save:
                     ckpt.maybe_save(self.step, final=final)
                 if signals.poll():
@@ -274,6 +290,8 @@ class _Throughput:
         self.peak = device_peak_tflops(trainer.info.device, trainer.cfg.logging.peak_tflops)
         self.tokens_per_step = t.global_batch_size * t.seq_len
         self.t0, self.step0 = time.perf_counter(), trainer.step
+        self.restarts, self.cause = restart_attempt()
+        self.mix = getattr(trainer.loader, "loader", trainer.loader) if trainer.cfg.data.mix else None
 
     def log(self, result: TrainResult) -> None:
         tr = self.trainer
@@ -286,6 +304,12 @@ class _Throughput:
                         tr.info.world_size, self.peak)
         rec.update(tokens_per_s=tp["tokens_per_s"], tflops=tp["tflops"], mfu=tp["mfu"],
                    max_mem_gib=max_memory_gib(tr.info.device))
+        if self.restarts:  # every record of a restarted attempt; the cause on its first
+            rec["restarts"] = self.restarts
+            if self.cause is not None:
+                rec["restart_cause"], self.cause = self.cause, None
+        if self.mix is not None:  # data.mix: each source's share of the samples trained on so far
+            rec.update({f"mix/{n}": v for n, v in self.mix.realised(tr.step).items()})
         self.logger.log(rec)
         self.t0, self.step0 = time.perf_counter(), tr.step
 

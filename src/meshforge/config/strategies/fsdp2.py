@@ -11,7 +11,8 @@ and optimizer state to host memory (also per pipeline stage).
 What it sends per step: every unit's parameters all-gathered per micro batch, again in backward for the units
 resharded after forward (every block but the last by default, none under PP; `reshard_after_forward: true`: every
 block, and the root unless the fused loss reads its head after forward, which keeps it gathered), gradients
-reduce-scattered once (accumulation defers the reduction) and, under HSDP, all-reduced over dp_replicate.
+reduce-scattered once (accumulation defers the reduction; `defer_fsdp_grad_sync: false` reduces after every micro
+batch) and, under HSDP, all-reduced over dp_replicate.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from meshforge.config.strategies import AXES, StrategyOptions, StrategySpec, Str
 from meshforge.planning.layout import MeshAxis
 from meshforge.planning.params import F32, STEP_BYTES, alike, chunk_rows, local_shape, memo, replicate_grad
 from meshforge.planning.precision import bf16_params, fused_loss_on, gather_bytes
-from meshforge.planning.terms import StrategyPlanTerms, replicas
+from meshforge.planning.terms import Parts, StrategyPlanTerms, replicas
 
 if TYPE_CHECKING:
     from meshforge.config.schema import Config
@@ -97,6 +98,21 @@ def _bf16_params_dtype(cfg: Config, world_size: int) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ planner terms
+def pipeline_gathers(passes: list[str], reshard: bool) -> int:
+    """All-gathers of a pipeline stage's units per step, from its forwards (F), backwards (B) and the schedule's
+    unshards (U) and reshards (R) (`planning.activations.lowered_passes`): anything finding the parameters freed
+    gathers them; a forward frees them after it under `reshard_after_forward: true`, a backward keeps them
+    (torch's schedule reshards after the last backward only)."""
+    gathers, gathered = 0, False
+    for op in passes:
+        if op == "R":
+            gathered = False
+            continue
+        gathers += not gathered
+        gathered = not (op == "F" and reshard)
+    return gathers
+
+
 def _root_resharded(cfg: Config) -> bool:
     """The root (embedding, final norm, head) freed after forward and gathered again in backward: when asked,
     except under the fused loss, which reads the head's weight after forward (the runtime keeps the root)."""
@@ -118,6 +134,13 @@ def _fsdp_units(group: list, layout, dim: int, n: int) -> tuple[dict, dict]:
         return units, grads
 
     return memo("units", group, (layout.tp, layout.ep, dim, n), compute)
+
+
+def _replicated_embedding_grad(stage, layout) -> int:
+    """Elements a vocabulary-parallel embedding's gradient has beyond its TP shard: it arrives Replicate, the whole
+    (vocab x dim) on every tp rank, and is accumulated so (measured with the scale trace, torch 2.13)."""
+    return sum(math.prod(p.shape) - math.prod(local_shape(p, layout)) for p in stage
+               if p.place == "first" and p.tp_dim is not None and p.trainable and layout.tp > 1)
 
 
 def _largest_block(stage, layout) -> int:
@@ -167,10 +190,11 @@ class FSDP2Terms(StrategyPlanTerms):
             out.optimizer += k * (2 * opt * F32 + STEP_BYTES)
         out.buffers = max(out.buffers, _largest_block(stage, layout) * gather_bytes(cfg))
 
-    def comm(self, stage, cfg, layout, accum, add) -> None:
+    def comm(self, stage, cfg, layout, accum, add, passes=None) -> None:
         if not self._active(layout):
             return
         reshard = cfg.distributed.options.reshard_after_forward
+        per_step = pipeline_gathers(passes, reshard is True) if layout.pp > 1 and passes else 1
         dense = stage if layout.ep == 1 else [p for p in stage if not p.expert]
         experts = [p for p in stage if p.expert and layout.ep > 1]
         n, ne = layout.dp_shard * layout.cp, layout.size(MeshAxis.EP_SHARD)
@@ -180,19 +204,100 @@ class FSDP2Terms(StrategyPlanTerms):
             units, grads = _fsdp_units(group, layout, dim, nn_)
             blocks = sorted(k for k in units if k is not None)
             regather = [b for b in blocks if (b != blocks[-1] if reshard is None else reshard)]
-            if reshard is None and layout.pp > 1:
-                regather = []
+            if dim == 1 and not cfg.distributed.moe_or_default.reshard_after_forward:
+                regather = []  # the experts' units stay gathered from forward to backward
             total = sum(units.values())
-            gathers = total + sum(units[b] for b in regather) + (units.get(None, 0) if _root_resharded(cfg) else 0)
+            if layout.pp > 1:  # the stage's units, gathered once per step or as often as resharding makes it
+                gathers = total * per_step
+            else:
+                gathers = total + sum(units[b] for b in regather) + (units.get(None, 0) if _root_resharded(cfg) else 0)
             reps = accum if (layout.pp == 1) else 1
+            # gradients are reduced once per step, or after every micro batch when the sync is not deferred
+            reduces = reps if cfg.distributed.options.defer_fsdp_grad_sync is False else 1
             ax = ("dp_shard_cp" if layout.cp > 1 else "dp_shard") if dim == 0 else "ep_shard"
             add(ax, "all_gather", gathers * reps * gather_bytes(cfg))
-            add(ax, "reduce_scatter", sum(grads.values()) * F32)
+            add(ax, "reduce_scatter", sum(grads.values()) * F32 * reduces)
             if dim == 0 and layout.dp_replicate > 1:
-                add("dp_replicate", "all_reduce", sum(grads.values()) // nn_ * F32)
+                add("dp_replicate", "all_reduce", sum(grads.values()) // nn_ * F32 * reduces)
 
     def dtensor_grads(self, cfg, layout) -> bool:
         return self._active(layout)
+
+    def held(self, stage, cfg, layout, c, moment, accum, pipelined) -> int:
+        """What fully_shard holds at `moment` (measured with the scale trace, meshforge.scale):
+        - the sharded parameters always; the units gathered (bf16 on CUDA): the root (embedding, final norm,
+          head: kept after forward) and the last block (not resharded after forward) at the loss's backward;
+          every unit under pipeline parallelism (none is resharded: a stage's parameters stay gathered across
+          the schedule), or with `reshard_after_forward: false`;
+        - accumulated gradients: with gradient sync deferred over several micro batches (and always under
+          pipeline parallelism, whose schedule reduces once, at its end) every unit keeps its unsharded
+          gradient in the reduce dtype (fp32) from its first backward to the step's reduction; without
+          deferring, the sharded gradients of the earlier micro batches;
+        - at the end of backward the root's reduction: its unsharded gradients (compute dtype, or the
+          accumulated fp32 ones) beside the fp32 reduce-scatter input."""
+        rest = Parts()
+        self.state(stage, cfg, layout, c, rest)
+        if not self._active(layout) or cfg.distributed.options.offload_policy:
+            return rest.params + rest.grads + rest.buffers
+        reshard = cfg.distributed.options.reshard_after_forward
+        defer = cfg.distributed.options.defer_fsdp_grad_sync is not False
+        accumulating = pipelined or (accum > 1 and defer)
+        gathered, train, blocks, root_shard = {}, {}, set(), 0
+        for group, dim, n in self._groups(stage, layout):
+            units, grads = _fsdp_units(group, layout, dim, n)
+            root_shard += grads.get(None, 0) // n
+            for unit, numel in units.items():
+                gathered[unit] = gathered.get(unit, 0) + numel
+                train[unit] = train.get(unit, 0) + grads[unit]
+                blocks.add(unit)
+        gb = gather_bytes(cfg)
+        ordered = sorted(b for b in blocks if b is not None)
+        if moment == "forward" and not pipelined:
+            # a block's unshard in forward: the root kept, the all-gather output of the unit before it not yet freed
+            # (fully_shard frees an all-gather's output at the next one), the block's own output and its copies
+            # into the parameters
+            big = max((gathered[b] for b in ordered), default=0)
+            grads = sum(train.values()) * F32 if accumulating else (rest.grads if accum > 1 else 0)
+            return rest.params + (2 * gathered.get(None, 0) + 2 * big) * gb + grads
+        if moment == "end":  # the blocks' sharded gradients; the root's unsharded ones beside its fp32 reduce input
+            root = train.get(None, 0)
+            grads = rest.grads - root_shard * F32 + root * (F32 if accumulating else gb) + root * F32
+            return rest.params + grads
+        if pipelined:  # which stages are gathered at once is the schedule's (`stage_gathered`)
+            kept = 0
+        elif reshard is False:
+            kept = sum(gathered.values())
+        else:
+            kept = gathered.get(None, 0) + (gathered[ordered[-1]] if ordered and reshard is None else 0)
+            if not cfg.distributed.moe_or_default.reshard_after_forward:  # experts kept after forward
+                kept += sum(self._expert_units(stage, layout).values()) - \
+                    (self._expert_units(stage, layout).get(ordered[-1], 0) if ordered and reshard is None else 0)
+        grads = (sum(train.values()) + _replicated_embedding_grad(stage, layout)) * F32 if accumulating \
+            else (rest.grads if accum > 1 else 0)
+        return rest.params + kept * gb + grads
+
+    def stage_gathered(self, stage, cfg, layout) -> int:
+        if not self._active(layout) or cfg.distributed.options.offload_policy:
+            return 0
+        units = sum(sum(_fsdp_units(g, layout, d, n)[0].values()) for g, d, n in self._groups(stage, layout))
+        return units * gather_bytes(cfg)
+
+    @staticmethod
+    def _expert_units(stage, layout) -> dict:
+        """{block: padded expert elements} of the experts' own units (EP), {} without them."""
+        experts = [p for p in stage if p.expert]
+        if not experts or layout.ep == 1:
+            return {}
+        return _fsdp_units(experts, layout, 1, layout.size(MeshAxis.EP_SHARD))[0]
+
+    @staticmethod
+    def _groups(stage, layout):
+        """(parameters, sharded dim, ranks) of the dense units and of the experts' units under EP."""
+        dense = stage if layout.ep == 1 else [p for p in stage if not p.expert]
+        out = [(dense, 0, layout.dp_shard * layout.cp)]
+        if layout.ep > 1:
+            out.append(([p for p in stage if p.expert], 1, layout.size(MeshAxis.EP_SHARD)))
+        return [(g, d, n) for g, d, n in out if g]
 
 
 SPEC = register_strategy(StrategySpec(

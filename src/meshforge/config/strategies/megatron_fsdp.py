@@ -25,7 +25,7 @@ from meshforge.config.strategies import StrategyOptions, StrategySpec, register_
 from meshforge.planning.layout import MeshAxis
 from meshforge.planning.params import F32, STEP_BYTES, local_shape, memo
 from meshforge.planning.precision import bf16_params, gather_bytes, on_cuda
-from meshforge.planning.terms import StrategyPlanTerms
+from meshforge.planning.terms import Parts, StrategyPlanTerms
 
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
@@ -121,7 +121,23 @@ class MegatronFSDPTerms(StrategyPlanTerms):
                     out.optimizer += 2 * (b - a) * F32 + STEP_BYTES
                 off += n
 
-    def comm(self, stage, cfg, layout, accum, add) -> None:
+    def held(self, stage, cfg, layout, c, moment, accum, pipelined) -> int:
+        """At the end of backward every trainable unit's full gradient buffer (reduce dtype, padded) is alive
+        when the reductions overlap compute (the default on CUDA): each is freed only when the step's reductions
+        are waited for (measured with the scale trace); the sharded modes free them otherwise at once."""
+        out = Parts()
+        self.state(stage, cfg, layout, c, out)
+        o = cfg.distributed.options
+        overlap = on_cuda(cfg) if o.overlap_grad_reduce is None else o.overlap_grad_reduce
+        if moment == "forward" or o.sharding_strategy not in ("optim_grads", "optim_grads_params") \
+                or not overlap or layout.size("dp_cp") == 1:
+            return 0 if moment == "forward" else out.params + out.grads + out.buffers
+        reduce_b = F32 if o.grad_reduce_in_fp32 is not False else (2 if on_cuda(cfg) else F32)
+        world = layout.size("dp_cp")
+        full = sum(-(-sum(n) // world) * world for (_, trainable), n in _units(stage, layout).items() if trainable)
+        return out.params + out.grads + out.buffers + (full * reduce_b if moment == "end" else 0)
+
+    def comm(self, stage, cfg, layout, accum, add, passes=None) -> None:
         dp_cp = layout.size("dp_cp")
         if dp_cp == 1:
             return

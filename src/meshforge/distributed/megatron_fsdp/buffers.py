@@ -164,9 +164,16 @@ class FlatUnit:
 
     def __post_init__(self):
         _, self.padded, self.shard = flat_layout([s.numel for s in self.slots], self.world)
-        dev, f32 = self.device, torch.float32
-        self.compute = torch.zeros(self.padded, dtype=self.compute_dtype, device=dev)
         self.frozen = not any(s.requires_grad for s in self.slots)
+        self.allocate(self.device)
+
+    def allocate(self, device: torch.device) -> None:
+        """(Re)make every buffer on `device` (zeros): the meta device while a meta-built model is wrapped, the
+        run's device when it is materialised; the parameters' views and the optimizer's leaves are made again
+        after (`bind_params`, `make_leaves`)."""
+        self.device = device
+        dev, f32 = device, torch.float32
+        self.compute = torch.zeros(self.padded, dtype=self.compute_dtype, device=dev)
         if self.frozen:  # values only: no fp32 main copy, no gradient buffers, no optimizer pieces
             self.main = self.grad_full = self.main_grad = None
             if self.params_sharded:

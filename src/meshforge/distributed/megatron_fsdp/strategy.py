@@ -54,6 +54,7 @@ from meshforge.distributed.megatron_fsdp.buffers import (
     storage_bytes,
 )
 from meshforge.distributed.megatron_fsdp.comm import CommCounter
+from meshforge.distributed.env import policy_device_type
 from meshforge.distributed.strategy import Strategy
 from meshforge.models import blocks_of, param_init_tensor, persistent_buffers
 
@@ -61,7 +62,7 @@ from meshforge.models import blocks_of, param_init_tensor, persistent_buffers
 class MegatronFSDPStrategy(Strategy):
     def __init__(self, dcfg, mesh_ctx, device: torch.device, compute_dtype: torch.dtype | None = None):
         super().__init__(dcfg, mesh_ctx, device)
-        cuda, o = device.type == "cuda", self.options
+        cuda, o = policy_device_type(device) == "cuda", self.options
         self.mode = o.sharding_strategy
         self.avg_in_collective = bool(o.average_in_collective)
         self.compute_dtype = compute_dtype or (torch.bfloat16 if cuda else torch.float32)
@@ -145,8 +146,9 @@ class MegatronFSDPStrategy(Strategy):
                 slots.append(slot)
                 off += local.numel()
             name = ("root" if i == len(blocks) else f"unit{i}") + ("_frozen" if frozen else "")
+            # a meta-built model gets its buffers when it is materialised (`materialize`), on the meta device until
             u = FlatUnit(name, modules[i], slots, self.world, self.rank, self.mode, self.compute_dtype,
-                         self.reduce_dtype, self.device, root=model)
+                         self.reduce_dtype, torch.device("meta") if meta else self.device, root=model)
             flat = None if meta else u.full_flat_from_params(
                 {s.fqn: _local(params[pid]).detach().to(self.device, torch.float32) for s, pid in zip(slots, pids)})
             u.bind_params()
@@ -158,15 +160,18 @@ class MegatronFSDPStrategy(Strategy):
             self.units.append(u)
             (self.blocks[i] if i < len(blocks) else self.root_parts).append(u)
         self.blocks = [b for b in self.blocks if b]
+        self._register_grad_hooks()
         self._register_hooks(model)
         return model
 
-    def _register_hooks(self, model: nn.Module) -> None:
+    def _register_grad_hooks(self) -> None:
         for u in self.units:
             for s in u.slots:
                 if s.requires_grad:
                     s.param.register_post_accumulate_grad_hook(self._grad_hook(u, s))
             u.n_grads = sum(s.requires_grad for s in u.slots)
+
+    def _register_hooks(self, model: nn.Module) -> None:
         for parts in self.blocks:
             parts[0].module.register_forward_pre_hook(lambda m, a, parts=parts: self._pre_forward(parts, a))
             parts[0].module.register_forward_hook(lambda m, a, out, parts=parts: self._post_forward(parts, out))
@@ -420,19 +425,29 @@ class MegatronFSDPStrategy(Strategy):
                 w.wait()
 
     # ================================================================== init
-    def materialize(self, model: nn.Module, seed: int, names: dict[str, str] | None = None) -> None:
+    def materialize(self, model: nn.Module, seed: int, init: bool = True,
+                    names: dict[str, str] | None = None) -> nn.Module:
         names = names or {}
         for m in model.modules():
             for k, b in list(m._buffers.items()):
                 if b is not None and b.is_meta:
                     m._buffers[k] = torch.zeros_like(b, device=self.device)
+        if any(u.device.type == "meta" for u in self.units):  # built on meta: the buffers, the views into them
+            for u in self.units:
+                u.allocate(self.device)
+                u.bind_params()
+                u.make_leaves()
+                if u.params_sharded:
+                    free_storage(u.compute)
+            self._register_grad_hooks()
         for u in self.units:
             flat = torch.zeros(u.padded, dtype=torch.float32, device=self.device)
-            for s in u.slots:
+            for s in u.slots if init else ():
                 shape = tuple(s.global_shape if s.global_shape is not None else s.shape)
                 full = s.local_of(param_init_tensor(model, names.get(s.fqn, s.fqn), shape, seed).to(self.device))
                 flat[s.offset:s.offset + s.numel].copy_(full.reshape(-1))
             u.set_full_flat(flat)
+        return model
 
     # ================================================================== state dicts (fsdp_dtensor)
     def _gather_flat(self, u: FlatUnit, local: torch.Tensor) -> torch.Tensor:
