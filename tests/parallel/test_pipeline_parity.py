@@ -151,6 +151,10 @@ MOE_4 = {
     "moe pp2 x ep2 x cp2 (zero_bubble)": pp(2, "zero_bubble", "distributed.ep_size=2", "distributed.cp_size=2",
                                             base=MOE),
     "moe pp2 x tp2+sp": pp(2, "1f1b", "distributed.tp_size=2", "distributed.sequence_parallel=true", base=MOE),
+    # the two ends hold no MoE layer (an embedding-only and a head-only stage): expert parallelism skips them
+    "moe pp2 x ep2, embedding-only first and head-only last stage": pp(
+        2, "interleaved_1f1b", "distributed.ep_size=2", *ENDS, "distributed.pipeline.virtual_stages_per_rank=2",
+        base=MOE),
     "moe pp2 x ep2 resumes non-PP step 5": pp(2, "1f1b", "distributed.ep_size=2",
                                              f"checkpoint.resume={MOE_SINGLE_DIR / 'step_5'}", base=MOE),
     "moe pp2 x ep2 saves step 5": pp(2, "1f1b", "distributed.ep_size=2", *saves(MOE_PP_EP_DIR), base=MOE),

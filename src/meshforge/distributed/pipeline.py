@@ -366,7 +366,7 @@ def build_pipeline_model(cfg, mesh_ctx: MeshContext, device: torch.device, meta:
         if seq_shard > 1 or mesh_ctx.cp_size > 1:
             _stage_positions(module, seq_shard, mesh_ctx.cp_size, mesh_ctx.cp_rank)
         part = parallelize_model(module, mesh_ctx, dcfg, device, compile=cfg.training.compile,
-                                 compile_backend=cfg.training.compile_backend,
+                                 compile_backend=cfg.training.compile_backend, stage=True,
                                  **_stage_numerics(cfg, module, last=s == plan.num_stages - 1))
         if s != plan.num_stages - 1:
             carry_aux_loss(part.model, aux_loss_weight(plan, scale_in_schedule))
