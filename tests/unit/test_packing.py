@@ -227,3 +227,27 @@ def test_block_mask_matches_dense_on_cuda(gqa_model, dtype, tol):
     assert (fast - dense).abs().max() <= tol * dense.abs().max()
     for a, b in zip(fast_g, dense_g):
         assert (a - b).abs().max() <= tol * max(b.abs().max(), 1e-3)
+
+
+@pytest.mark.parametrize("preset", ["tiny_gpt_oss", "tiny_deepseek"])
+def test_router_statistics_count_documents_only_in_every_packing_moe_family(preset):
+    """The families whose model packs (`Family.packs_documents`) keep padding out of their MoE layers' statistics
+    too: the padding's content changes neither the aux loss nor the counted copies, which are the documents'."""
+    from meshforge.models import contract_of
+
+    model = _built(preset, 5).train()
+    docs = torch.tensor([[0] * 9 + [1] * 12 + [-1] * 11, [0] * 20 + [2] * 7 + [-1] * 5])
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 256, docs.shape, generator=g)
+    x2 = x.clone()
+    x2[docs == -1] = torch.randint(0, 256, (int((docs == -1).sum()),), generator=g)
+    layers = contract_of(model).moe_layers()
+    runs = []
+    with torch.no_grad():
+        for tokens in (x, x2):
+            out = model(tokens, packed_positions(docs), docs)
+            runs.append((out[1] if isinstance(out, tuple) else None, [layer.last_counts.clone() for layer in layers]))
+    (aux, counts), (aux2, counts2) = runs
+    assert layers and all(int(c.sum()) == int((docs >= 0).sum()) * layer.top_k for layer, c in zip(layers, counts))
+    assert all(torch.equal(a, b) for a, b in zip(counts, counts2))
+    assert (aux is None and aux2 is None) or aux.item() == aux2.item()
