@@ -10,6 +10,7 @@ Commands owned by other packages are a module with `add_arguments(parser)` and `
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import sys
@@ -40,7 +41,11 @@ def _fail(lines: list[str] | str, code: int = 2) -> int:
 
 
 def _under_launcher() -> bool:
-    return "RANK" in os.environ or "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", 1)) > 1
+    """A rank of torchrun (or meshforge's launcher) or one task of a many-task srun step; an sbatch script is
+    neither (`in_srun_task`), so `--nproc-per-node` there launches as asked."""
+    from meshforge.distributed.env import env_world_size, in_srun_task
+
+    return "RANK" in os.environ or in_srun_task() and env_world_size() > 1
 
 
 # ------------------------------------------------------------------------------ train
@@ -96,6 +101,9 @@ def cmd_train(args) -> int:
         return _fail(err.problems)
     from meshforge.launch import RESTART, run_cli
 
+    if nodes:
+        nodes = dataclasses.replace(nodes, timeout_s=cfg.distributed.rendezvous_timeout_s)
+
     restarts = cfg.resilience.max_restarts
     if restarts and _under_launcher() and not nodes and RESTART not in os.environ:
         return _fail(f"resilience.max_restarts={restarts} needs meshforge's launcher (meshforge train "
@@ -126,8 +134,9 @@ def run_training(cfg) -> int:
         if not any(s in first for s in ("Timed out", "timed out", "Connection reset", "Connection closed")):
             note_failure(rank, f"RuntimeError: {first[:300]}")
             raise
-        line = (f"rank {rank}: a collective failed ({first[:160]}): another rank died or hangs "
-                f"(distributed.timeout_minutes={cfg.distributed.timeout_minutes})")
+        from meshforge.distributed.hang import failed_line
+
+        line = failed_line(rank, err, cfg.distributed.timeout_minutes)  # (a recorded one ended in distributed/hang.py)
         note_failure(rank, line, secondary=True)
         return _fail(line, code=1)
     except Exception as err:

@@ -29,11 +29,13 @@ This module is the only place meshforge spells out a torchrun command line.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import importlib.util
 import json
 import os
+import re
 import runpy
 import signal
 import subprocess
@@ -160,6 +162,11 @@ class Nodes:
     rdzv_endpoint: str
     node_rank: int | None = None
     rdzv_id: str = "meshforge"
+    timeout_s: int = 600  # how long this node waits at the rendezvous for the others (distributed.rendezvous_timeout_s)
+
+    @property
+    def backend(self) -> str:
+        return "c10d" if self.node_rank is None else "static"
 
 
 def torchrun_args(nproc: int, entry: list[str], nodes: Nodes | None = None) -> list[str]:
@@ -169,11 +176,132 @@ def torchrun_args(nproc: int, entry: list[str], nodes: Nodes | None = None) -> l
         where = ["--standalone"]
     elif nodes.node_rank is not None:
         where = [f"--nnodes={nodes.nnodes}", f"--node-rank={nodes.node_rank}", "--rdzv-backend=static",
-                 f"--rdzv-endpoint={nodes.rdzv_endpoint}"]
+                 f"--rdzv-endpoint={nodes.rdzv_endpoint}", f"--rdzv-conf=timeout={nodes.timeout_s}"]
     else:
         where = [f"--nnodes={nodes.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={nodes.rdzv_endpoint}",
-                 f"--rdzv-id={nodes.rdzv_id}"]
+                 f"--rdzv-id={nodes.rdzv_id}", f"--rdzv-conf=join_timeout={nodes.timeout_s}"]
     return [*where, f"--nproc-per-node={nproc}", "--max-restarts=0", *entry]
+
+
+RENDEZVOUS_TIMEOUT_EXIT = 4  # the other nodes never reached the rendezvous within distributed.rendezvous_timeout_s
+
+
+class RendezvousGaveUp(Exception):
+    """The rendezvous waited its whole timeout for nodes that never came; the message is the one line to print."""
+
+
+class _TalkingRendezvous:
+    """torch's rendezvous handler for this node (static or c10d), which says while it waits: after a second of
+    waiting, one line naming the endpoint, the nodes joined of expected (c10d: read from the rendezvous state; a
+    static rendezvous learns it only at the end) and the timeout, and a line more each time that count changes.
+    Ctrl-C ends the wait at once (exit 130): the signal reaches a thread through a wakeup pipe, since the main
+    thread may sit in a C++ store call that only returns at the timeout. Every other call goes to torch's."""
+
+    def __init__(self, handler, nodes: Nodes):
+        self._handler, self._nodes = handler, nodes
+        self._seen: int | None = None  # the last count the wait read (the state forgets this node at the timeout)
+
+    def __getattr__(self, name):  # get_backend, use_agent_store, shutdown, ... as torch's handler answers
+        return getattr(self._handler, name)
+
+    def joined(self) -> int | None:
+        """Nodes at the rendezvous now (c10d), None where torch's handler does not tell."""
+        try:
+            import pickle
+
+            backend = self._handler._state_holder._backend  # DynamicRendezvousHandler's state, private in torch
+            got = backend.get_state()
+            joined = None if got is None else len(pickle.loads(got[0]).participants)
+            return joined or None  # 0: not yet written, or this node already left at the timeout
+        except Exception:  # noqa: BLE001 - any torch version or store error: the count is unknown, the wait goes on
+            return None
+
+    def where(self, joined: int | None) -> str:
+        n = self._nodes
+        count = f"{joined} of {n.nnodes} nodes joined" if joined is not None else f"{n.nnodes} nodes expected"
+        return f"{n.rdzv_endpoint} ({n.backend} rendezvous, id {n.rdzv_id}; {count})"
+
+    def next_rendezvous(self):
+        done, pipe = threading.Event(), os.pipe()
+        os.set_blocking(pipe[1], False)
+        try:
+            old_wakeup = signal.set_wakeup_fd(pipe[1], warn_on_full_buffer=False)
+        except ValueError:  # not the main thread: no Ctrl-C watch, the wait is still reported
+            old_wakeup = None
+        watcher = threading.Thread(target=self._watch, args=(done, pipe[0]), name="meshforge-rendezvous", daemon=True)
+        watcher.start()
+        try:
+            return self._handler.next_rendezvous()
+        except Exception as err:
+            if type(err).__name__ not in ("RendezvousTimeoutError", "DistStoreError") and "imed out" not in str(err):
+                raise
+            joined = self._seen
+            counted = re.search(r"(\d+)/(\d+) clients joined", str(err))  # the static store's own count
+            if joined is None and counted:
+                joined = int(counted[1])
+            raise RendezvousGaveUp(
+                f"the other nodes never came to {self.where(joined)} within {self._nodes.timeout_s} s "
+                "(distributed.rendezvous_timeout_s): start the same command on every node, each reaching that address "
+                f"(exit {RENDEZVOUS_TIMEOUT_EXIT})") from None
+        finally:
+            done.set()
+            if old_wakeup is not None:
+                signal.set_wakeup_fd(old_wakeup)
+            watcher.join(timeout=2)
+            for fd in pipe:
+                os.close(fd)
+
+    def _watch(self, done: threading.Event, wakeup: int) -> None:
+        import select
+
+        start, said = time.monotonic(), None
+        while not done.is_set():
+            ready, _, _ = select.select([wakeup], [], [], 0.25)
+            if done.is_set():
+                return
+            if ready:
+                try:
+                    got = os.read(wakeup, 64)
+                except OSError:
+                    return
+                if int(signal.SIGINT) in got:
+                    print(f"meshforge: Ctrl-C: stopped waiting for the other nodes at {self.where(self._seen)}; "
+                          "nothing was started (exit 130)", file=sys.stderr, flush=True)
+                    os._exit(130)
+            waited = time.monotonic() - start
+            if waited < 1.0:
+                continue
+            joined = self.joined()
+            if done.is_set():
+                return
+            if joined is None and (said is not None or self._nodes.backend == "c10d" and waited < 5.0):
+                continue  # c10d's count comes within moments; once said, an unknown count changes nothing
+            self._seen = joined if joined is not None else self._seen
+            if said is None or joined != said[0]:
+                print(f"meshforge: waiting for the other nodes at {self.where(joined)}; {waited:.0f} s so far, "
+                      f"giving up after {self._nodes.timeout_s} s (distributed.rendezvous_timeout_s); Ctrl-C stops "
+                      "waiting", file=sys.stderr, flush=True)
+                said = (joined,)
+
+
+@contextlib.contextmanager
+def _talking_rendezvous(nodes: Nodes | None):
+    """While torch's launcher builds this node's rendezvous handler, wrap it in `_TalkingRendezvous`."""
+    if nodes is None:
+        yield
+        return
+    from torch.distributed.elastic.rendezvous import registry
+
+    original = registry.get_rendezvous_handler
+
+    def talking(params):
+        return _TalkingRendezvous(original(params), nodes)
+
+    registry.get_rendezvous_handler = talking
+    try:
+        yield
+    finally:
+        registry.get_rendezvous_handler = original
 
 
 def first_failure_code(failures: dict) -> int:
@@ -240,7 +368,11 @@ def _attempt(nproc: int, argv: list[str], nodes: Nodes | None, shutdown_timeout:
     # process at once and leave the ranks running: pass it on the same way
     old_usr1 = signal.signal(signal.SIGUSR1, forward)
     try:
-        run(largs)
+        with _talking_rendezvous(nodes):
+            run(largs)
+    except RendezvousGaveUp as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return RENDEZVOUS_TIMEOUT_EXIT, None
     except SignalException as err:
         sig = signal.Signals(err.sigval)
         code = 130 if sig == signal.SIGINT else 0 if sig in (signal.SIGTERM, signal.SIGUSR1) else 128 + int(sig)

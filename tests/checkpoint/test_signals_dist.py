@@ -63,13 +63,15 @@ def test_sigterm_to_one_rank_saves_and_exits_zero_within_grace(tmp_path):
 
 def test_hung_rank_times_out_with_clear_error(tmp_path):
     """Rank 1 sleeps after step 2 instead of joining the next collective; rank 0 must give up after
-    distributed.timeout_minutes (0.1 min = 6 s) with a clear error instead of hanging."""
+    distributed.timeout_minutes (0.1 min = 6 s) with a clear error instead of hanging, and one summary (issue 29
+    item 3, distributed/hang.py) naming the step, the mesh axis, the collective, who entered it, and where rank 1
+    is (its Python stack), within the timeout + 30 s; exit 5."""
     cfg = write_cfg(tmp_path / "cfg.yaml")
     t0 = time.perf_counter()
     proc = subprocess.Popen(cli_cmd(["distributed.strategy=ddp", f"run.output_dir={tmp_path}/run",
                                      "distributed.timeout_minutes=0.1", "checkpoint.interval=1000"], 2, cfg),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=env(MESHFORGE_FAULT="hang_at_step:2:1:10"))
+                            env=env(MESHFORGE_FAULT="hang_at_step:2:1:60"))
     stamped = []  # (seconds since start, line)
     for line in proc.stderr:
         stamped.append((time.perf_counter() - t0, line.rstrip()))
@@ -82,6 +84,16 @@ def test_hung_rank_times_out_with_clear_error(tmp_path):
     print(f"hang: rank 0 gave up {t_err - t_hang if t_err else float('nan'):.1f} s after rank 1 started hanging "
           f"(timeout 6 s); exit {proc.returncode} after {wall:.1f} s incl. start; rank 0 said: {lines}")
     assert t_err is not None and 5.0 <= t_err - t_hang < 60
-    assert "rank 1 hangs for 10 s after step 2" in err
-    assert proc.returncode != 0
+    assert "rank 1 hangs for 60 s after step 2" in err
+    assert proc.returncode == 5, err[-3000:]
     assert len(lines) == 1 and "Timed out waiting 6000ms" in lines[0] and "another rank died or hangs" in lines[0]
+    summary = [(t, ln) for t, ln in stamped if ln.startswith("hang: ")]
+    assert summary and summary[0][0] - t_hang < 6 + 30, err[-3000:]
+    head = summary[0][1]
+    assert head.startswith("hang: step 3: all_reduce #") and "on mesh axis dp_cp (group dp_cp/" in head, head
+    assert "did not complete within distributed.timeout_minutes=0.1; entered: ranks [0]; never entered: ranks [1]" \
+        in head, head
+    where = err[err.index("hang: rank 1 "):err.index("error: rank 0:")]
+    assert where.startswith("hang: rank 1 is at step 3, its last collective on dp_cp was all_reduce #"), where
+    assert "faults.py" in where and "time.sleep(seconds)" in where, where  # the hung rank's own stack
+    assert sum(ln.startswith("hang: step") for _, ln in stamped) == 1  # one summary, not one per rank

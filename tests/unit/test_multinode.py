@@ -9,19 +9,21 @@ import os
 import pytest
 
 from meshforge.cli import main
-from meshforge.distributed.env import expand_nodelist, slurm_env
+from meshforge.distributed.env import PORT_SPAN, STEPS_PER_JOB, expand_nodelist, in_srun_task, slurm_env, \
+    slurm_master_port
 from meshforge.launch import Nodes, torchrun_args
 
 # what srun exports to task 5 of `sbatch --nodes=2 --ntasks-per-node=4` on nodes gpu-07 and gpu-08
 SLURM_2x4 = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
              "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu-[07-08]", "SLURM_STEP_NODELIST": "gpu-[07-08]",
-             "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_ID": "123456"}
+             "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_JOB_ID": "123456",
+             "SLURM_STEP_ID": "0"}
 
 
 def test_slurm_two_nodes():
     env = slurm_env(SLURM_2x4)
     assert env == {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1",
-                   "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "gpu-07", "MASTER_PORT": "23456"}
+                   "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "gpu-07", "MASTER_PORT": "26850"}
     # every task of the job derives the same address and port
     task0 = slurm_env({**SLURM_2x4, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"})
     assert (task0["RANK"], task0["GROUP_RANK"]) == ("0", "0")
@@ -29,7 +31,7 @@ def test_slurm_two_nodes():
 
 
 def test_slurm_uneven_nodes_step_list_and_user_values():
-    env = slurm_env({"SLURM_PROCID": "9", "SLURM_NTASKS": "10", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
+    env = slurm_env({"SLURM_PROCID": "9", "SLURM_STEP_ID": "3", "SLURM_NTASKS": "10", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
                      "SLURM_NNODES": "3", "SLURM_JOB_NODELIST": "login1,n[001-004]", "SLURM_STEP_NODELIST":
                      "n[002-003],n007", "SLURM_STEP_TASKS_PER_NODE": "4(x2),2", "MASTER_PORT": "12345"})
     assert env["LOCAL_WORLD_SIZE"] == "2" and env["GROUP_RANK"] == "2"
@@ -37,6 +39,64 @@ def test_slurm_uneven_nodes_step_list_and_user_values():
     assert "MASTER_PORT" not in env  # a value the user exported wins
     assert slurm_env({"RANK": "0", **SLURM_2x4}) == {}  # torchrun inside srun: torch's variables are set
     assert slurm_env({"SLURM_JOB_ID": "7"}) == {}  # in an allocation but not an srun task
+
+
+# what an sbatch script of that job sees (`sbatch --nodes=2 --ntasks-per-node=4 job.sh`): SLURM_PROCID=0 and the
+# job's task count, but it is no srun task (no step id, or the batch step's 0xfffffffe)
+SBATCH_2x4 = {k: v for k, v in {**SLURM_2x4, "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}.items()
+              if not k.startswith("SLURM_STEP_")}
+
+
+@pytest.mark.parametrize("step", [None, "4294967294", "4294967291", "batch"])
+def test_an_sbatch_script_is_not_an_srun_task(step):
+    env = SBATCH_2x4 if step is None else {**SBATCH_2x4, "SLURM_STEP_ID": step}
+    assert not in_srun_task(env) and slurm_env(env) == {}
+    assert in_srun_task({**SBATCH_2x4, "SLURM_STEPID": "0"})  # older SLURM spells it SLURM_STEPID
+
+
+def test_nproc_per_node_in_an_sbatch_script_launches_as_asked(monkeypatch, tmp_path):
+    """`meshforge train --nproc-per-node 2` in an sbatch script starts 2 processes; it was taken for task 0 of an
+    8-task srun step (RANK 0 of 8), which then waited for 7 ranks that never came."""
+    from meshforge import launch
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in SBATCH_2x4.items():
+        monkeypatch.setenv(k, v)
+    calls = []
+    monkeypatch.setattr(launch, "run_cli", lambda nproc, argv, nodes=None, **kw: calls.append((nproc, nodes)) or 0)
+    assert main(["train", "examples/tiny_cpu.yaml", f"run.output_dir={tmp_path}", "--nproc-per-node", "2"]) == 0
+    assert calls == [(2, None)] and "RANK" not in os.environ
+
+
+def test_master_port_differs_across_steps_and_jobs():
+    """Concurrent steps of one job and jobs sharing a first node derive different ports: steps 0..63 of 312 jobs
+    in a row (19,968 pairs), and one step number of every job id in a span of 20,011, never collide."""
+    def port(job: int, step: int) -> int:
+        return slurm_master_port({"SLURM_JOB_ID": str(job), "SLURM_STEP_ID": str(step)})
+
+    window = PORT_SPAN // STEPS_PER_JOB
+    ports = {port(987_000 + j, s) for j in range(window) for s in range(STEPS_PER_JOB)}
+    assert len(ports) == window * STEPS_PER_JOB and min(ports) >= 10000 and max(ports) < 32768
+    for step in (0, 5):
+        assert len({port(5_000_000 + j, step) for j in range(PORT_SPAN)}) == PORT_SPAN
+    assert port(7, 1) != port(7, 0) and port(8, 0) != port(7, 0)
+    assert slurm_master_port({"SLURM_JOB_ID": "7", "SLURM_STEP_RESV_PORTS": "12000-12003"}) == 12000  # srun's own
+    env = slurm_env({**SLURM_2x4, "SLURM_STEP_ID": "1"})  # the same job's next step (the 1st env: step 0)
+    assert env["MASTER_PORT"] != slurm_env(SLURM_2x4)["MASTER_PORT"]
+
+
+def test_rendezvous_timeout_reaches_torch_and_is_validated(capsys):
+    cfg, _, _ = _torchrun_config(torchrun_args(1, ["x.py"], Nodes(2, "h0:29400", None, "j", timeout_s=42)))
+    assert cfg.rdzv_configs["join_timeout"] == "42"
+    cfg, _, _ = _torchrun_config(torchrun_args(1, ["x.py"], Nodes(2, "h0:29400", 0, timeout_s=42)))
+    assert cfg.rdzv_configs["timeout"] == "42"
+    rc = main(["train", "examples/tiny_cpu.yaml", "distributed.rendezvous_timeout_s=0",
+               "distributed.timeout_minutes=-1", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:1",
+               "--nproc-per-node", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 2, err
+    assert any("rendezvous_timeout_s" in line for line in err) and any("timeout_minutes" in line for line in err)
 
 
 def test_expand_nodelist():

@@ -306,6 +306,8 @@ class DistributedConfig(Section):
     block_classes: list[str] = Field(default_factory=list)  # bring-your-own-model block wrapping
     tp_plan: dict[str, Literal["colwise", "rowwise", "sequence_parallel", "replicate"]] | None = None
     timeout_minutes: float = Field(10.0, gt=0)
+    # multi-node (`--nnodes`): how long a node waits at the rendezvous for the others before it gives up (exit 4)
+    rendezvous_timeout_s: int = Field(600, gt=0, le=86400)
     pipeline: PipelineConfig | None = None
     moe: MoEParallelConfig | None = None
     options: SerializeAsAny[StrategyOptions] = Field(default_factory=StrategyOptions)

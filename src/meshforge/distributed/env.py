@@ -30,12 +30,51 @@ class DistInfo:
         return self.rank == 0
 
 
+# SLURM's special step ids (slurm.h: SLURM_PENDING_STEP 0xfffffffd, SLURM_EXTERN_CONT, SLURM_BATCH_SCRIPT,
+# SLURM_INTERACTIVE_STEP ...): a process of one of these is not an srun task, whatever SLURM_PROCID says
+_SPECIAL_STEPS = range(0xFFFFFFF0, 0x100000000)
+
+
+def in_srun_task(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is one task of an `srun` step (SLURM started it as one rank of many), not the
+    `sbatch` script or an `salloc` shell: those carry SLURM_PROCID=0 and the job's task count too, but no step id
+    (SLURM_STEP_ID, or SLURM_STEPID of older SLURM) or the batch/extern/interactive step's."""
+    env = os.environ if env is None else env
+    if "SLURM_PROCID" not in env:
+        return False
+    step = (env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or "").strip()
+    return step.isdigit() and int(step) not in _SPECIAL_STEPS
+
+
 def env_world_size() -> int:
-    """World size announced by torchrun or SLURM (1 when launched plainly)."""
-    for key in ("WORLD_SIZE", "SLURM_NTASKS"):
-        if os.environ.get(key):
-            return int(os.environ[key])
+    """World size announced by torchrun or an srun step (1 when launched plainly, or from an sbatch script)."""
+    if os.environ.get("WORLD_SIZE"):
+        return int(os.environ["WORLD_SIZE"])
+    if in_srun_task():
+        return int(os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS") or 1)
     return 1
+
+
+# MASTER_PORT of an srun step: PORT_BASE + (job * STEPS_PER_JOB + step) mod PORT_SPAN. The span is prime, so two
+# steps get one port only when (their job ids' difference) * STEPS_PER_JOB + (their step ids' difference) is a
+# multiple of it: never for steps 0..63 of jobs whose ids differ by less than PORT_SPAN / STEPS_PER_JOB (312), nor
+# for the same step id of jobs whose ids differ by less than PORT_SPAN. 10000..30010 stays below Linux's ephemeral
+# ports (32768-60999), which the kernel hands to outgoing connections.
+PORT_BASE, PORT_SPAN, STEPS_PER_JOB = 10000, 20011, 64
+
+
+def slurm_master_port(env: Mapping[str, str]) -> int:
+    """The rendezvous port every task of one srun step derives alike: the first port SLURM reserved for the step
+    (`srun --resv-ports`) when it did, else one from the job id and the step id (`PORT_BASE` above), so concurrent
+    steps of one job and jobs sharing a first node do not take each other's port."""
+    reserved = re.match(r"\s*(\d+)", env.get("SLURM_STEP_RESV_PORTS", ""))
+    if reserved:
+        return int(reserved[1])
+    job = (env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or "").strip()
+    step = (env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or "0").strip()
+    if not job.isdigit():
+        return 29500
+    return PORT_BASE + (int(job) * STEPS_PER_JOB + (int(step) if step.isdigit() else 0)) % PORT_SPAN
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -80,13 +119,13 @@ def _tasks_on_node(tasks_per_node: str, node_id: int) -> int | None:
 def slurm_env(env: Mapping[str, str]) -> dict[str, str]:
     """The torch.distributed variables of one `srun` task (one task per process), derived from SLURM's:
     RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (node), GROUP_WORLD_SIZE (nodes), and
-    MASTER_ADDR = the first host of the step (block distribution puts rank 0 there), MASTER_PORT = a port
-    every task of the job derives alike from SLURM_JOB_ID (two jobs sharing a node get different ports).
-    Variables already set win; {} when not inside an srun task or under torchrun."""
-    if "RANK" in env or "SLURM_PROCID" not in env:
+    MASTER_ADDR = the first host of the step (block distribution puts rank 0 there), MASTER_PORT =
+    `slurm_master_port`. Variables already set win; {} when not inside an srun task (an sbatch script is not one:
+    `in_srun_task`) or under torchrun."""
+    if "RANK" in env or not in_srun_task(env):
         return {}
     node_id = int(env.get("SLURM_NODEID", 0))
-    out = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env.get("SLURM_NTASKS", "1"),
+    out = {"RANK": env["SLURM_PROCID"], "WORLD_SIZE": env.get("SLURM_STEP_NUM_TASKS") or env.get("SLURM_NTASKS", "1"),
            "LOCAL_RANK": env.get("SLURM_LOCALID", "0"), "GROUP_RANK": str(node_id),
            "GROUP_WORLD_SIZE": env.get("SLURM_NNODES", env.get("SLURM_JOB_NUM_NODES", "1"))}
     local = _tasks_on_node(env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "")), node_id)
@@ -94,8 +133,7 @@ def slurm_env(env: Mapping[str, str]) -> dict[str, str]:
         out["LOCAL_WORLD_SIZE"] = str(local)
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     out["MASTER_ADDR"] = expand_nodelist(nodelist)[0] if nodelist else "127.0.0.1"
-    job = env.get("SLURM_JOB_ID", "")
-    out["MASTER_PORT"] = str(20000 + int(job) % 20000) if job.isdigit() else "29500"
+    out["MASTER_PORT"] = str(slurm_master_port(env))
     return {k: v for k, v in out.items() if k not in env}
 
 

@@ -36,6 +36,7 @@ from meshforge.config import rules as config_rules
 from meshforge.config.schema import Config
 from meshforge.data import ShardedBatchLoader, background, batch_loader, build_source
 from meshforge.data.sources import split_validation
+from meshforge.distributed import hang
 from meshforge.distributed.build import build_parallel_model
 from meshforge.distributed.env import (
     DistInfo,
@@ -325,9 +326,18 @@ def train(cfg: Config, info: DistInfo | None = None) -> TrainResult:
     if note and int(os.environ.get("RANK", 0)) == 0:
         print(f"meshforge: {note}", flush=True)
     owns_group = not dist.is_initialized()
+    if cuda and owns_group and env_world_size() > 1:  # NCCL reads these when its process group starts
+        where = hang.enable_nccl_flight_recorder(cfg.run.output_dir)
+        if where and int(os.environ.get("RANK", 0)) == 0:
+            print(f"meshforge: NCCL flight recorder on: a collective that hangs dumps each rank's trace to "
+                  f"{where}<rank>", flush=True)
     info = init_distributed(cfg.training.device, cfg.distributed.timeout_minutes)
     try:
-        return Trainer.build(cfg, info).fit()
+        trainer = Trainer.build(cfg, info)
+        if owns_group:  # the summary of a hung collective (cli.run_training prints it)
+            hang.install(trainer.mesh_ctx, info.rank, lambda: trainer.step + 1, cfg.distributed.timeout_minutes)
+        return trainer.fit()
     finally:
+        hang.uninstall()
         if owns_group:
             destroy()
