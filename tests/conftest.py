@@ -124,3 +124,14 @@ def reference():
         return cache[key]
 
     return get
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2.5 MiB tmpfs (room for one checkpoint of the test model, not two); skipped where it cannot be mounted."""
+    from meshforge.testing.disk import small_tmpfs
+
+    with small_tmpfs(tmp_path / "disk", "2500k") as why_not:
+        if why_not:
+            pytest.skip(why_not)
+        yield tmp_path / "disk"

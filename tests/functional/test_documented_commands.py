@@ -164,8 +164,16 @@ def test_the_documents_show_commands():
     assert len([c for w, c in COMMANDS if w != "README.md"]) >= 8
 
 
-@pytest.mark.parametrize("where, cmd", [(w, c) for w, c in COMMANDS if c not in GROUPED],
-                         ids=[_id(w, c) for w, c in COMMANDS if c not in GROUPED])
+def _slow(cmd: str) -> list:
+    """Seconds each: the scale trace launches its rank processes, --fit plans hundreds of layouts, eval imports
+    lm-eval (and trains the run it reads first)."""
+    argv = _argv(cmd)
+    return [pytest.mark.slow] if argv[0] == "eval" or {"--trace", "--fit"} & set(argv) else []
+
+
+@pytest.mark.parametrize("where, cmd", [
+    pytest.param(w, c, id=_id(w, c), marks=_slow(c))
+    for w, c in COMMANDS if c not in GROUPED])
 def test_documented_command_runs(where, cmd, tmp_path, monkeypatch, capsys):
     argv = _argv(cmd)
     monkeypatch.chdir(tmp_path)

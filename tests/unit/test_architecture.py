@@ -18,6 +18,7 @@ ones too, except under `if TYPE_CHECKING:`):
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import re
 import subprocess
@@ -92,9 +93,15 @@ def _package(module: str) -> str:
     return parts[1]
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """A module's syntax tree, parsed once for all the tests here (they only read it)."""
+    return ast.parse(path.read_text())
+
+
 def _imports(path: Path) -> list[str]:
     """Every meshforge module `path` imports (function-local imports included, TYPE_CHECKING blocks not)."""
-    tree = ast.parse(path.read_text())
+    tree = _tree(path)
     skip = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
@@ -151,7 +158,7 @@ def test_process_free_packages_never_name_torch_distributed():
     for m, path in MODULES.items():
         if _package(m) not in PROCESS_FREE:
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             bad += [f"{m}: {n}" for n in names if n.startswith("torch.distributed")]
@@ -163,7 +170,7 @@ def test_nothing_outside_models_names_a_model_internal():
     for m, path in MODULES.items():
         if _package(m) == "models":
             continue
-        tree = ast.parse(path.read_text())
+        tree = _tree(path)
         docstrings = {id(n.body[0].value) for n in ast.walk(tree)
                       if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
                       and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
@@ -191,7 +198,7 @@ def _strategy_words() -> dict[str, str]:
     from meshforge.config.strategies import strategy_specs
 
     def classes(modules) -> set[str]:
-        return {n.name for m in modules for n in ast.parse(MODULES[m].read_text()).body if isinstance(n, ast.ClassDef)}
+        return {n.name for m in modules for n in _tree(MODULES[m]).body if isinstance(n, ast.ClassDef)}
 
     owned = set().union(*STRATEGY_OWNERS.values())
     elsewhere = classes(set(MODULES) - owned)
@@ -221,7 +228,7 @@ def test_nothing_outside_a_strategy_names_it():
     pattern = re.compile(r"(?<!\w)(" + "|".join(map(re.escape, sorted(words, key=len, reverse=True))) + r")(?!\w)")
     bad, allowed_seen = [], set()
     for m, path in MODULES.items():
-        tree = ast.parse(path.read_text())
+        tree = _tree(path)
         docs = _docstrings(tree)
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -265,21 +272,28 @@ import contextlib, io, json, sys
 import torch
 before = {m for m in sys.modules if m.startswith("torch.distributed")}
 from meshforge.cli import main
-with contextlib.redirect_stdout(io.StringIO()):
-    rc = main(["validate", %r, *%r, "--world-size", "%d"])
-extra = sorted(m for m in sys.modules if m.startswith("torch.distributed") and m not in before)
-print(json.dumps({"rc": rc, "extra": extra}))
+out = {}
+for case, (config, overrides, world) in %r.items():
+    with contextlib.redirect_stdout(io.StringIO()):
+        rc = main(["validate", config, *overrides, "--world-size", str(world)])
+    extra = sorted(m for m in sys.modules if m.startswith("torch.distributed") and m not in before)
+    out[case] = {"rc": rc, "extra": extra}
+print(json.dumps(out))
 """
+VALIDATED = {"tp8-pp2": ("examples/llama3_70b_tp_pp.yaml", ["distributed.tp_size=8", "distributed.pp_size=2"], 1024),
+             "ep8-tp4": ("examples/qwen3_moe_ep8.yaml", ["distributed.tp_size=4"], 256)}
 
 
-@pytest.mark.parametrize("config,overrides,world", [
-    ("examples/llama3_70b_tp_pp.yaml", ["distributed.tp_size=8", "distributed.pp_size=2"], 1024),
-    ("examples/qwen3_moe_ep8.yaml", ["distributed.tp_size=4"], 256),
-], ids=["tp8-pp2", "ep8-tp4"])
-def test_validate_loads_no_torch_distributed_module(config, overrides, world):
+@pytest.fixture(scope="module")
+def validated() -> dict:
+    """Every case in one fresh interpreter (torch imported once); a case's `extra` counts all cases before it too."""
+    return _fresh_python(VALIDATE % (VALIDATED,))
+
+
+@pytest.mark.parametrize("case", list(VALIDATED))
+def test_validate_loads_no_torch_distributed_module(case, validated):
     """Beyond what `import torch` loads itself: no DTensor, FSDP, pipelining or DCP to check a plan."""
-    out = _fresh_python(VALIDATE % (config, overrides, world))
-    assert out == {"rc": 0, "extra": []}, out
+    assert validated[case] == {"rc": 0, "extra": []}, validated[case]
 
 
 def test_validating_a_config_without_tp_never_imports_torch():

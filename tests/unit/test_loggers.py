@@ -67,6 +67,7 @@ def tracked_run(tmp_path_factory):
     return out, res
 
 
+@pytest.mark.slow  # the tracked run: real tensorboard, wandb, mlflow and the profiler, seconds of its own
 def test_jsonl_and_metadata(tracked_run):
     out, res = tracked_run
     recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -83,6 +84,7 @@ def test_jsonl_and_metadata(tracked_run):
     assert m["torch_version"] and m["meshforge_version"] and "git_commit" in m
 
 
+@pytest.mark.slow  # the tracked run: real tensorboard, wandb, mlflow and the profiler, seconds of its own
 def test_tensorboard(tracked_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -102,6 +104,7 @@ def test_tensorboard(tracked_run):
     assert last[0]["completion"].replace("\n", "<br>").replace("|", "\\|") in table
 
 
+@pytest.mark.slow  # the tracked run: real tensorboard, wandb, mlflow and the profiler, seconds of its own
 def test_wandb_offline(tracked_run):
     out, res = tracked_run
     recs = _wandb_records(str(out))
@@ -119,6 +122,7 @@ def test_wandb_offline(tracked_run):
     assert [t["_type"] for t in tables] == ["table-file", "table-file"] and tables[-1]["nrows"] == 2
 
 
+@pytest.mark.slow  # the tracked run: real tensorboard, wandb, mlflow and the profiler, seconds of its own
 def test_mlflow_local_store(tracked_run):
     from mlflow.tracking import MlflowClient
 
@@ -138,6 +142,7 @@ def test_mlflow_local_store(tracked_run):
     assert json.loads(open(art).read()) == res.samples[-1]
 
 
+@pytest.mark.slow  # the tracked run: real tensorboard, wandb, mlflow and the profiler, seconds of its own
 def test_profiler_trace_has_step_markers(tracked_run):
     out, _ = tracked_run
     trace = json.loads((out / "profile" / "trace_rank0.json").read_text())

@@ -13,6 +13,8 @@ import sys
 import typing
 from pathlib import Path
 
+import pytest
+
 from meshforge.config.schema import ModelConfig
 from meshforge.models import PRESETS, ModelArgs
 from meshforge.models.args import model_fields
@@ -92,6 +94,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # copies the package and imports it in a fresh interpreter: seconds
 def test_a_family_in_its_own_module_and_one_registration_reaches_everything(tmp_path):
     src = tmp_path / "meshforge"
     shutil.copytree(ROOT / "src" / "meshforge", src, ignore=shutil.ignore_patterns("__pycache__"))

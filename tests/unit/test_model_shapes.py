@@ -144,6 +144,7 @@ def test_plan_modules_stand_in_for_every_block(over):
             [(n, tuple(p.shape)) for n, p in described[name].named_parameters(recurse=False)], name
 
 
+@pytest.mark.slow  # a fresh interpreter and a 1024-rank --fit search (plan without torch, fast tier: test_scale_cli)
 def test_plan_of_the_70b_example_imports_no_torch():
     # and a LoRA plan after it (the adapters are described without torch too)
     code = ("import sys; from meshforge.cli import main; "

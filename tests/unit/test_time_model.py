@@ -152,6 +152,7 @@ def test_efficiency_file_of_another_device_is_refused(tmp_path, capsys):
     assert "measured on h100" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a --fit search over 405B layouts: seconds of its own
 def test_fit_proposes_llama3_405b_virtual_stages_and_uneven_ends():
     """126 blocks on 16 pipeline ranks x 8 virtual stages need the ends (128 stages, the first the embedding only,
     the last the head only): the layout Llama 3 405B ran, found by the search; every row says why it ranks. On an

@@ -3,12 +3,15 @@
 import json
 import math
 
+import pytest
+
 from meshforge.cli import main
 from meshforge.config import load_config
 from meshforge.training.optim import lr_factor
 from meshforge.training.trainer import train
 
 
+@pytest.mark.slow  # 60 steps on text: seconds (the documented commands run tiny_cpu in the fast tier)
 def test_short_run_on_stdlib_text_loss_falls(tmp_path):
     out = tmp_path / "run"
     rc = main(["train", "examples/tiny_cpu.yaml", "training.max_steps=60", "logging.log_every=10",

@@ -37,21 +37,32 @@ model (`verify.py`). A failure is a one-line `CheckpointError` (exit 2 from the 
 parameter. A checkpoint that holds only the model (`checkpoint import`), or a partial load
 (`checkpoint.allow_partial_load`), loads weights only and starts at step 0.
 
+Storage faults: a save that meets a full disk (ENOSPC, EDQUOT, or a short write torch reports as an
+`inline_container` error), a read-only or unwritable folder (EROFS, EACCES), a folder that disappeared (ENOENT, or
+the checkpoint this run committed there gone: the folder is then not made again, since unmounted storage would
+let it fill the disk beneath) or an I/O error ends the run with one line on every rank, the first failing rank's:
+`no space left on device while saving step 6 to PATH; the last committed checkpoint is step 4 (what to do)`. The
+ranks agree on each part of a save (`_agree`), so one rank's failure is never the others' hang; the `.partial`
+folder is removed where it can be, and LATEST still names the previous checkpoint. Under `--max-restarts` the
+same line twice in a row ends the job (`launch.py`).
+
 `before_commit` (None by default) is called after this rank's files are written and before the commit; the
-fault-injection tests kill a rank there (`training/faults.py`). `save_consolidated` exports a committed step as
+fault-injection tests kill a rank there, and `before_write` raises a storage error in this rank's write of its
+trainer state (`training/faults.py`). `save_consolidated` exports a committed step as
 Hugging Face safetensors into `<dir>/hf/step_<N>` (`hf.export_checkpoint`, streamed by rank 0).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import errno
 import json
+import os
 import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -86,6 +97,7 @@ from meshforge.checkpoint.verify import check_same_model
 from meshforge.config.rules import resolved_ckpt_format
 from meshforge.errors import CheckpointError
 
+T = TypeVar("T")
 MODEL = "model"  # the part the manager checks against the checkpoint, and the one a weights-only load loads
 
 
@@ -124,21 +136,36 @@ def _nbytes(obj) -> int:
     return 0
 
 
-def _no_space(err: BaseException) -> bool:
-    """ENOSPC (or a quota) anywhere in an error, its causes, or the per-rank failures DCP collects."""
+# the storage faults a save reports as one line (what happened, then what to do), by errno
+_STORAGE = {errno.ENOSPC: "free some space or set checkpoint.dir elsewhere, then resume",
+            errno.EDQUOT: "free some space or set checkpoint.dir elsewhere, then resume",
+            errno.EROFS: "make it writable or set checkpoint.dir elsewhere, then resume",
+            errno.EACCES: "make it writable or set checkpoint.dir elsewhere, then resume",
+            errno.EPERM: "make it writable or set checkpoint.dir elsewhere, then resume",
+            errno.ENOENT: "it was deleted or its storage came unmounted: restore it or set checkpoint.dir "
+                          "elsewhere, then resume",
+            errno.EIO: "check the storage, then resume", errno.ESTALE: "check the storage, then resume"}
+_STORAGE_TEXT = {"No space left on device": errno.ENOSPC, "Disk quota exceeded": errno.EDQUOT,
+                 "Read-only file system": errno.EROFS}
+
+
+def storage_errno(err: BaseException) -> int | None:
+    """The storage fault (an errno of `_STORAGE`) anywhere in an error, its causes, or the per-rank failures DCP
+    collects; None when it is not one."""
     seen, todo = set(), [err]
     while todo:
         e = todo.pop()
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if "No space left on device" in str(e) or "Disk quota exceeded" in str(e):
-            return True
-        todo += [e.__cause__, e.__context__, *[f for f in (getattr(e, "failures", None) or {}).values()
-                                               if isinstance(f, BaseException)]]
-    return False
+        if isinstance(e, OSError) and e.errno in _STORAGE:
+            return e.errno
+        code = next((c for text, c in _STORAGE_TEXT.items() if text in str(e)), None)
+        if code is not None:
+            return code
+        todo += [e.__cause__, e.__context__, *[f[0] if isinstance(f, tuple) else f
+                                               for f in (getattr(e, "failures", None) or {}).values()]]
+    return None
 
 
 def rank_file(path: Path, rank: int) -> Path:
@@ -160,6 +187,8 @@ class CheckpointManager:
         self._pg = None
         self.last_saved: Path | None = None
         self.before_commit: Callable[[int], None] | None = None  # (step) -> None; fault-injection tests
+        self.before_write: Callable[[int, Path], None] | None = None  # (step, this rank's file); the same
+        self.committed: Path | None = None  # the last checkpoint this run committed or resumed from, in root
         self._clean_partials()
 
     # ------------------------------------------------------------------ housekeeping
@@ -228,75 +257,123 @@ class CheckpointManager:
             return final  # already saved at this step (interval and final, or a stop right after a save)
         partial = self.root / f"step_{step}.partial"
         t0 = time.perf_counter()
-        if self.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True, exist_ok=True)
-        barrier()
+        self._agree(self._prepare(step, partial) if self.rank == 0 else None, partial)
         state = {name: part.state_dict_to_save() for name, part in self.sharded.items()}
         own = {"step": step, **{name: part.state_dict() for name, part in self.per_rank.items()}}
         need = _nbytes(state) + _nbytes(own)
-        with self._disk_full(step, partial, need):
-            if allow_async and self.cfg.checkpoint.async_save:
-                group = self._group()
-                fut = dcp.async_save(state, checkpoint_id=str(partial), process_group=group, no_dist=not dist_on())
-                del state  # staged to CPU already: training may change the parameters now
-                torch.save(own, rank_file(partial, self.rank))
-                if self._executor is None:
-                    self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meshforge-ckpt")
-                self._pending = self._executor.submit(self._finish_async, fut, step, partial, final, group, t0, need)
-            else:
-                dcp.save(state, checkpoint_id=str(partial), no_dist=not dist_on())
-                torch.save(own, rank_file(partial, self.rank))
-                self._commit(step, partial, final, None, t0)
+
+        def write_own() -> None:
+            if self.before_write is not None:
+                self.before_write(step, rank_file(partial, self.rank))
+            torch.save(own, rank_file(partial, self.rank))
+
+        if allow_async and self.cfg.checkpoint.async_save:
+            group = self._group()
+            fut, failed = self._written(step, partial, need, lambda: dcp.async_save(
+                state, checkpoint_id=str(partial), process_group=group, no_dist=not dist_on()))
+            del state  # staged to CPU already: training may change the parameters now
+            failed = failed or self._written(step, partial, need, write_own)[1]
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="meshforge-ckpt")
+            self._pending = self._executor.submit(self._finish_async, fut, step, partial, final, group, t0, need,
+                                                  failed)
+        else:
+            _, failed = self._written(step, partial, need, lambda: dcp.save(state, checkpoint_id=str(partial),
+                                                                           no_dist=not dist_on()))
+            failed = failed or self._written(step, partial, need, write_own)[1]
+            self._commit(step, partial, final, None, t0, failed=failed)
         self.last_saved = final
         return final
 
-    def _finish_async(self, fut, step, partial, final, group, t0, need) -> None:
-        with self._disk_full(step, partial, need):
-            fut.result()
-            self._commit(step, partial, final, group, t0, background=True)
+    def _finish_async(self, fut, step, partial, final, group, t0, need, failed) -> None:
+        if fut is not None:
+            failed = self._written(step, partial, need, fut.result)[1] or failed
+        self._commit(step, partial, final, group, t0, background=True, failed=failed)
 
-    @contextlib.contextmanager
-    def _disk_full(self, step: int, partial: Path, need: int):
-        """A save that fails for want of space (ENOSPC anywhere in the error, or less room left on the checkpoint
-        folder's filesystem than this rank's share of the save, written or not: torch's writers report a short
-        write as an `inline_container` error) is one line saying so; its `.partial` folder is removed (it never
-        became a checkpoint: LATEST still names the previous one)."""
+    def _prepare(self, step: int, partial: Path) -> str | None:
+        """Rank 0, before a save: the checkpoint it committed last still there, an empty `.partial` folder made; or
+        a storage fault's line. A checkpoint folder that lost what this run committed there is not made again: it
+        was deleted, or its storage came unmounted and a new folder would fill the disk beneath."""
+        if self.committed is not None and not (self.committed / MANIFEST).is_file():
+            gone = "the checkpoint folder" if not self.root.exists() else f"{self.committed.name} (committed there)"
+            return (f"{gone} disappeared before saving step {step} to {self.root}; the last committed checkpoint "
+                    f"was {self.committed.name.replace('_', ' ')}; not making it again ({_STORAGE[errno.ENOENT]})")
         try:
-            yield
-        except (Exception, CheckpointException) as err:  # noqa: BLE001 - re-raised unless the disk is full
-            try:
-                free = shutil.disk_usage(self.root).free
-                written = sum(p.stat().st_size for p in partial.iterdir() if p.is_file())
-            except OSError:
-                free, written = 0, 0
-            if not (_no_space(err) or free + written < need):
-                raise
-            if self.rank == 0:
-                shutil.rmtree(partial, ignore_errors=True)
-            latest = read_latest(self.root)
-            raise CheckpointError(
-                f"No space left on device while saving step {step} to {self.root} ({free / 2**20:.1f} MiB free, "
-                f"this save writes about {need / 2**20:.1f} MiB per rank): free some space or set checkpoint.dir "
-                f"elsewhere; the last complete checkpoint is still {latest.name if latest else 'none'}") from None
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=self.committed is None, exist_ok=True)
+        except OSError as err:
+            return self._storage_line(err.errno or errno.EIO, step, err)
+        return None
 
-    def _commit(self, step: int, partial: Path, final: Path, group, t0: float, background: bool = False) -> None:
+    def _written(self, step: int, partial: Path, need: int, write: Callable[[], T]) -> tuple[T | None, str | None]:
+        """(`write()`'s result, None), or (None, the one line of the storage fault it met): ENOSPC and its kin
+        anywhere in the error, or less room left on the checkpoint folder's filesystem than this rank's share of
+        the save, written or not (torch's writers report a short write as an `inline_container` error). Other
+        errors are raised. The ranks agree on the outcome before the commit (`_agree`)."""
+        try:
+            return write(), None
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - re-raised unless the storage failed
+            code = storage_errno(err)
+            if code is None:
+                try:
+                    free = shutil.disk_usage(self.root).free
+                    written = sum(p.stat().st_size for p in partial.iterdir() if p.is_file())
+                except OSError:  # unknown: not called a full disk
+                    free, written = need, 0
+                if free + written >= need:
+                    raise
+                code = errno.ENOSPC
+            return None, self._storage_line(code, step, err)
+
+    def _storage_line(self, code: int, step: int, err: BaseException) -> str:
+        """`<what happened> while saving step N to PATH; the last committed checkpoint is step M (<what to do>)`."""
+        what = "the checkpoint folder disappeared" if code == errno.ENOENT else os.strerror(code).lower()
+        if code not in _STORAGE:  # (an errno a save should never meet: its own words too)
+            what = f"{what} ({type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:160]})"
+        try:
+            latest = read_latest(self.root)
+        except OSError:
+            latest = None
+        last = latest or self.committed
+        last = last.name.replace("_", " ") if last else "none (nothing was committed yet)"
+        return f"{what} while saving step {step} to {self.root}; the last committed checkpoint is {last} " \
+               f"({_STORAGE.get(code, _STORAGE[errno.EIO])})"
+
+    def _agree(self, failed: str | None, partial: Path, group=None) -> None:
+        """Every rank learns whether any rank's part of a save failed on its storage; then each raises the first
+        failing rank's line (a `CheckpointError`: one line, exit 2), the `.partial` folder removed where it can
+        be (it never became a checkpoint: LATEST still names the previous one)."""
+        lines = [f for f in all_gather_object(failed, group) if f]
+        if not lines:
+            return
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointError(lines[0])
+
+    def _commit(self, step: int, partial: Path, final: Path, group, t0: float, background: bool = False,
+                failed: str | None = None) -> None:
         if self.before_commit is not None:
             self.before_commit(step)
-        barrier(group)  # every rank's files are on disk
+        self._agree(failed, partial, group)  # also: every rank's files are on disk
         names = sorted(p.name for p in partial.iterdir() if p.is_file() and p.name != MANIFEST)
         mine = {n: file_entry(partial / n) for n in names[self.rank::self.world]}
         files: dict = {}
         for part in all_gather_object(mine, group):
             files.update(part)
+        failed = None
         if self.rank == 0:
-            write_atomic(partial / MANIFEST, json.dumps(self._manifest(step, files), indent=1, sort_keys=True))
-            publish_checkpoint(partial, final)
-            self._retention()
-            total = sum(f["bytes"] for f in files.values())
-            log(f"saved {final.name} ({len(files)} files, {total / 2**20:.2f} MiB, {self.fmt}) in "
-                f"{time.perf_counter() - t0:.2f} s{' (async)' if background else ''}")
-        barrier(group)
+            try:
+                write_atomic(partial / MANIFEST, json.dumps(self._manifest(step, files), indent=1, sort_keys=True))
+                publish_checkpoint(partial, final)
+            except OSError as err:
+                failed = self._storage_line(err.errno or errno.EIO, step, err)
+            else:
+                self._retention()
+                total = sum(f["bytes"] for f in files.values())
+                log(f"saved {final.name} ({len(files)} files, {total / 2**20:.2f} MiB, {self.fmt}) in "
+                    f"{time.perf_counter() - t0:.2f} s{' (async)' if background else ''}")
+        self._agree(failed, partial, group)
+        self.committed = final
 
     def wait(self) -> None:
         """Block until a background save has committed (re-raising its error)."""
@@ -357,6 +434,8 @@ class CheckpointManager:
         for name, part_state in state.items():
             self.sharded[name].load_state_dict(part_state)
         self.resumed_from = path  # the run directory asks: a step-0 start from here is a fresh run
+        if path.parent.resolve() == self.root.resolve():
+            self.committed = path
         if partial is not None:
             log(f"loaded {len(partial)} model tensors from {path} (checkpoint.allow_partial_load; the others keep "
                 "their initialisation; no optimizer state): starting at step 0")

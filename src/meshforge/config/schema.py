@@ -568,6 +568,9 @@ class LoggingConfig(Section):
     project: str = "meshforge"  # the W&B project / MLflow experiment; the run is named run.name
     mlflow_tracking_uri: str | None = None  # None = $MLFLOW_TRACKING_URI, else file:<output_dir>/mlruns
     peak_tflops: float | None = Field(None, gt=0)  # override of the device table for MFU
+    # at each log step (more than one rank): the slowest rank by its own time per step (compute + data wait, not
+    # time waiting for the others; training/stragglers.py) and its ratio to the median; a warning past this ratio
+    straggler_ratio: float | None = Field(1.5, gt=1)  # None: never warn (the fields are still logged)
     samples: SamplesConfig | None = None  # text from the live model every N steps (None: never)
 
     @model_validator(mode="before")

@@ -238,14 +238,15 @@ def lowered_passes(schedule: str, p: int, r: int, m: int, v: int) -> tuple[tuple
     passes = rank_passes(schedule, p, r, m, v)
     if passes is None or schedule in SINGLE_STAGE:
         return passes
+    # the next MAX_ACTIVE_STAGES stages to run from each action on (in the order they next run): from the end
+    # backwards, each stage's next action, so the whole schedule is read once (a long schedule has thousands)
+    upcoming_at, nxt = [], {}
+    for i in range(len(passes) - 1, -1, -1):
+        nxt[passes[i][1]] = i
+        upcoming_at.append(sorted(nxt, key=nxt.__getitem__)[:MAX_ACTIVE_STAGES])
+    upcoming_at.reverse()
     out, active = [], []
-    for i, action in enumerate(passes):
-        upcoming = []
-        for _, s in passes[i:]:
-            if s not in upcoming:
-                upcoming.append(s)
-                if len(upcoming) == MAX_ACTIVE_STAGES:
-                    break
+    for action, upcoming in zip(passes, upcoming_at):
         for s in [s for s in active if s not in upcoming]:
             active.remove(s)
             out.append(("R", s))
@@ -268,6 +269,13 @@ def gathered_sets(lowered: tuple[tuple[str, int], ...], v: int) -> list[frozense
         elif op == "R":
             active.discard(s)
     return sorted(out, key=len)
+
+
+@functools.lru_cache(maxsize=4096)
+def schedule_gathered_sets(schedule: str, p: int, r: int, m: int, v: int, n_stages: int) -> tuple[frozenset, ...]:
+    """`gathered_sets` of pp rank `r`'s lowered schedule (all `n_stages` at once where it is not replayed)."""
+    lowered = lowered_passes(schedule, p, r, m, v)
+    return tuple(gathered_sets(lowered, n_stages)) if lowered is not None else (frozenset(range(n_stages)),)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -13,6 +13,7 @@ tensor, all-to-all input, p2p tensor), in the order a step issues them:
 
 from __future__ import annotations
 
+import functools
 import math
 
 from meshforge.planning.activations import lowered_passes
@@ -101,10 +102,16 @@ def _stage_passes(cfg, layout: Layout, pp_rank: int, n_layers: int, n_stages: in
     if layout.pp == 1:
         return [None] * n_stages
     pplan = pipeline_plan_of(cfg, layout, n_layers)
-    seq = lowered_passes(pplan.schedule, layout.pp, pp_rank, pplan.n_microbatches, pplan.stages_per_rank)
+    return list(_split_passes(pplan.schedule, layout.pp, pp_rank, pplan.n_microbatches, pplan.stages_per_rank,
+                              n_stages))
+
+
+@functools.lru_cache(maxsize=4096)
+def _split_passes(schedule: str, p: int, r: int, m: int, v: int, n_stages: int) -> tuple:
+    seq = lowered_passes(schedule, p, r, m, v)
     if seq is None:
-        return [None] * n_stages
-    return [[op for op, s in seq if s == i] for i in range(n_stages)]
+        return (None,) * n_stages
+    return tuple(tuple(op for op, s in seq if s == i) for i in range(n_stages))
 
 
 def _grad_norm(mine: list[ParamRec], terms, cfg, layout: Layout, add: AddComm) -> None:

@@ -17,7 +17,9 @@ The product of all of these is tens of thousands of plans; a plan answer must st
      without uneven ends, resharding, then FP8), each value that fits joining the candidates and the fastest kept
      for the next choice (kept when at least `GAIN` faster): under 10 plans each.
 The config rules (the slow part: they check the TP plan on a meta model) run last, on the fastest candidates only,
-until `top` pass. The model description is built once and shared by every candidate.
+until `top` pass. The model description is built once and shared by every candidate; a candidate that does not
+fit is rejected once its memory is planned (its communication and time are never computed), and what the
+strategies hold per stage and rank is memoised across candidates (planning/params.py `memo`).
 """
 
 from __future__ import annotations
@@ -131,12 +133,12 @@ def search(cfg, world_size: int, device, gpus_per_node: int = 8, mfu: float | No
         try:
             c = _configure(cfg, args, ch)
             p = plan(c, world_size, device, gpus_per_node, mfu, params=params, args=args, state_cache=cache,
-                     efficiency=efficiency)
+                     efficiency=efficiency, fitting_only=True)
         except Exception as err:  # noqa: BLE001 - a layout the config or planner refuses is a rejected layout
             problems = getattr(err, "problems", None) or [str(err)]
             rejected.append((label, problems[0].split(":")[0]))
             return None
-        if not p.fits:
+        if p is None:  # (its time is not computed)
             rejected.append((label, "peak memory exceeds the device"))
             return None
         seen[ch] = Found(ch, c, p)

@@ -33,6 +33,7 @@ from meshforge.planning.hardware import Device, Efficiency, default_efficiency, 
 from meshforge.planning.headroom import Headroom, communicators
 from meshforge.planning.layout import Layout, MeshAxis
 from meshforge.planning.params import ParamRec, model_params, n_params
+from meshforge.planning.pipeline_plan import SINGLE_STAGE
 from meshforge.planning.precision import bf16_params, compiled, fused_loss_note, residual_bytes
 from meshforge.planning.state import pipeline_plan_of, rank_held, rank_state, spec_of, terms_of
 from meshforge.planning.step import StepTime, flops_per_token, largest_state_per_pp_rank, step_time
@@ -133,11 +134,12 @@ def representative_ranks(layout: Layout, every: bool = False) -> list[int]:
 def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: float | None = None,
          params: list[ParamRec] | None = None, args=None, state_cache: dict | None = None,
          efficiency: Efficiency | None = None, ranks: list[int] | None = None,
-         headroom: Headroom | None = None) -> Plan:
+         headroom: Headroom | None = None, fitting_only: bool = False) -> Plan | None:
     """The plan of `cfg` on `world_size` devices like `device`, its step time priced with `efficiency` (default:
     the device's stated defaults; `mfu` alone: the one-number model). `params`/`args` from `model_params` and a
     `state_cache` dict let a search share the work between candidates; `ranks`: plan these ranks too, beside the
-    representative ones; `headroom`: the margins the verdict adds to the peak, `Headroom()` by default."""
+    representative ones; `headroom`: the margins the verdict adds to the peak, `Headroom()` by default;
+    `fitting_only` (a search): None for a layout that does not fit, its communication and time not computed."""
     d, t = cfg.distributed, cfg.training
     eff = efficiency or (flat_efficiency(mfu) if mfu is not None else default_efficiency(device))
     layout = Layout.from_sizes(world_size, tp=d.tp_size, pp=d.pp_size, cp=d.cp_size, ep=d.ep_size,
@@ -155,6 +157,11 @@ def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: floa
     else:
         states = state_cache[key]
     ranks = _rank_plans(states, args, cfg, layout, pplan)
+    peak = max(r.peak for r in ranks)
+    margins = (headroom or Headroom()).parts(peak, communicators(layout), compiled(cfg), cfg.training.fp8.enabled)
+    fits = peak + sum(margins.values()) <= device.memory_bytes
+    if fitting_only and not fits:
+        return None
     comm = comm_per_step(params, args, cfg, layout)
     timing = step_time(params, args, cfg, layout, pplan, device, eff, _comm_of_pp_rank(params, args, cfg, layout,
                                                                                       pplan, comm),
@@ -163,12 +170,9 @@ def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: floa
     tokens = t.global_batch_size * t.seq_len
     step_s = timing.step_s
     achieved = tokens * model_fpt / step_s / world_size / (device.peak_tflops * 1e12)
-    peak = max(r.peak for r in ranks)
-    margins = (headroom or Headroom()).parts(peak, communicators(layout), compiled(cfg), cfg.training.fp8.enabled)
     return Plan(world_size, layout, d.strategy, terms_of(cfg).sharding(d.options), ranks, comm, timing.comm_s,
                 timing.compute_s, timing.bubble, step_s, tokens / step_s, achieved, model_fpt, n_params(params),
-                device, peak + sum(margins.values()) <= device.memory_bytes, _notes(cfg, eff), margins, eff,
-                timing)
+                device, fits, _notes(cfg, eff, layout), margins, eff, timing)
 
 
 def _comm_of_pp_rank(params: list[ParamRec], args, cfg, layout: Layout, pplan, rank0: dict):
@@ -256,7 +260,7 @@ def _rank_plans(states: list[tuple[int, Parts, dict]], args, cfg, layout: Layout
     return ranks
 
 
-def _notes(cfg, eff: Efficiency) -> list[str]:
+def _notes(cfg, eff: Efficiency, layout: Layout | None = None) -> list[str]:
     """What the plan does not count exactly for this config, said with the plan."""
     out = []
     d = cfg.distributed
@@ -273,10 +277,6 @@ def _notes(cfg, eff: Efficiency) -> list[str]:
         out.append("training.compile: activations are counted as measured with torch.compile on CPU (eager's "
                    "tensors, and under sequence parallelism without checkpointing each sub-layer's gathered input "
                    "whole, where eager keeps the shard); inductor's partitioner on CUDA may keep less")
-    if cfg.training.fp8.enabled:
-        out.append("training.fp8: counted as the same run without float8: torchao's float8 all-gathers (1 byte per "
-                   "converted weight instead of 2), its amax reductions and the float8 copies its matmuls make are "
-                   "not (`meshforge plan ... --trace` measures them)")
     if cfg.peft is not None and d.tp_size * d.cp_size > 1:
         out.append("LoRA: activations are exact on one process; under tensor/context parallelism they were "
                    "measured within 0.4% (TP2 + sequence parallelism +0.2%, CP2 +0.4%), not exact")
@@ -294,16 +294,42 @@ def _notes(cfg, eff: Efficiency) -> list[str]:
     if fused:
         out.append(fused)
     if cfg.training.fp8.enabled:
-        out.append("training.fp8: counted as without it (weights, gradients and optimizer state stay in their "
-                   "dtype, exactly); not counted: a sharding strategy's float8 all-gather (1 byte an element, "
-                   "where the plan counts the gathered dtype), the float8 copies the matmuls keep for backward, "
-                   "and the float8 scales' small all-reduces (under TP and sharded weights)")
+        out.append("training.fp8: memory and communication counted as without it (weights, gradients and optimizer "
+                   "state stay in their dtype, exactly); not counted: a sharding strategy's float8 all-gather (1 "
+                   "byte an element, where the plan counts the gathered dtype), the float8 copies the matmuls keep "
+                   "for backward, and the float8 scales' small all-reduces (under TP and sharded weights); "
+                   "`meshforge plan ... --trace` measures them")
+    out += _untraced(cfg, layout)
     spec = spec_of(cfg)
     if spec is None or spec.plan is None:
         out.append(f"strategy {d.strategy} declares no planner terms (StrategySpec.plan, planning/terms.py): its "
                    "parameters, gradients and optimizer state are counted as full replicas on every rank and its "
                    "gradients as one all-reduce per step, whatever it really keeps and sends")
     return out
+
+
+def _untraced(cfg, layout: Layout | None) -> list[str]:
+    """Layouts whose peak memory the plan counts but the scale trace has not checked (docs/scale.md), one line each."""
+    d = cfg.distributed
+    out = []
+    if d.ac_mode is None and _is_moe(cfg):
+        out.append("MoE without activation checkpointing: the activations of its blocks (each token's routed "
+                   "copies kept for backward, the router's tensors) are counted, not checked against the scale "
+                   "trace (peak memory may be off by more than 3%)")
+    if d.pp_size > 1 and d.pipeline_or_default.pp_schedule in SINGLE_STAGE:
+        out.append(f"pipeline schedule {d.pipeline_or_default.pp_schedule}: its first pipeline rank's peak memory "
+                   "is counted, not checked against the scale trace")
+    if layout is not None and layout.pp > 1 and layout.tp > 1 and layout.size("dp_cp") == 1:
+        out.append("tensor + pipeline parallelism without data parallelism: the hidden states sent between stages "
+                   "(fp32 residuals) and their receive buffers are counted, not checked against the scale trace")
+    return out
+
+
+def _is_moe(cfg) -> bool:
+    try:
+        return _args_of(cfg).is_moe
+    except (KeyError, ValueError, OSError):  # a model the planner cannot resolve here: the rules say why
+        return False
 
 
 def _args_of(cfg):

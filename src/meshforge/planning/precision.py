@@ -53,16 +53,20 @@ def fused_loss_conflict(cfg) -> str | None:
     loss, and says so (`warnings`, the plan's notes); an explicit true is refused."""
     if cfg.model.hf_model:
         return "model.hf_model: the transformers model's forward returns logits"
-    from meshforge.models import resolve_model_args
+    key = cfg.model.model_dump_json()  # asked for every candidate of a search: the model is resolved once
+    if key not in _CONFLICTS:
+        from meshforge.models import resolve_model_args
 
-    try:
-        args = resolve_model_args(cfg.model)
-    except (KeyError, ValueError):  # an invalid model: the rules say why
-        return None
-    if args.final_logit_softcap is not None:
-        return (f"model.final_logit_softcap={args.final_logit_softcap}: the chunked loss projects the head's input "
-                "without the soft-cap")
-    return None
+        try:
+            cap = resolve_model_args(cfg.model).final_logit_softcap
+        except (KeyError, ValueError):  # an invalid model: the rules say why
+            cap = None
+        _CONFLICTS[key] = None if cap is None else (f"model.final_logit_softcap={cap}: the chunked loss projects "
+                                                    "the head's input without the soft-cap")
+    return _CONFLICTS[key]
+
+
+_CONFLICTS: dict[str, str | None] = {}
 
 
 def fused_loss_on(cfg) -> bool:

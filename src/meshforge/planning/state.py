@@ -41,12 +41,14 @@ def stage_params(params: list[ParamRec], cfg, layout: Layout, pp_rank: int,
     pplan = pipeline_plan_of(cfg, layout, n_layers)
 
     def compute():
+        by = _by_place(params)
         stages = []
         last = pplan.num_stages - 1
         for s in pplan.rank_stages(pp_rank):
-            blocks = set(pplan.stage_layers[s])
-            stages.append([p for p in params if (p.block in blocks) or (p.place == "first" and s == 0)
-                           or (p.place == "last" and s == last) or p.place == "other"]
+            picked = [i for b in pplan.stage_layers[s] for i in by.get(b, ())] + list(by.get("other", ()))
+            picked += list(by.get("first", ())) if s == 0 else []
+            picked += list(by.get("last", ())) if s == last else []
+            stages.append([params[i] for i in sorted(set(picked))]  # in the model's order, as a filter keeps them
                           + ([tied_copy(p) for p in params if p.tied_copy] if s == last else []))
         return stages
 
@@ -56,6 +58,21 @@ def stage_params(params: list[ParamRec], cfg, layout: Layout, pp_rank: int,
 def tied_copy(p: ParamRec) -> ParamRec:
     """The last stage's copy of a first-stage weight a last-stage module shares (distributed/pipeline_ties.py)."""
     return dataclasses.replace(p, name=p.tied_copy, place="last", tied_copy=None, copy=True)
+
+
+def _by_place(params: list[ParamRec]) -> dict:
+    """{block: indices of its parameters, "first"/"last"/"other": those of the model's ends} (memoised per list):
+    a stage's parameters are gathered from its blocks' lists instead of filtering every parameter per stage."""
+    def compute():
+        out: dict = {}
+        for i, p in enumerate(params):
+            if p.block is not None:
+                out.setdefault(p.block, []).append(i)
+            if p.place in ("first", "last", "other"):
+                out.setdefault(p.place, []).append(i)
+        return out
+
+    return memo("by_place", params, (), compute)
 
 
 def pipeline_plan_of(cfg, layout: Layout, n_layers: int | None = None):
@@ -84,7 +101,7 @@ def _refuse_uncounted(params: list[ParamRec], cfg) -> None:
     from meshforge.config.strategies import either, strategy_specs
     from meshforge.errors import ConfigError
 
-    if all(p.trainable for p in params):
+    if memo("all_trainable", params, (), lambda: all(p.trainable for p in params)):
         return
     spec = spec_of(cfg)
     if spec is None or spec.plan is None or not spec.frozen_params:
@@ -117,13 +134,12 @@ def rank_held(params: list[ParamRec], cfg, layout: Layout, rank: int, accum: int
     stages = stage_params(params, cfg, layout, c[MeshAxis.PP], n_layers)
     out = {m: sum(terms.held(st, cfg, layout, c, m, accum, layout.pp > 1) for st in stages) for m in MOMENTS}
     if layout.pp > 1:  # the stages the schedule holds unsharded at once, the largest such set
-        from meshforge.planning.activations import gathered_sets, lowered_passes
+        from meshforge.planning.activations import schedule_gathered_sets
 
         pplan = pipeline_plan_of(cfg, layout, n_layers)
         sizes = [terms.stage_gathered(st, cfg, layout) for st in stages]
-        lowered = lowered_passes(pplan.schedule, layout.pp, c[MeshAxis.PP], pplan.n_microbatches,
-                                 pplan.stages_per_rank)
-        sets = gathered_sets(lowered, len(stages)) if lowered is not None else [frozenset(range(len(stages)))]
+        sets = schedule_gathered_sets(pplan.schedule, layout.pp, c[MeshAxis.PP], pplan.n_microbatches,
+                                      pplan.stages_per_rank, len(stages))
         if getattr(cfg.distributed.options, "reshard_after_forward", None) is True:
             sets = [frozenset([i]) for i in range(len(stages))]  # freed after every forward: the running stage
         out["head"] += max(sum(sizes[i] for i in group) for group in sets)

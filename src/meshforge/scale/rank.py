@@ -68,7 +68,9 @@ def warm_optimizer(trainer: Trainer, fake) -> None:
     with fake:
         for group in trainer.optimizer.param_groups:
             for p in group["params"]:
-                if p.requires_grad:
+                # a strategy that binds the optimizer's leaves to its own gradient buffers (megatron_fsdp: views
+                # of its main gradients) keeps them: a new tensor here would leave the rank holding a second copy
+                if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
                     if hasattr(p, "main_grad"):  # bf16_params' fp32 gradients (distributed/master_weights.py)
                         p.main_grad = torch.zeros_like(p, dtype=torch.float32)

@@ -10,6 +10,11 @@ The variable holds comma-separated specs; each is `name:step[:rank[:arg]]` (rank
 - `nan_at_step:STEP`  every rank's loss and gradients of step STEP become NaN, to test `training.nonfinite`.
 
 - `kill_at_step:STEP[:RANK]`  SIGKILL this rank after step STEP (a node lost mid-run).
+- `storage_error:STEP[:RANK[:ERRNO]]`  this rank's write of its trainer state in the save of step STEP raises
+  OSError(ERRNO) (a name: ENOSPC default, EROFS, EACCES, EIO, ...), as a full or read-only disk would.
+- `slow_rank:STEP[:RANK[:SECONDS]]`  from step STEP on, this rank computes SECONDS (default 0.2) longer in every
+  step: a busy loop inside the step, after backward, until the thread has used that much more CPU time (a slow
+  device; the straggler report, `stragglers.py`).
 
 A fault fires in a job's first attempt only (a restarted attempt runs clean, as after a transient fault), or in
 attempt N when its name says so: `kill_during_save@1:6:0` fires in the first restart (`--max-restarts`).
@@ -22,6 +27,7 @@ several phases in one process sets it before each phase's trainer is built.
 from __future__ import annotations
 
 import os
+import errno
 import signal
 import sys
 import time
@@ -88,6 +94,25 @@ def install(trainer) -> None:
                   flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
+    def storage_error(step: int, path) -> None:
+        args = faults.get("storage_error", {}).get(step)
+        if args is not None:
+            code = getattr(errno, args[0].upper() if args else "ENOSPC")
+            print(f"fault: rank {rank} fails to write {path} ({errno.errorcode[code]})", file=sys.stderr, flush=True)
+            raise OSError(code, os.strerror(code), str(path))
+
+    def slow_rank(step: int, loss: torch.Tensor) -> torch.Tensor:
+        since = [s for s in faults.get("slow_rank", {}) if s <= step]
+        if since:
+            args = faults["slow_rank"][max(since)]
+            t0 = time.thread_time()
+            while time.thread_time() - t0 < (float(args[0]) if args else 0.2):
+                pass
+        return loss
+
     trainer.after_backward.append(nan_at_step)
+    if "slow_rank" in faults:
+        trainer.after_backward.append(slow_rank)
     trainer.after_step.append(after_step)
     trainer.before_commit = kill_during_save
+    trainer.before_write = storage_error

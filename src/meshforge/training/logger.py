@@ -56,8 +56,12 @@ class MetricsLogger:
             return
         line = " ".join(f"{k}={_fmt(record.get(k))}" for k in
                         ("step", "loss", "grad_norm", "lr", "tokens_per_s", "tflops", "mfu", "max_mem_gib"))
+        if "slowest_rank" in record:  # more than one rank (stragglers.py)
+            line += f" slowest_rank={record['slowest_rank']} slowest_ratio={record['slowest_ratio']:.2f}"
         if self.progress is not None:
-            self.progress.update(self.task, completed=record["step"], info=f"loss {record['loss']:.4f}")
+            slow = f" slowest rank {record['slowest_rank']} x{record['slowest_ratio']:.2f}" \
+                if "slowest_rank" in record else ""
+            self.progress.update(self.task, completed=record["step"], info=f"loss {record['loss']:.4f}{slow}")
         elif self.mode == "plain":
             print(line, flush=True)
 

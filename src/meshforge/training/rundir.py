@@ -182,7 +182,10 @@ class RunDir:
 
     def release(self) -> None:
         for lock in self.locks:
-            lock.unlink(missing_ok=True)
+            try:
+                lock.unlink(missing_ok=True)
+            except OSError:  # its folder turned read-only: the run's own error says so; a stale lock is taken over
+                pass
         self.locks = []
 
 

@@ -8,9 +8,9 @@ Read top to bottom:
                 policy judge them, log; save; stop when any rank was signalled
 The loop's parts live in their own modules: `nonfinite.py` (skip/stop), `signals.py` (preemption),
 `checkpoint/manager.py` (save, resume; what it saves is `checkpoint_parts()`, built by `checkpoint/parts.py`),
-`logger.py`. Tests arm faults through the same hooks (`after_backward`, `after_step`, `before_commit`; see
-`faults.py`). The trainer never branches on a strategy's name: strategies and parallelisms plug in through
-`ParallelModel` and the `Strategy` protocol.
+`logger.py`. Tests arm faults through the same hooks (`after_backward`, `after_step`, `before_commit`,
+`before_write`; see `faults.py`). The trainer never branches on a strategy's name: strategies and parallelisms
+plug in through `ParallelModel` and the `Strategy` protocol.
 The bench and the tests build runs with `Trainer.build` too, so what they measure is this loop's step.
 """
 
@@ -21,6 +21,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -59,6 +60,7 @@ from meshforge.training.optim import build_optimizer, build_scheduler
 from meshforge.training.profiling import StepProfiler
 from meshforge.training.samples import Samples
 from meshforge.training.signals import StopSignal
+from meshforge.training.stragglers import StepClock
 from meshforge.training.validation import Validation
 
 
@@ -93,6 +95,7 @@ class Trainer:
         self.after_backward: list[Callable[[int, torch.Tensor], torch.Tensor]] = []  # (step, loss) -> loss
         self.after_step: list[Callable[[int], None]] = []  # (step) -> None
         self.before_commit: Callable[[int], None] | None = None  # handed to the checkpoint manager
+        self.before_write: Callable[[int, Path], None] | None = None  # the same
         self.validation: Validation | None = None  # set by build() when training.val_every > 0
         self.samples: Samples | None = None  # set by build() with logging.samples
         self.data_notes: list[str] = []  # set by build(): lines on data left out, logged at start
@@ -172,7 +175,7 @@ class Trainer:
     def checkpoints(self) -> CheckpointManager:
         """A checkpoint manager of this run's parts, with the fault hook (`before_commit`) armed."""
         ckpt = CheckpointManager(self.cfg, self.mesh_ctx, self.info, self.checkpoint_parts())
-        ckpt.before_commit = self.before_commit
+        ckpt.before_commit, ckpt.before_write = self.before_commit, self.before_write
         return ckpt
 
     def _open_checkpoints(self) -> CheckpointManager | None:
@@ -212,13 +215,16 @@ class Trainer:
         log.info(f"meshforge: {cfg.run.name} | strategy={cfg.distributed.strategy} world={info.world_size} "
                  f"layout={self.mesh_ctx.layout.named_shape()} device={info.device} "
                  f"accum={self.loader.accum_steps} steps {self.step}->{t.max_steps}")
-        metrics, window = _Throughput(self, log), _Window(self.nonfinite, result, log)
+        clock = StepClock(info, cfg.logging.straggler_ratio)  # each rank's own time per step (stragglers.py)
+        metrics, window = _Throughput(self, log, clock), _Window(self.nonfinite, result, log)
         signals = StopSignal(info.world_size)
         signals.install()
         try:
             while self.step < t.max_steps:
                 with profiler.step(self.step + 1):
-                    window.add(self.step + 1, *self.train_step())
+                    clock.start()
+                    window.add(self.step + 1, *self.train_step(clock.tick))
+                    clock.stop()
                 for hook in self.after_step:
                     hook(self.step)
                 final = self.step == t.max_steps
@@ -282,11 +288,11 @@ class _Window:
 
 
 class _Throughput:
-    """tokens/s, TFLOP/s, MFU and memory over the steps since the last log line (the only host sync)."""
+    """tokens/s, TFLOP/s, MFU, memory and stragglers over the steps since the last log line (the only host sync)."""
 
-    def __init__(self, trainer: Trainer, log: MetricsLogger):
+    def __init__(self, trainer: Trainer, log: MetricsLogger, clock: StepClock):
         t = trainer.cfg.training
-        self.trainer, self.logger = trainer, log
+        self.trainer, self.logger, self.clock = trainer, log, clock
         self.flops_per_token = contract_of(trainer.pm.unwrapped_parts()[0]).flops_per_token(t.seq_len)
         self.peak = device_peak_tflops(trainer.info.device, trainer.cfg.logging.peak_tflops)
         self.tokens_per_step = t.global_batch_size * t.seq_len
@@ -305,6 +311,8 @@ class _Throughput:
                         tr.info.world_size, self.peak)
         rec.update(tokens_per_s=tp["tokens_per_s"], tflops=tp["tflops"], mfu=tp["mfu"],
                    max_mem_gib=max_memory_gib(tr.info.device))
+        stragglers, warning = self.clock.report(self.step0 + 1, tr.step)  # the one collective of a log step
+        rec.update(stragglers)
         if self.restarts:  # every record of a restarted attempt; the cause on its first
             rec["restarts"] = self.restarts
             if self.cause is not None:
@@ -312,6 +320,8 @@ class _Throughput:
         if self.mix is not None:  # data.mix: each source's share of the samples trained on so far
             rec.update({f"mix/{n}": v for n, v in self.mix.realised(tr.step).items()})
         self.logger.log(rec)
+        if warning:
+            self.logger.info(warning)
         self.t0, self.step0 = time.perf_counter(), tr.step
 
 

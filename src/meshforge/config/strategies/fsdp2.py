@@ -136,6 +136,14 @@ def _fsdp_units(group: list, layout, dim: int, n: int) -> tuple[dict, dict]:
     return memo("units", group, (layout.tp, layout.ep, dim, n), compute)
 
 
+def _split_experts(stage: list, layout) -> tuple[list, list]:
+    """(dense parameters, experts) of a stage: the experts are FSDP units of their own under EP only (else
+    everything is dense); the same lists for the same stage (memoised), so the units memoised on them hit."""
+    if layout.ep == 1:
+        return stage, []
+    return memo("experts", stage, (), lambda: ([p for p in stage if not p.expert], [p for p in stage if p.expert]))
+
+
 def _replicated_embedding_grad(stage, layout) -> int:
     """Elements a vocabulary-parallel embedding's gradient has beyond its TP shard: it arrives Replicate, the whole
     (vocab x dim) on every tp rank, and is accumulated so (measured with the scale trace, torch 2.13)."""
@@ -159,13 +167,26 @@ class FSDP2Terms(StrategyPlanTerms):
         return layout.world_size > 1 and layout.size("dp_cp") > 1
 
     def state(self, stage, cfg, layout, c, out) -> None:
+        # what it depends on: the stage, the layout, this rank's shard coordinates and three settings (memoised:
+        # a search and `held` ask again for the same stage and rank)
+        offload, bf16, gb = bool(cfg.distributed.options.offload_policy), bf16_params(cfg), gather_bytes(cfg)
+        dense_r, ep_shard_r = c[MeshAxis.DP_SHARD_CP], c[MeshAxis.EP_SHARD]
+        mine = memo("fsdp2_state", stage, (layout, dense_r, ep_shard_r, offload, bf16, gb),
+                    lambda: self._state(stage, layout, dense_r, ep_shard_r, offload, bf16, gb))
+        out.params += mine.params
+        out.grads += mine.grads
+        out.optimizer += mine.optimizer
+        out.host += mine.host
+        out.buffers = max(out.buffers, mine.buffers)
+
+    def _state(self, stage, layout, dense_r: int, ep_shard_r: int, offload: bool, bf16: bool, gb: int) -> Parts:
+        out = Parts()
         active = self._active(layout)
-        dense_n, dense_r = layout.dp_shard * layout.cp, c[MeshAxis.DP_SHARD_CP]
-        ep_shard_n, ep_shard_r = layout.size(MeshAxis.EP_SHARD), c[MeshAxis.EP_SHARD]
-        offload = bool(cfg.distributed.options.offload_policy)
-        if not active and bf16_params(cfg):  # unsharded bf16 parameters, fp32 masters in the optimizer
+        dense_n = layout.dp_shard * layout.cp
+        ep_shard_n = layout.size(MeshAxis.EP_SHARD)
+        if not active and bf16:  # unsharded bf16 parameters, fp32 masters in the optimizer
             replicas(stage, layout, out, buckets=False, bf16=True)
-            return
+            return out
         for p, k in alike(stage):  # every block has the same parameters: each kind once, times its count
             s = local_shape(p, layout)
             full_grad = None
@@ -188,15 +209,15 @@ class FSDP2Terms(StrategyPlanTerms):
             out.params += k * stored * F32
             out.grads += k * (full_grad or stored) * F32
             out.optimizer += k * (2 * opt * F32 + STEP_BYTES)
-        out.buffers = max(out.buffers, _largest_block(stage, layout) * gather_bytes(cfg))
+        out.buffers = max(out.buffers, _largest_block(stage, layout) * gb)
+        return out
 
     def comm(self, stage, cfg, layout, accum, add, passes=None) -> None:
         if not self._active(layout):
             return
         reshard = cfg.distributed.options.reshard_after_forward
         per_step = pipeline_gathers(passes, reshard is True) if layout.pp > 1 and passes else 1
-        dense = stage if layout.ep == 1 else [p for p in stage if not p.expert]
-        experts = [p for p in stage if p.expert and layout.ep > 1]
+        dense, experts = _split_experts(stage, layout)
         n, ne = layout.dp_shard * layout.cp, layout.size(MeshAxis.EP_SHARD)
         for group, nn_, dim in ((dense, n, 0), (experts, ne, 1)):
             if not group or nn_ == 1:
@@ -234,11 +255,20 @@ class FSDP2Terms(StrategyPlanTerms):
           gradient in the reduce dtype (fp32) from its first backward to the step's reduction; without
           deferring, the sharded gradients of the earlier micro batches;
         - at the end of backward the root's reduction: its unsharded gradients (compute dtype, or the
-          accumulated fp32 ones) beside the fp32 reduce-scatter input."""
+          accumulated fp32 ones) beside the fp32 reduce-scatter input.
+        Memoised on what it reads (a search asks again for the same stage, rank and moment)."""
+        o = cfg.distributed.options
+        key = (layout, c[MeshAxis.DP_SHARD_CP], c[MeshAxis.EP_SHARD], accum, pipelined, bool(o.offload_policy),
+               o.reshard_after_forward, o.defer_fsdp_grad_sync, cfg.distributed.moe_or_default.reshard_after_forward,
+               bf16_params(cfg), gather_bytes(cfg))
+        return memo("fsdp2_held", stage, key, lambda: self._held(stage, cfg, layout, c, accum, pipelined))[moment]
+
+    def _held(self, stage, cfg, layout, c, accum, pipelined) -> dict[str, int]:
+        """{moment: bytes} of every moment at once (they share the units' sums)."""
         rest = Parts()
         self.state(stage, cfg, layout, c, rest)
         if not self._active(layout) or cfg.distributed.options.offload_policy:
-            return rest.params + rest.grads + rest.buffers
+            return dict.fromkeys(("head", "end", "forward"), rest.params + rest.grads + rest.buffers)
         reshard = cfg.distributed.options.reshard_after_forward
         defer = cfg.distributed.options.defer_fsdp_grad_sync is not False
         accumulating = pipelined or (accum > 1 and defer)
@@ -252,17 +282,17 @@ class FSDP2Terms(StrategyPlanTerms):
                 blocks.add(unit)
         gb = gather_bytes(cfg)
         ordered = sorted(b for b in blocks if b is not None)
-        if moment == "forward" and not pipelined:
+        out = {}
+        # the end: the blocks' sharded gradients; the root's unsharded ones beside its fp32 reduce input
+        root = train.get(None, 0)
+        out["end"] = rest.params + rest.grads - root_shard * F32 + root * (F32 if accumulating else gb) + root * F32
+        if not pipelined:
             # a block's unshard in forward: the root kept, the all-gather output of the unit before it not yet freed
             # (fully_shard frees an all-gather's output at the next one), the block's own output and its copies
             # into the parameters
             big = max((gathered[b] for b in ordered), default=0)
             grads = sum(train.values()) * F32 if accumulating else (rest.grads if accum > 1 else 0)
-            return rest.params + (2 * gathered.get(None, 0) + 2 * big) * gb + grads
-        if moment == "end":  # the blocks' sharded gradients; the root's unsharded ones beside its fp32 reduce input
-            root = train.get(None, 0)
-            grads = rest.grads - root_shard * F32 + root * (F32 if accumulating else gb) + root * F32
-            return rest.params + grads
+            out["forward"] = rest.params + (2 * gathered.get(None, 0) + 2 * big) * gb + grads
         if pipelined:  # which stages are gathered at once is the schedule's (`stage_gathered`)
             kept = 0
         elif reshard is False:
@@ -274,7 +304,9 @@ class FSDP2Terms(StrategyPlanTerms):
                     (self._expert_units(stage, layout).get(ordered[-1], 0) if ordered and reshard is None else 0)
         grads = (sum(train.values()) + _replicated_embedding_grad(stage, layout)) * F32 if accumulating \
             else (rest.grads if accum > 1 else 0)
-        return rest.params + kept * gb + grads
+        out["head"] = rest.params + kept * gb + grads
+        out.setdefault("forward", out["head"])  # under PP: no moment of its own (the head's value, as asked before)
+        return out
 
     def stage_gathered(self, stage, cfg, layout) -> int:
         if not self._active(layout) or cfg.distributed.options.offload_policy:
@@ -285,7 +317,7 @@ class FSDP2Terms(StrategyPlanTerms):
     @staticmethod
     def _expert_units(stage, layout) -> dict:
         """{block: padded expert elements} of the experts' own units (EP), {} without them."""
-        experts = [p for p in stage if p.expert]
+        experts = _split_experts(stage, layout)[1]
         if not experts or layout.ep == 1:
             return {}
         return _fsdp_units(experts, layout, 1, layout.size(MeshAxis.EP_SHARD))[0]
@@ -293,10 +325,10 @@ class FSDP2Terms(StrategyPlanTerms):
     @staticmethod
     def _groups(stage, layout):
         """(parameters, sharded dim, ranks) of the dense units and of the experts' units under EP."""
-        dense = stage if layout.ep == 1 else [p for p in stage if not p.expert]
+        dense, experts = _split_experts(stage, layout)
         out = [(dense, 0, layout.dp_shard * layout.cp)]
         if layout.ep > 1:
-            out.append(([p for p in stage if p.expert], 1, layout.size(MeshAxis.EP_SHARD)))
+            out.append((experts, 1, layout.size(MeshAxis.EP_SHARD)))
         return [(g, d, n) for g, d, n in out if g]
 
 

@@ -124,7 +124,10 @@ class MegatronFSDPTerms(StrategyPlanTerms):
     def held(self, stage, cfg, layout, c, moment, accum, pipelined) -> int:
         """At the end of backward every trainable unit's full gradient buffer (reduce dtype, padded) is alive
         when the reductions overlap compute (the default on CUDA): each is freed only when the step's reductions
-        are waited for (measured with the scale trace); the sharded modes free them otherwise at once."""
+        are waited for; the sharded modes free them otherwise at once. The last of that backward is the
+        embedding's, whose weight gradient (compute dtype, the whole vocabulary x dim) exists beside them until
+        its hook adds it to the unit's buffer (measured with the scale trace, Llama 3 8B widths, dp 4: exact
+        but for the embedding's activations)."""
         out = Parts()
         self.state(stage, cfg, layout, c, out)
         o = cfg.distributed.options
@@ -135,7 +138,11 @@ class MegatronFSDPTerms(StrategyPlanTerms):
         reduce_b = F32 if o.grad_reduce_in_fp32 is not False else (2 if on_cuda(cfg) else F32)
         world = layout.size("dp_cp")
         full = sum(-(-sum(n) // world) * world for (_, trainable), n in _units(stage, layout).items() if trainable)
-        return out.params + out.grads + out.buffers + (full * reduce_b if moment == "end" else 0)
+        if moment != "end":
+            return out.params + out.grads + out.buffers
+        compute_b = 2 if on_cuda(cfg) or bf16_params(cfg) else F32
+        embedding = sum(math.prod(p.shape) for p in stage if p.place == "first" and p.trainable and len(p.shape) == 2)
+        return out.params + out.grads + out.buffers + full * reduce_b + embedding * compute_b
 
     def comm(self, stage, cfg, layout, accum, add, passes=None) -> None:
         dp_cp = layout.size("dp_cp")
