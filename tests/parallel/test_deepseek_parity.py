@@ -7,8 +7,8 @@ relative, weights and grad norms 1e-3); the auxiliary-loss-free selection bias (
 step) must equal the single-process one exactly: it moves by whole steps from integer loads summed over the ranks.
 
 N=2: fsdp2 on packed sequences; TP2 (heads split, the shared rope key's gradient summed); EP2 with balancing; CP2
-on packed sequences (the expanded K and V, of different widths, gathered); PP2 and TP2 + SP on the dense-only
-variant (pipeline and sequence parallelism with experts are not allowed by the rules yet); LoRA on the latent
+on packed sequences (the expanded K and V, of different widths, gathered); PP2 (the MoE block on the second stage)
+and TP2 + SP (the MoE block gathers the sequence around its experts), both balancing; LoRA on the latent
 attention's projections and the routed experts with EP2, and on the attention with TP2; balancing under
 megatron_fsdp (with activation checkpointing) and ddp. N=4: fsdp2 x EP2 x TP2 and EP4, both balancing.
 """
@@ -38,10 +38,10 @@ N2 = {
     "tp2": [*BAL, "distributed.tp_size=2"],
     "ep2_balanced": [*BAL, "distributed.ep_size=2"],
     "cp2_packed": [*PACKED, "distributed.cp_size=2"],
-    "pp2_dense": [*DS, "model.first_k_dense=2", "distributed.pp_size=2", "distributed.pipeline.pp_microbatch_size=2"],
+    "pp2_balanced": [*BAL, "distributed.pp_size=2", "distributed.pipeline.pp_microbatch_size=2"],
     "lora_ep2": [*DS, *LORA_EXPERTS, "distributed.ep_size=2"],
     "lora_tp2": [*DS, *LORA_MLA, "distributed.tp_size=2"],
-    "tp2_sp_dense": [*DS, "model.first_k_dense=2", "distributed.tp_size=2", "distributed.sequence_parallel=true"],
+    "tp2_sp_balanced": [*BAL, "distributed.tp_size=2", "distributed.sequence_parallel=true"],
     # the bias, a buffer, beside megatron_fsdp's flat buffers (and recomputed blocks); under DDP, which broadcasts
     # buffers from rank 0 (the loads are not buffers: each rank's own until the step's all-reduce)
     "megatron_fsdp_ac_balanced": [*BAL, "distributed.strategy=megatron_fsdp",

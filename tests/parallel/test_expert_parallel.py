@@ -4,9 +4,10 @@ Parity: fp32 `tiny_moe` (4 experts, top-2, 1 shared expert), same seed and globa
 10 steps, relative loss difference <= 1e-5 per step and final weights within 5e-5 against
 `run_single(["model.preset=tiny_moe"])` (with micro batches of 1 for the accumulation case: the aux loss
 is a statistic of each micro batch, so micro batching is part of the model's definition).
-Configurations: EP2; EP4; fsdp2 over 4 ranks with EP2 (ep_shard 2); EP2 x TP2; EP2 x CP2 (aux-loss
-statistics summed over cp); activation checkpointing full/selective with `ignore_router_for_ac` both
-ways; `wrap_outer_model: false` with `reshard_after_forward: true`; gradient accumulation; meta init.
+Configurations: EP2; EP4; fsdp2 over 4 ranks with EP2 (ep_shard 2); EP2 x TP2; TP2 with sequence parallelism
+(tokens gathered around the experts); EP2 x CP2 (aux-loss statistics summed over cp); activation checkpointing
+full/selective with `ignore_router_for_ac` both ways; `wrap_outer_model: false` with `reshard_after_forward: true`;
+gradient accumulation; meta init. (MoE with pipeline stages: tests/parallel/test_pipeline_parity.py.)
 
 Gradient checks inside the suite's shared launches (one per world size; this file's `checks_job`):
 - the router receives a non-zero gradient from the aux loss alone, under EP;
@@ -45,6 +46,8 @@ N2 = {
     # accumulation over 4 micro batches of 1 sequence: the aux loss is per micro batch (a batch statistic),
     # so the reference uses micro batches of 1 too (REF_MB1)
     "ep2_accum4": MOE + ["distributed.ep_size=2", "training.micro_batch_size=1"],
+    # sequence parallelism: the MoE gathers the sequence around its experts and re-shards its output
+    "tp2_sp": MOE + ["distributed.tp_size=2", "distributed.sequence_parallel=true"],
 }
 REF_MB1 = {"ep2_accum4"}
 N4 = {

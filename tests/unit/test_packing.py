@@ -1,6 +1,7 @@
 """Packed SFT sequences: attention never crosses a document, positions restart, and the loss equals the unpacked
 one on the same examples (1e-6 relative)."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -16,12 +17,15 @@ from meshforge.models import build_model, init_weights
 DATA = Path(__file__).resolve().parents[2] / "examples" / "data" / "prompt_completion_tiny.jsonl"
 
 
+def _built(preset: str, seed: int):
+    m = build_model(load_config(None, [f"model.preset={preset}"], world_size=1).model)
+    init_weights(m, seed)
+    return m
+
+
 @pytest.fixture(scope="module")
 def model():
-    cfg = load_config(None, ["model.preset=tiny"], world_size=1)
-    m = build_model(cfg.model)
-    init_weights(m, 3)
-    return m.eval()
+    return _built("tiny", 3).eval()
 
 
 def test_positions_restart_per_document():
@@ -64,15 +68,79 @@ def test_packed_loss_equals_unpacked(model):
     assert abs(lp - lk) <= 1e-6 * lp, (lp, lk)
 
 
-def test_packing_refused_where_the_mask_is_not_carried():
+def test_packing_runs_under_pp_and_moe_and_refuses_pp_with_cp():
     base = ["data.source=dataset", f"data.paths=[{DATA}]", "data.format=prompt_completion", "data.packing=true",
             "training.seq_len=32"]
-    for extra, match in ((["distributed.pp_size=2"], "pp_size 1"), (["model.preset=tiny_moe"], "mixture-of-experts")):
-        with pytest.raises(ConfigError, match=match):
-            load_config(None, base + extra, world_size=2)
-    assert load_config(None, base + ["distributed.cp_size=2"], world_size=2).data.packing  # cp carries the mask
+    for extra in (["distributed.pp_size=2"], ["model.preset=tiny_moe"], ["distributed.cp_size=2"]):
+        assert load_config(None, base + extra, world_size=2).data.packing  # each carries the document ids
+    with pytest.raises(ConfigError, match="set cp_size 1 \\(packing under pp\\) or pp_size 1"):
+        load_config(None, base + ["distributed.pp_size=2", "distributed.cp_size=2"], world_size=4)
     with pytest.raises(ConfigError, match="data.packing is not read"):
         load_config(None, ["data.packing=true"], world_size=1)
+
+
+def test_packing_refused_for_an_moe_family_whose_model_does_not_pack(monkeypatch):
+    """`Family.packs_documents` decides: the default MoE model (tiny_moe's, family llama) packs, GPT-OSS's does; a
+    family declaring that its MoE model does not is refused, in one line naming the families that do."""
+    from meshforge.models import FAMILIES
+
+    base = ["data.source=dataset", f"data.paths=[{DATA}]", "data.format=prompt_completion", "data.packing=true",
+            "training.seq_len=32"]
+    for preset in ("tiny_moe", "tiny_gpt_oss"):
+        assert load_config(None, base + [f"model.preset={preset}"], world_size=1).data.packing
+    monkeypatch.setitem(FAMILIES, "llama", dataclasses.replace(FAMILIES["llama"], packs_documents=False))
+    with pytest.raises(ConfigError, match=r"mixture-of-experts model \(model.family=llama\) is not supported yet "
+                                          r"\(mixtral and .*gpt_oss are\)"):
+        load_config(None, base + ["model.preset=tiny_moe"], world_size=1)
+    assert load_config(None, base, world_size=1).data.packing  # the family's dense model still packs
+
+
+def test_padding_is_in_no_document():
+    packed = ExampleSource([DATA], "prompt_completion", ByteTokenizer(), 128, "answer", "truncate", packing=True)
+    x, y, docs = packed.batch(list(range(packed.num_samples)))
+    padded = docs == -1
+    assert padded.any() and (y[padded] == -100).all()  # padding: id -1, no label
+    assert ((docs[:, 1:] >= docs[:, :-1]) | (docs[:, 1:] == -1)).all()  # documents 0, 1, ... then padding
+
+
+@pytest.fixture(scope="module")
+def moe():
+    return _built("tiny_moe", 5).train()
+
+
+def test_moe_router_statistics_count_documents_only(moe):
+    """Packed rows (documents 0, 1, 2 and padding -1): the aux loss is the load-balancing loss of the tokens in a
+    document alone (recomputed here from the routers' scores), `last_counts` counts only their routed copies, and
+    the padding's content changes neither."""
+    from meshforge.models import contract_of
+
+    g = torch.Generator().manual_seed(3)
+    docs = torch.tensor([[0] * 9 + [1] * 12 + [-1] * 11, [0] * 20 + [2] * 7 + [-1] * 5])
+    x = torch.randint(0, 256, docs.shape, generator=g)
+    layers = contract_of(moe).moe_layers()
+    scores: list[torch.Tensor] = []
+    hooks = [layer.router.register_forward_hook(lambda mod, inp, out: scores.append(out[0].detach()))
+             for layer in layers]
+    try:
+        with torch.no_grad():
+            _, aux = moe(x, packed_positions(docs), docs)
+            counts = [layer.last_counts.clone() for layer in layers]
+            x2 = x.clone()
+            x2[docs == -1] = torch.randint(0, 256, (int((docs == -1).sum()),), generator=g)
+            _, aux2 = moe(x2, packed_positions(docs), docs)
+            counts2 = [layer.last_counts.clone() for layer in layers]
+    finally:
+        for h in hooks:
+            h.remove()
+    keep = (docs >= 0).reshape(-1)
+    want = torch.zeros(())
+    for layer, sc, c in zip(layers, scores[:len(layers)], counts):
+        kept = sc[keep]
+        n = torch.bincount(kept.topk(layer.top_k, -1).indices.reshape(-1), minlength=layer.n_experts).float()
+        assert torch.equal(c, n.long())  # only the documents' token copies
+        want = want + layer.aux_coeff * layer.n_experts * (n / n.sum() * kept.mean(0)).sum()  # scores: softmax
+    assert abs(aux.item() - want.item()) <= 1e-6 * want.item(), (aux.item(), want.item())
+    assert aux.item() == aux2.item() and all(torch.equal(a, b) for a, b in zip(counts, counts2))
 
 
 # ------------------------------------------------------------------ the block-mask (FlexAttention) path
@@ -159,3 +227,27 @@ def test_block_mask_matches_dense_on_cuda(gqa_model, dtype, tol):
     assert (fast - dense).abs().max() <= tol * dense.abs().max()
     for a, b in zip(fast_g, dense_g):
         assert (a - b).abs().max() <= tol * max(b.abs().max(), 1e-3)
+
+
+@pytest.mark.parametrize("preset", ["tiny_gpt_oss", "tiny_deepseek"])
+def test_router_statistics_count_documents_only_in_every_packing_moe_family(preset):
+    """The families whose model packs (`Family.packs_documents`) keep padding out of their MoE layers' statistics
+    too: the padding's content changes neither the aux loss nor the counted copies, which are the documents'."""
+    from meshforge.models import contract_of
+
+    model = _built(preset, 5).train()
+    docs = torch.tensor([[0] * 9 + [1] * 12 + [-1] * 11, [0] * 20 + [2] * 7 + [-1] * 5])
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 256, docs.shape, generator=g)
+    x2 = x.clone()
+    x2[docs == -1] = torch.randint(0, 256, (int((docs == -1).sum()),), generator=g)
+    layers = contract_of(model).moe_layers()
+    runs = []
+    with torch.no_grad():
+        for tokens in (x, x2):
+            out = model(tokens, packed_positions(docs), docs)
+            runs.append((out[1] if isinstance(out, tuple) else None, [layer.last_counts.clone() for layer in layers]))
+    (aux, counts), (aux2, counts2) = runs
+    assert layers and all(int(c.sum()) == int((docs >= 0).sum()) * layer.top_k for layer, c in zip(layers, counts))
+    assert all(torch.equal(a, b) for a, b in zip(counts, counts2))
+    assert (aux is None and aux2 is None) or aux.item() == aux2.item()

@@ -45,6 +45,46 @@ def test_layers_per_stage_sets_the_number_of_stages():
     assert p.num_stages == 8 and p.stage_layers[-1] == (7,)
 
 
+def test_uneven_ends_llama3_405b_layout():
+    """first/last_stage_layers=0: an embedding-only first stage and a head-only last stage; with layers_per_stage=1
+    Llama 3 405B's 126 blocks + 2 ends make 128 stages, 8 per rank at pp 16."""
+    p = plan_pipeline(126, 16, pcfg(pp_schedule="interleaved_1f1b", layers_per_stage=1, first_stage_layers=0,
+                                    last_stage_layers=0), local_batch=16)
+    assert p.num_stages == 128 and p.stages_per_rank == 8
+    assert p.stage_layers[0] == () and p.stage_layers[-1] == () and p.stage_layers[1] == (0,)
+    assert all(len(s) == 1 for s in p.stage_layers[1:-1]) and p.stage_layers[-2] == (125,)
+    p = plan_pipeline(4, 2, pcfg(first_stage_layers=0), local_batch=4)  # one end explicit, the rest shared
+    assert p.stage_layers == ((), (0, 1, 2, 3))
+    p = plan_pipeline(5, 2, pcfg(pp_schedule="interleaved_1f1b", first_stage_layers=0, last_stage_layers=1),
+                      local_batch=4)
+    assert p.stage_layers == ((), (0, 1), (2, 3), (4,))
+    p = plan_pipeline(4, 2, pcfg(first_stage_layers=1, last_stage_layers=3), local_batch=4)
+    assert p.stage_layers == ((0,), (1, 2, 3))
+
+
+def test_dualpipev_is_a_v_with_twice_pp_microbatches():
+    p = plan_pipeline(8, 2, pcfg(pp_schedule="dual-pipe-v"), local_batch=4)
+    assert p.schedule == "dualpipev" and p.rank_stages(0) == [0, 3] and p.last_stage_rank == 0
+
+
+@pytest.mark.parametrize("n_layers,pp,kw,local,needle", [
+    (4, 2, {"first_stage_layers": 3, "last_stage_layers": 2}, 4,
+     "first_stage_layers=3 + distributed.pipeline.last_stage_layers=2 = 5 blocks, more than model.n_layers=4"),
+    (4, 2, {"first_stage_layers": 1, "last_stage_layers": 1}, 4, "no other stage is left for the other 2"),
+    (4, 2, {"pp_schedule": "interleaved_1f1b", "virtual_stages_per_rank": 3, "first_stage_layers": 0}, 8,
+     "the 5 stages between the ends need at least one block each, but model.n_layers=4"),
+    (6, 2, {"pp_schedule": "interleaved_1f1b", "layers_per_stage": 2, "first_stage_layers": 1}, 8,
+     "model.n_layers=6 minus the 1 blocks of first/last_stage_layers (5) is not divisible"),
+    (4, 2, {"pp_schedule": "interleaved_1f1b", "layers_per_stage": 2, "first_stage_layers": 0}, 8,
+     "gives 4/2 + 1 explicit end stage(s) = 3 stages, not a multiple of distributed.pp_size=2"),
+    (8, 2, {"pp_schedule": "dualpipev"}, 3, "pp_schedule=dualpipev needs at least 2 x pp_size=4 microbatches"),
+])
+def test_bad_uneven_splits_name_the_keys(n_layers, pp, kw, local, needle):
+    with pytest.raises(PipelinePlanError) as err:
+        plan_pipeline(n_layers, pp, pcfg(**kw), local_batch=local)
+    assert needle in str(err.value), str(err.value)
+
+
 @pytest.mark.parametrize("n_layers,pp,kw,local,needle", [
     (7, 2, {"layers_per_stage": 2}, 8, "model.n_layers=7 is not divisible by distributed.pipeline.layers_per_stage=2"),
     (6, 4, {"layers_per_stage": 2}, 8, "layers_per_stage=2 gives 6/2 = 3 stages, not a multiple of distributed.pp_size=4"),
@@ -71,8 +111,12 @@ def test_bad_splits_name_the_numbers(n_layers, pp, kw, local, needle):
      "model.n_layers=4 is not divisible by distributed.pipeline.layers_per_stage=3"),
     (["distributed.pp_size=4", "model.n_layers=4", "distributed.pipeline.pp_microbatch_size=4",
       "training.global_batch_size=8", "training.micro_batch_size=2"], 4, "needs at least pp_size=4 microbatches"),
-    (["distributed.pp_size=2", "model.n_layers=4", "model.tie_embeddings=true"], 2, "tie_embeddings=true cannot be split"),
+    (["distributed.pp_size=2", "model.n_layers=4", "distributed.pipeline.first_stage_layers=3",
+      "distributed.pipeline.last_stage_layers=2"], 2, "= 5 blocks, more than model.n_layers=4: lower them"),
     (["distributed.strategy=ddp", "distributed.pp_size=2", "model.n_layers=4"], 2, "distributed.pp_size=2 is not supported by strategy ddp"),
+    (["distributed.pp_size=2", "distributed.cp_size=2", "model.n_layers=4", "data.source=dataset", "data.max_files=null",
+      "data.paths=[examples/data/prompt_completion_tiny.jsonl]", "data.format=prompt_completion", "data.packing=true"],
+     4, "data.packing=true with distributed.pp_size=2 and cp_size=2 is not supported yet"),
 ])
 def test_rules_reject_before_launch_with_exit_2(overrides, world, needle, capsys):
     rc = main(["validate", "examples/tiny_cpu.yaml", *overrides, "--world-size", str(world)])
@@ -82,6 +126,9 @@ def test_rules_reject_before_launch_with_exit_2(overrides, world, needle, capsys
 
 def test_valid_pp_configs_pass_validation():
     for extra in (["distributed.pipeline.pp_schedule=v_schedule"], ["distributed.pipeline.pp_schedule=dfs"],
+                  ["model.tie_embeddings=true"], ["model.preset=tiny_moe"],  # tied ends and MoE stages run
+                  ["distributed.pipeline.pp_schedule=interleaved_1f1b", "distributed.pipeline.first_stage_layers=0",
+                   "distributed.pipeline.last_stage_layers=0"],
                   ["distributed.pipeline.pp_schedule=interleaved1f1b", "distributed.pipeline.layers_per_stage=1"]):
         load_config(None, ["distributed.pp_size=2", "model.n_layers=4", *extra], world_size=2)
     assert main(["validate", "examples/llama3_70b_tp_pp.yaml", "--world-size", "64"]) == 0

@@ -171,3 +171,16 @@ def test_fit_proposes_llama3_405b_virtual_stages_and_uneven_ends():
     assert fits[0].reason.startswith("fastest: ") and all(" vs #1: " in f.reason or f.reason.startswith("ties")
                                                           for f in fits[1:])
     assert rejected
+
+
+def test_fit_proposes_moe_stages_and_keeps_the_configs_ep_size():
+    """An MoE with expert parallelism: pipeline stages with experts are proposed (issue 28), and a layout whose
+    dp x cp the config's ep_size does not divide is rejected with that reason (it divided by zero in the plan)."""
+    from meshforge.planning.fit import search
+
+    cfg = load_config(str(EX / "qwen3_moe_ep8.yaml"), ["model.n_layers=8"], world_size=32)
+    fits, rejected, _ = search(cfg, 32, DEVICES["h100"])
+    assert any(f.choice.pp > 1 for f in fits), [f.choice.label(32) for f in fits]
+    reasons = {why for _, why in rejected}
+    assert "distributed.ep_size=8 does not divide dp 2 x cp 2" in reasons, reasons
+    assert not any("division" in why for why in reasons), reasons

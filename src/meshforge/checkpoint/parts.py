@@ -200,14 +200,13 @@ class OptimizerState(ShardedPart):
         self.pm, self.optimizer, self.weights = pm, optimizer, weights
 
     def state_dict(self) -> dict:
-        return self.pm.strategy.optimizer_state_dict(self.pm.state_parts(), self.optimizer)
+        return self.pm.optimizer_state_dict(self.optimizer)
 
     def state_dict_to_save(self) -> dict:
-        return self.pm.strategy.optimizer_state_dict(self.pm.state_parts(), self.optimizer,
-                                                     full=self.weights.saves_full())
+        return self.pm.optimizer_state_dict(self.optimizer, full=self.weights.saves_full())
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.pm.strategy.load_optimizer_state_dict(self.pm.state_parts(), self.optimizer, state_dict)
+        self.pm.load_optimizer_state_dict(self.optimizer, state_dict)
 
 
 # ----------------------------------------------------------------------------------- RNG

@@ -133,16 +133,6 @@ def expert_parallel(cfg: Config, world_size: int) -> list[str]:
     return out
 
 
-@rule
-def moe_sequence_parallel(cfg: Config, world_size: int) -> list[str]:
-    args = _model_args(cfg)
-    if cfg.distributed.sequence_parallel and args is not None and args.is_moe:
-        return [f"distributed.sequence_parallel=true is not supported with a mixture-of-experts model "
-                f"(model.preset={cfg.model.preset!r}): routed experts run on whole sequences; "
-                "set sequence_parallel false"]
-    return []
-
-
 # 6 ----------------------------------------------------------------------------
 @rule
 def sequence_parallel_needs_tp(cfg: Config, world_size: int) -> list[str]:
@@ -254,12 +244,6 @@ def pipeline_split(cfg: Config, world_size: int) -> list[str]:
     if d.pp_size == 1 or args is None:
         return []
     out = []
-    if args.tie_embeddings:
-        out.append(f"model.tie_embeddings=true cannot be split by distributed.pp_size={d.pp_size} (the embedding "
-                   "is on the first stage, the output on the last): set model.tie_embeddings=false or pp_size 1")
-    if args.is_moe:
-        out.append(f"distributed.pp_size={d.pp_size} with a mixture-of-experts model (model.preset="
-                   f"{cfg.model.preset!r}) is not supported yet: set pp_size 1")
     dp = dp_size(cfg, world_size)
     if dp is not None and t.global_batch_size % dp == 0:
         out += pipeline_problems(args.n_layers, d.pp_size, d.pipeline_or_default, t.global_batch_size // dp)
@@ -540,14 +524,19 @@ def live_model_support(cfg: Config, world_size: int) -> list[str]:
 
 @rule
 def packing_support(cfg: Config, world_size: int) -> list[str]:
-    """Packed sequences need the document mask in every attention: the dense model's or the context-parallel one
-    (which masks its load-balanced chunks with the full document ids), not through pipeline stages (they do not
-    carry it yet)."""
+    """Packed sequences need the document mask in every attention: the dense model's, the context-parallel one
+    (which masks its load-balanced chunks with the full document ids), or each pipeline stage's (the ids travel
+    with the microbatch); an MoE model also keeps padding out of its router statistics, if its family's model
+    takes the ids (`Family.packs_documents`: the default MoE model, DeepSeek-V3's and GPT-OSS's do). Context
+    parallelism under pipeline parallelism does not carry them yet: its attention reads the full ids of one micro
+    batch at a time, and a pipeline keeps several in flight."""
     if not any(s.packing for s in cfg.data.sources()):
         return []
     d, out = cfg.distributed, []
-    if d.pp_size > 1:
-        out.append(f"data.packing=true with distributed.pp_size={d.pp_size} is not supported yet: set pp_size 1")
+    if d.pp_size > 1 and d.cp_size > 1:
+        out.append(f"data.packing=true with distributed.pp_size={d.pp_size} and cp_size={d.cp_size} is not "
+                   "supported yet (context parallelism's document mask holds one micro batch at a time, a pipeline "
+                   "several): set cp_size 1 (packing under pp) or pp_size 1 (packing under cp)")
     args = _model_args(cfg)
     problem = packing_problem(args) if args is not None else None  # (a model.hf_model: `hf_model_builds`)
     return out + ([problem] if problem else [])

@@ -16,10 +16,10 @@ is refused in one line. Each example is one sample, so the loader's guarantees (
 world size, exact resume) hold unchanged.
 
 `packing`: examples are packed, in data order, into rows of `seq_len + 1` tokens (an example that does not fit in
-what is left of a row starts the next one); a row is then one sample, with document ids (padding is a document of
-its own). The last token of a document gets no label (it would predict the next document), so a packed row's
-labels are exactly its examples' unpacked labels; the model's document mask and restarting positions make the
-logits equal too.
+what is left of a row starts the next one); a row is then one sample, with document ids 0, 1, ... (padding has id
+-1: it is in no document, attends only to padding, and an MoE leaves it out of its router statistics). The last
+token of a document gets no label (it would predict the next document), so a packed row's labels are exactly its
+examples' unpacked labels; the model's document mask and restarting positions make the logits equal too.
 """
 
 from __future__ import annotations
@@ -116,10 +116,11 @@ class ExampleSource:
                 self.tokens[r, at:at + len(ids)], self.masks[r, at:at + len(ids)] = ids, mask
                 self.docs[r, at:at + len(ids)] = d
                 at += len(ids)
-            self.docs[r, at:] = len(row)  # padding: a document of its own
+            self.docs[r, at:] = len(row)  # padding: a document of its own here, id -1 in batches
         for a in (self.tokens, self.masks, self.docs):  # the arrays' own buffers: no copy of the data set
             h.update(a)
         self.num_samples = len(rows)
+        self.n_docs = np.array([len(row) for row in rows], dtype=np.int64)  # padding's stored id, per row
         self.inputs = {**fingerprint.files("data.paths", paths), **tok.fingerprint(),
                        **fingerprint.settings(format=fmt, loss_on=loss_on, too_long=too_long, packing=packing,
                                               seq_len=seq_len),
@@ -143,7 +144,10 @@ class ExampleSource:
         toks, masks, docs = self.tokens[idx], self.masks[idx], self.docs[idx]
         keep = masks[:, 1:] & (docs[:, 1:] == docs[:, :-1])
         labels = np.where(keep, toks[:, 1:], IGNORE_INDEX)
-        return (toks[:, :-1], labels, docs[:, :-1]) if self.packing else (toks[:, :-1], labels)
+        if not self.packing:
+            return toks[:, :-1], labels
+        docs = np.where(docs == self.n_docs[idx][:, None], -1, docs)  # padding: in no document
+        return toks[:, :-1], labels, docs[:, :-1]
 
     def max_token(self) -> int:
         return int(self.tokens.max())

@@ -33,8 +33,9 @@ class DDPStrategy(Strategy):
             return model
         return self._wrap(model)
 
-    def materialize(self, model: nn.Module, seed: int, init: bool = True) -> nn.Module:
-        model = super().materialize(model, seed, init)
+    def materialize(self, model: nn.Module, seed: int, init: bool = True,
+                    names: dict[str, str] | None = None) -> nn.Module:
+        model = super().materialize(model, seed, init, names)
         if not self.active or self._fp32_main_grads or isinstance(model, DistributedDataParallel):
             return model
         return self._wrap(model, values=init)

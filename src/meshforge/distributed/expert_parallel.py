@@ -147,10 +147,13 @@ def _outside_selective_ac(fn, *args):
     return fn(*args)
 
 
-def apply_ep(model: nn.Module, mesh_ctx, dcfg, strategy) -> nn.Module:
-    """Split every MoE layer's experts over `ep` and hand them over to the strategy; see the module docstring."""
+def apply_ep(model: nn.Module, mesh_ctx, dcfg, strategy, required: bool = True) -> nn.Module:
+    """Split every MoE layer's experts over `ep` and hand them over to the strategy; see the module docstring.
+    `required=False` (a pipeline stage): a model without MoE layers is left as it is."""
     contract = contract_of(model)
     layers = contract.moe_layers()
+    if not layers and not required:
+        return model
     if not layers:
         raise ConfigError(f"distributed.ep_size={mesh_ctx.ep_size} but the model ({type(model).__name__}) has no "
                           "MoE layers: use an MoE preset (e.g. tiny_moe) or set ep_size 1")

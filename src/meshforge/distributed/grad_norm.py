@@ -30,8 +30,11 @@ def grad_of(p: torch.Tensor) -> torch.Tensor | None:
     return main if main is not None else p.grad
 
 
-def total_grad_norm(params: list[torch.Tensor], mesh_ctx=None, extra_sq: torch.Tensor | None = None) -> torch.Tensor:
-    grads = [g for g in map(grad_of, params) if g is not None]
+def total_grad_norm(params: list[torch.Tensor], mesh_ctx=None, extra_sq: torch.Tensor | None = None,
+                    uncounted: set[int] = frozenset()) -> torch.Tensor:
+    """The global 2-norm of `params`' gradients; `uncounted`: ids of parameters left out (a tied weight's second
+    copy on another pipeline stage, counted by its first)."""
+    grads = [g for g in (grad_of(p) for p in params if id(p) not in uncounted) if g is not None]
     groups: dict = {}
     for g in grads:
         groups.setdefault(_group_key(g), []).append(g)
@@ -52,8 +55,9 @@ def total_grad_norm(params: list[torch.Tensor], mesh_ctx=None, extra_sq: torch.T
     return sq.sqrt()
 
 
-def clip_grad_norm_(params: list[torch.Tensor], max_norm: float | None, mesh_ctx=None) -> torch.Tensor:
-    norm = total_grad_norm(params, mesh_ctx)
+def clip_grad_norm_(params: list[torch.Tensor], max_norm: float | None, mesh_ctx=None,
+                    uncounted: set[int] = frozenset()) -> torch.Tensor:
+    norm = total_grad_norm(params, mesh_ctx, uncounted=uncounted)
     if max_norm is not None:
         grads_params = [p for p in params if p.grad is not None]
         by_key: dict = {}

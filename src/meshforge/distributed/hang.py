@@ -34,9 +34,11 @@ import torch.distributed as dist
 HANG_EXIT = 5  # a collective hung: the summary names where
 RECENT = 16  # collectives remembered per process group
 ANSWER_WAIT_S = 15.0  # how long the reporting rank waits for the other ranks' answers
+# (not isend/irecv: torch's P2POp accepts only torch's own two functions, and the pipeline schedules build
+# `P2POp(dist.isend, ...)` at call time: a wrapper there failed every pipeline-parallel run on gloo)
 _OPS = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "reduce_scatter",
         "reduce_scatter_tensor", "broadcast", "broadcast_object_list", "all_to_all", "all_to_all_single", "barrier",
-        "reduce", "gather", "scatter", "send", "recv", "isend", "irecv")
+        "reduce", "gather", "scatter", "send", "recv")
 
 
 class _Recorder:

@@ -53,7 +53,9 @@ class Parallelized:
 
 def parallelize_model(model: nn.Module, mesh_ctx: MeshContext, dcfg, device: torch.device | None = None,
                       compile: bool | str = False, fp8=None, precision: str = "fp32",
-                      compile_backend: str = "inductor", fused_loss: bool = False) -> Parallelized:
+                      compile_backend: str = "inductor", fused_loss: bool = False, stage: bool = False) -> Parallelized:
+    """`stage`: a pipeline stage, which may hold no MoE layer under expert parallelism (an embedding-only first
+    stage, DeepSeek-V3's dense first blocks)."""
     device = device or torch.device("cpu")
     strategy = build_strategy(dcfg, mesh_ctx, device)
     strategy.param_dtype = torch.bfloat16 if precision == "bf16_params" else None
@@ -67,7 +69,7 @@ def parallelize_model(model: nn.Module, mesh_ctx: MeshContext, dcfg, device: tor
         out.batch_transform = apply_cp(model, mesh_ctx, dcfg)
         share_moe_batch_stats(model, mesh_ctx)  # MoE aux loss over the whole micro batch (no-op for dense)
     if mesh_ctx.ep_size > 1:
-        apply_ep(model, mesh_ctx, dcfg, strategy)
+        apply_ep(model, mesh_ctx, dcfg, strategy, required=not stage)
     blocks = blocks_of(model, dcfg.block_classes)
     apply_activation_checkpointing(blocks, dcfg.ac_mode)
     if compile_enabled(compile, device):

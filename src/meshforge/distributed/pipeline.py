@@ -26,6 +26,13 @@ pp_size > 1) returns a `PipelineParallelModel`:
   n_microbatches, so the loss is multiplied by it first.
 - The logged loss (the cross-entropy sum) is broadcast from the last stage's
   rank over the pp group, then summed over dp and divided by the count.
+- Packed sequences: the document ids and restarting positions are keyword inputs of the schedule step, which
+  splits them into microbatches with the inputs and hands them to every stage.
+- MoE stages (`pipeline_moe.py`): each non-last stage attaches its aux loss to its output, counted once per
+  microbatch; weights tied across the first and the last stage (`pipeline_ties.py`): the last stage holds a
+  copy, the two gradients are summed every step.
+- Uneven ends and any number of stages per rank come from the plan (`first_stage_layers`, `last_stage_layers`,
+  `virtual_stages_per_rank`): a stage may hold no block (the embedding alone, the head alone).
 - Every stage takes the run's numerics as a whole model would: float8 linears,
   bf16_params (the strategy's fp32 shards, or the stage cast to bf16 with its
   masters in the optimizer), and the fused loss on the last stage, whose
@@ -41,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torch.distributed.pipelining import PipelineStage, schedules
+from torch.distributed.pipelining import schedules
 from torch.distributed.tensor import DTensor
 
 from meshforge.distributed.context_parallel import load_balanced_indices
@@ -49,7 +56,9 @@ from meshforge.distributed.grad_norm import clip_grad_norm_
 from meshforge.distributed.master_weights import keep_masters
 from meshforge.distributed.mesh import MeshContext
 from meshforge.distributed.parallelize import Parallelized, parallelize_model, set_fused_loss
-from meshforge.distributed.runtime import ParallelModel
+from meshforge.distributed.pipeline_moe import Stage, aux_loss_weight, carry_aux_loss
+from meshforge.distributed.pipeline_ties import TiedEnds, stage_aliases, whole_model_ties
+from meshforge.distributed.runtime import ParallelModel, packed_positions
 from meshforge.errors import ConfigError, PipelinePlanError
 from meshforge.models import (
     build_model,
@@ -101,19 +110,23 @@ def prune_to_stage(model: nn.Module, blocks: tuple[int, ...], first: bool, last:
     return model
 
 
-def build_stage_module(cfg, plan: PipelinePlan, stage: int, device: torch.device, meta: bool) -> nn.Module:
-    """Stage `stage` of the model, with the whole model's parameter names; initialised unless `meta`."""
+def build_stage_module(cfg, plan: PipelinePlan, stage: int, device: torch.device, meta: bool,
+                       ties: list[list[str]] = ()) -> tuple[nn.Module, dict[str, str]]:
+    """Stage `stage` of the model, with the whole model's parameter names, initialised unless `meta`; and its
+    copies of weights tied to another stage ({name: the tied weight's first name}, `pipeline_ties`; `ties`: the
+    whole model's tied names)."""
     model = build_model(cfg.model, device="meta" if meta else None)
     if contract_of(model).pipeline_layout() is None:
         raise ConfigError(f"distributed.pp_size={plan.pp}: the model ({type(model).__name__}) declares no pipeline "
                           "layout: use a built-in model or pp_size 1")
     prune_to_stage(model, plan.stage_layers[stage], stage == 0, stage == plan.num_stages - 1)
+    aliases = stage_aliases(ties, model)
     if cfg.peft is not None:  # adapters on the stage's own layers, initialised by name like everything else
         apply_lora(model, cfg.peft)
-    if not meta:
-        init_weights(model, cfg.run.seed)  # a function of (seed, name) only: equals the single-process init
+    if not meta:  # a function of (seed, name) only: equals the single-process init (a tied copy: its first name's)
+        init_weights(model, cfg.run.seed, names=aliases)
         model.to(device)
-    return model
+    return model, aliases
 
 
 def _stage_positions(module: nn.Module, seq_shard: int, cp_size: int, cp_rank: int) -> None:
@@ -166,14 +179,16 @@ class PipelineParallelModel(ParallelModel):
     """The stages this rank runs (`parts`, in stage order) and the schedule that drives them."""
 
     def __init__(self, parts: list[Parallelized], stage_ids: list[int], plan: PipelinePlan, mesh_ctx: MeshContext,
-                 device: torch.device, precision: str, scale_grads_in_schedule: bool, shell_factory):
+                 device: torch.device, precision: str, scale_grads_in_schedule: bool, shell_factory,
+                 ties: list[list[str]] = (), tied_aliases: dict[int, dict[str, str]] | None = None):
         super().__init__(parts, mesh_ctx, device, precision)
         self.plan, self.stage_ids = plan, stage_ids
         self.scale_in_schedule = scale_grads_in_schedule
         self.pp_group = mesh_ctx.group("pp")
         self.has_first = 0 in stage_ids
         self.has_last = plan.num_stages - 1 in stage_ids
-        self.stages = [PipelineStage(part, s, plan.num_stages, device, group=self.pp_group)
+        self.stages = [Stage(part, s, plan.num_stages, device, group=self.pp_group,
+                              moe_layers=contract_of(self.strategy.unwrap(part)).moe_layers())
                        for part, s in zip(self.parts, stage_ids)]
         # the loss runs on the last stage, under that stage's loss context (vocabulary-parallel loss under TP)
         self.loss_context = parts[stage_ids.index(plan.num_stages - 1)].loss_context if self.has_last \
@@ -183,6 +198,8 @@ class PipelineParallelModel(ParallelModel):
         self._scale: torch.Tensor | None = None  # (dp*cp) / the step's global label count, set per step
         self._merged: nn.Module | None = None
         self._shell_factory = shell_factory
+        stages = {s: self.strategy.unwrap(p) for s, p in zip(stage_ids, self.parts)}
+        self.tied = TiedEnds(stages, ties, tied_aliases or {}, plan.num_stages, plan.stage_rank, mesh_ctx)
         self.schedule = self._make_schedule()
 
     def _make_schedule(self):
@@ -196,8 +213,9 @@ class PipelineParallelModel(ParallelModel):
         shapes, dtypes and requires_grad of one micro batch's): torch's static stage metadata. The schedule then
         runs no metadata-inference pass on its first step (an extra forward and backward per stage, and pickled
         metadata sent between pp ranks), which a fake process group (the scale trace) cannot carry."""
-        self.stages = [PipelineStage(part, s, self.plan.num_stages, self.device, input_args=examples[s][0],
-                                     output_args=examples[s][1], group=self.pp_group)
+        self.stages = [Stage(part, s, self.plan.num_stages, self.device, input_args=examples[s][0],
+                             output_args=examples[s][1], group=self.pp_group,
+                             moe_layers=contract_of(self.strategy.unwrap(part)).moe_layers())
                        for part, s in zip(self.parts, self.stage_ids)]
         self.schedule = self._make_schedule()
 
@@ -205,53 +223,60 @@ class PipelineParallelModel(ParallelModel):
         parts = lm_loss(self._head.rejoin(output), target)  # inside the loss context `forward_backward` opens
         self._ces.append(parts.ce_sum.detach().float())
         n = self.plan.n_microbatches
-        loss = parts.ce_sum * self._scale  # what the gradients must see, after the schedule's own scaling
-        if parts.aux is not None:
-            loss = loss + parts.aux / n
-        return loss * n if self.scale_in_schedule else loss
+        loss = parts.ce_sum * self._scale * (n if self.scale_in_schedule else 1)  # after the schedule's own scaling
+        if parts.aux is not None:  # the last stage's MoE layers (the others attach theirs: `carry_aux_loss`)
+            loss = loss + parts.aux * aux_loss_weight(self.plan, self.scale_in_schedule)
+        return loss
 
-    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """One schedule step over this rank's whole batch; returns the mean cross-entropy (same on every rank)."""
-        x = torch.cat([mb[0] for mb in micro_batches]).to(self.device, non_blocking=True)
-        y = torch.cat([mb[1] for mb in micro_batches]).to(self.device, non_blocking=True)
-        self._ces = []
-        count = self.global_label_count([y])
+    def _rank_batch(self, micro_batches: list[tuple[torch.Tensor, ...]], clamp: bool = True):
+        """This rank's whole batch for one schedule step: (inputs, labels, the stages' keyword inputs, the global
+        label count). Packed sequences bring their document ids and restarting positions as keyword inputs, which
+        the schedule splits into microbatches with the inputs and hands to every stage (each masks its attention
+        by document; an MoE stage keeps padding out of its router statistics)."""
+        x, y, *docs = (torch.cat(parts).to(self.device, non_blocking=True) for parts in zip(*micro_batches))
+        count = self.global_label_count([y], clamp=clamp)
+        kwargs = {}
+        if docs:  # (config rules refuse packing with cp under pp: cp's mask reads one micro batch's ids at a time)
+            kwargs = {"positions": packed_positions(docs[0]), "document_ids": docs[0]}
         if self.batch_transform is not None:  # this cp rank's share; the stages add its positions
             x, y, _ = self.batch_transform(x, y)
+        return x, y, kwargs, count
+
+    def forward_backward(self, micro_batches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+        """One schedule step over this rank's whole batch; returns the mean cross-entropy (same on every rank)."""
+        x, y, kwargs, count = self._rank_batch(micro_batches)
+        self._ces = []
         self._scale = self.mesh_ctx.size("dp_cp") / count
         args = (x,) if self.has_first else ()
         # the loss context (vocabulary-parallel loss under TP) must also cover the loss's backward, which the
         # schedule runs later, outside `_loss_fn`: it wraps the whole step (it only touches the loss ops)
         with self.autocast(), self.loss_context():
-            self.schedule.step(*args, target=y if self.has_last else None, return_outputs=False)
+            self.schedule.step(*args, target=y if self.has_last else None, return_outputs=False, **kwargs)
         for part in self.parts:
             self.strategy.finish_grad_sync(part)
+        self.tied.sum_grads()
         if self.has_last:
             n = self.plan.n_microbatches  # the first step also runs the loss once to infer stage metadata
             if len(self._ces) < n:
                 raise RuntimeError(f"pipeline computed {len(self._ces)} losses for {n} microbatches")
-            loss = torch.stack(self._ces[-n:]).sum().to(self.device)
-        else:
-            loss = torch.zeros((), device=self.device)
-        dist.broadcast(loss, group=self.pp_group, group_src=self.plan.last_stage_rank)
-        return self.reduce_loss(loss, count)
+        return self.reduce_loss(self._last_stage_sum(), count)
 
-    @torch.no_grad()
-    def evaluate(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward only through the schedule (`schedule.eval`): (cross-entropy sum, label count), every rank."""
-        x = torch.cat([mb[0] for mb in micro_batches]).to(self.device, non_blocking=True)
-        y = torch.cat([mb[1] for mb in micro_batches]).to(self.device, non_blocking=True)
-        count = self.global_label_count([y], clamp=False)
-        if self.batch_transform is not None:
-            x, y, _ = self.batch_transform(x, y)
-        self._ces, self._scale = [], torch.ones((), device=self.device)
-        with self.autocast(), self.loss_context():
-            self.schedule.eval(*((x,) if self.has_first else ()), target=y if self.has_last else None)
+    def _last_stage_sum(self) -> torch.Tensor:
+        """The step's cross-entropy sum (the last `n_microbatches` losses), from the last stage to every pp rank."""
         n = self.plan.n_microbatches
         total = torch.stack(self._ces[-n:]).sum().to(self.device) if self.has_last \
             else torch.zeros((), device=self.device)
         dist.broadcast(total, group=self.pp_group, group_src=self.plan.last_stage_rank)
-        return self.reduce_loss(total, torch.ones((), device=self.device)), count
+        return total
+
+    @torch.no_grad()
+    def evaluate(self, micro_batches: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward only through the schedule (`schedule.eval`): (cross-entropy sum, label count), every rank."""
+        x, y, kwargs, count = self._rank_batch(micro_batches, clamp=False)
+        self._ces, self._scale = [], torch.ones((), device=self.device)
+        with self.autocast(), self.loss_context():
+            self.schedule.eval(*((x,) if self.has_first else ()), target=y if self.has_last else None, **kwargs)
+        return self.reduce_loss(self._last_stage_sum(), torch.ones((), device=self.device)), count
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         """The strategy's groups of every local stage, merged by hyperparameters (and DTensor or not, which
@@ -307,9 +332,16 @@ class PipelineParallelModel(ParallelModel):
         return merged
 
     def clip_grad_norm_(self, max_norm: float | None) -> torch.Tensor:
-        # always the multi-part path: it adds the squares of every stage over the pp group
+        # always the multi-part path: it adds the squares of every stage over the pp group; a tied weight's copy on
+        # the last stage is clipped but not counted (the first stage counts the weight)
         params = [p for part in self.parts for p in part.parameters()]
-        return clip_grad_norm_(params, max_norm, self.mesh_ctx)
+        return clip_grad_norm_(params, max_norm, self.mesh_ctx, uncounted=self.tied.copy_params())
+
+    def optimizer_state_dict(self, optimizer, full: bool = False) -> dict:
+        return self.tied.to_canonical(super().optimizer_state_dict(optimizer, full))
+
+    def load_optimizer_state_dict(self, optimizer, state_dict: dict) -> None:
+        super().load_optimizer_state_dict(optimizer, self.tied.from_canonical(state_dict))
 
 
 def _stage_numerics(cfg, module: nn.Module, last: bool) -> dict:
@@ -324,19 +356,24 @@ def build_pipeline_model(cfg, mesh_ctx: MeshContext, device: torch.device, meta:
     plan = plan_for(cfg, mesh_ctx)
     schedule_class(plan.schedule)  # fail before building anything if torch lacks it
     dcfg = cfg.distributed
+    scale_in_schedule = dcfg.pipeline_or_default.scale_grads_in_schedule
     stage_ids = plan.rank_stages(mesh_ctx.pp_rank)
-    parts = []
+    parts, aliases = [], {}
+    ties = whole_model_ties(build_model(cfg.model, device="meta"))
     for s in stage_ids:
-        module = build_stage_module(cfg, plan, s, device, meta)
+        module, aliases[s] = build_stage_module(cfg, plan, s, device, meta, ties)
         seq_shard = mesh_ctx.tp_size if s > 0 and dcfg.sequence_parallel else 1
         if seq_shard > 1 or mesh_ctx.cp_size > 1:
             _stage_positions(module, seq_shard, mesh_ctx.cp_size, mesh_ctx.cp_rank)
         part = parallelize_model(module, mesh_ctx, dcfg, device, compile=cfg.training.compile,
-                                 compile_backend=cfg.training.compile_backend,
+                                 compile_backend=cfg.training.compile_backend, stage=True,
                                  **_stage_numerics(cfg, module, last=s == plan.num_stages - 1))
+        if s != plan.num_stages - 1:
+            carry_aux_loss(part.model, aux_loss_weight(plan, scale_in_schedule))
         if meta:  # shape_only: see `distributed.build.build_parallel_model`
             with shape_only or contextlib.nullcontext():
-                part.model = part.strategy.materialize(part.model, cfg.run.seed, init=shape_only is None)
+                part.model = part.strategy.materialize(part.model, cfg.run.seed, init=shape_only is None,
+                                                       names=aliases[s])
         keep_masters(part.model, part.strategy, cfg.training.precision)
         parts.append(part)
 
@@ -344,4 +381,4 @@ def build_pipeline_model(cfg, mesh_ctx: MeshContext, device: torch.device, meta:
         return prune_to_stage(build_model(cfg.model, device="meta"), (), first=False, last=False)
 
     return PipelineParallelModel(parts, stage_ids, plan, mesh_ctx, device, cfg.training.precision,
-                                 dcfg.pipeline_or_default.scale_grads_in_schedule, shell_factory=shell)
+                                 scale_in_schedule, shell_factory=shell, ties=ties, tied_aliases=aliases)

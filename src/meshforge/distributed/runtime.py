@@ -98,7 +98,7 @@ class ParallelModel:
     def _forward(self, model, micro_batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """(the model's output, the labels it answers) on one micro batch `(inputs, labels[, document ids])`, after
         the batch transform (this rank's cp share); packed sequences (document ids) get positions that restart per
-        document and a document mask (config rules refuse packing with pp)."""
+        document and a document mask (the pipeline hands them to its stages itself)."""
         x, y, *docs = micro_batch
         positions = packed_positions(docs[0]) if docs else None
         if self.batch_transform is not None:
@@ -161,6 +161,13 @@ class ParallelModel:
         """What the strategy's state-dict methods take: the parallelised parts (the strategy sees through
         its own wrappers)."""
         return self.parts
+
+    def optimizer_state_dict(self, optimizer, full: bool = False) -> dict:
+        """The optimizer's state by parameter name (checkpoints), through the strategy."""
+        return self.strategy.optimizer_state_dict(self.state_parts(), optimizer, full=full)
+
+    def load_optimizer_state_dict(self, optimizer, state_dict: dict) -> None:
+        self.strategy.load_optimizer_state_dict(self.state_parts(), optimizer, state_dict)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter as a full CPU tensor under the whole model's names; all ranks must call."""

@@ -120,10 +120,12 @@ class Strategy:
     def zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
 
-    def materialize(self, model: nn.Module, seed: int, init: bool = True) -> nn.Module:
+    def materialize(self, model: nn.Module, seed: int, init: bool = True,
+                    names: dict[str, str] | None = None) -> nn.Module:
         """Allocate a meta-device model on the device and initialise it exactly like a full one would be
-        (`init=False`: allocate only, for a run whose values are never read: the scale trace's fake tensors).
-        Returns the module to run: a strategy whose wrapper needs real parameters wraps here."""
+        (`init=False`: allocate only, for a run whose values are never read: the scale trace's fake tensors;
+        `names`: as `models.init_weights`). Returns the module to run: a strategy whose wrapper needs real
+        parameters wraps here."""
 
         def copy(p, full):
             if isinstance(p, DTensor):
@@ -135,7 +137,7 @@ class Strategy:
         inner = self.unwrap(model)
         inner.to_empty(device=self.param_device)
         if init:
-            init_weights(inner, seed, copy_fn=copy)
+            init_weights(inner, seed, copy_fn=copy, names=names)
         if self.param_device != self.device:  # buffers compute on the device
             for m in inner.modules():
                 for k, b in m._buffers.items():

@@ -13,6 +13,12 @@ Styles (torch's `parallelize_module` styles, placed the way torchtitan places th
   post-norms): its output is the plain local sequence shard, as the residual stream is.
 - `sequence_gather` (model plans only, with sequence parallelism): the module's first input arrives sequence
   sharded and is all-gathered once for all the column-wise projections inside (attention, MLP).
+- `sequence_gather_scatter` (with sequence parallelism): the module's first input is gathered as by
+  `sequence_gather`, and its output is split back to this rank's sequence shard, whose backward all-gathers the
+  gradient. For a module every tp rank computes whole (an MoE's router and routed experts, which TP does not split):
+  each rank then backpropagates the whole sequence, so the replicated weights get identical gradients everywhere.
+- `rowwise_full`: `RowwiseParallel` whose output is all-reduced to the whole sequence even with sequence
+  parallelism (the shared experts inside a `sequence_gather_scatter` MoE, added to its whole routed output).
 - `vocab_embedding`: `RowwiseParallel` on the embedding, vocabulary sharded.
 - `vocab_output`: `ColwiseParallel` on the output projection with `use_local_output=False`: the logits stay a
   vocabulary-sharded DTensor and the loss runs under `loss_parallel()` (the returned loss context), so the
@@ -164,6 +170,20 @@ class _GatheredView:
     spec: Any
 
 
+def _to_shard(out: torch.Tensor, mesh) -> torch.Tensor:
+    """A whole-sequence output every tp rank holds alike -> this rank's sequence shard (backward: all-gather)."""
+    return DTensor.from_local(out, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(1)]).to_local()
+
+
+class SequenceGatherScatter(SequenceGather):
+    """`SequenceGather` on the input, and the output split back to the sequence shard (see the module docstring)."""
+
+    def _apply(self, module, mesh):
+        module = super()._apply(module, mesh)
+        module.register_forward_hook(lambda m, args, out: _to_shard(out, mesh))
+        return module
+
+
 class ReplicateSP(ParallelStyle):
     """A replicated module inside a sequence-parallel model: full input in; optionally re-shard the output."""
 
@@ -175,11 +195,7 @@ class ReplicateSP(ParallelStyle):
         if self.gather_input:
             module.register_forward_pre_hook(lambda m, args: (_to_full(args[0], mesh),) + tuple(args[1:]))
         if self.shard_output:
-            def shard(m, args, out):
-                return DTensor.from_local(out, mesh, [Replicate()], run_check=False).redistribute(
-                    mesh, [Shard(1)]).to_local()
-
-            module.register_forward_hook(shard)
+            module.register_forward_hook(lambda m, args, out: _to_shard(out, mesh))
         return module
 
 
@@ -266,9 +282,11 @@ def _styles(sequence_parallel: bool, save_shard: bool) -> dict[str, ParallelStyl
     return {
         "colwise": ColwiseParallel(),
         "rowwise": RowwiseParallel(output_layouts=seq),
+        "rowwise_full": RowwiseParallel(output_layouts=Replicate()),
         "sequence_parallel": SequenceParallel(),
         "sequence_parallel_residual": SequenceParallel(use_local_output=True),
         "sequence_gather": SequenceGather(save_shard),
+        "sequence_gather_scatter": SequenceGatherScatter(save_shard),
         "shared_input": SharedInput(),
         "vocab_embedding": EmbeddingParallel(input_layouts=Replicate(), output_layouts=seq),
         "vocab_output": ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False),
@@ -328,7 +346,8 @@ def apply_tp(model: nn.Module, mesh_ctx, dcfg) -> Callable[[], AbstractContextMa
 # LoRA factors follow their base layer's style: y = W x + B A x with W split by rows (colwise) needs B split by
 # rows and A whole; with W split by columns (rowwise, input sharded) A is split by columns and B whole, the
 # two partial sums (W x, B A x) reduced together by the style's output redistribution
-_ADAPTER_PLACEMENTS = {"colwise": ([Replicate()], [Shard(0)]), "rowwise": ([Shard(1)], [Replicate()])}
+_ADAPTER_PLACEMENTS = {"colwise": ([Replicate()], [Shard(0)]), "rowwise": ([Shard(1)], [Replicate()]),
+                       "rowwise_full": ([Shard(1)], [Replicate()])}
 _ADAPTER_PLACEMENTS.update(colwise_gather=_ADAPTER_PLACEMENTS["colwise"], rowwise_split=_ADAPTER_PLACEMENTS["rowwise"])
 
 

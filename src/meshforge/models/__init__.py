@@ -155,12 +155,14 @@ def param_init_tensor(model, name: str, shape, seed: int):
     return torch.empty(shape).normal_(0.0, std, generator=g)
 
 
-def init_weights(model, seed: int, copy_fn=None) -> None:
+def init_weights(model, seed: int, copy_fn=None, names: dict[str, str] | None = None) -> None:
     """Initialise every parameter of a plain (unsharded) model in place from `param_init_tensor`.
 
     `copy_fn(param, full)` lets the distributed package write a sharded parameter
-    from its full value; the default copies into a plain tensor.
+    from its full value; the default copies into a plain tensor. `names` maps a parameter to the whole model's
+    name it takes its value from (a pipeline stage's copy of a weight tied to another stage's).
     """
+    names = names or {}
     import torch
 
     seen = set()
@@ -169,7 +171,7 @@ def init_weights(model, seed: int, copy_fn=None) -> None:
             if id(p) in seen:  # tied weights: the first name wins
                 continue
             seen.add(id(p))
-            full = param_init_tensor(model, name, tuple(p.shape), seed)
+            full = param_init_tensor(model, names.get(name, name), tuple(p.shape), seed)
             if copy_fn is not None:
                 copy_fn(p, full)
             else:

@@ -175,9 +175,11 @@ class DeepSeekV3(Llama):
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin = mla_rope(positions, self.args)
         mask = cache_mask(cache, tokens, document_ids)
+        in_document = None if document_ids is None else document_ids >= 0  # padding: out of router statistics
         aux = None
         for i, block in enumerate(self.layers.values()):
-            h = block_forward(block, h, cos, sin, mask, cache, i)
+            h = block_forward(block, h, cos, sin, mask, cache, i,
+                              in_document if isinstance(block.feed_forward, MoE) else None)
             aux = take_aux_loss(block.feed_forward, aux)
         if self.norm is not None:
             h = self.norm(h)

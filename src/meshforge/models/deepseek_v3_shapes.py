@@ -120,12 +120,16 @@ def tp_plan(a: ModelArgs, sequence_parallel: bool = False) -> dict[str, str]:
     if a.n_shared_experts and any(is_sparse(a, i) for i in range(a.n_layers)):
         plan.update({"layers.*.feed_forward.shared_experts.w1": "colwise",
                      "layers.*.feed_forward.shared_experts.w3": "colwise",
-                     "layers.*.feed_forward.shared_experts.w2": "rowwise"})
+                     "layers.*.feed_forward.shared_experts.w2": "rowwise_full" if sequence_parallel else "rowwise"})
     plan["output"] = "vocab_output"
     if sequence_parallel:
         plan.update({"layers.*.attention_norm": "sequence_parallel", "layers.*.ffn_norm": "sequence_parallel",
                      "norm": "sequence_parallel", "layers.*.attention": "sequence_gather",
                      "layers.*.feed_forward": "sequence_gather"})
+        # an MoE gathers the sequence in and re-shards its output, as models/shapes.py's `moe_tp_plan` (its shared
+        # experts' row-wise projection returns the whole sequence, to which the routed output is added)
+        plan.update({f"layers.{i}.feed_forward": "sequence_gather_scatter" for i in range(a.n_layers)
+                     if is_sparse(a, i)})
     return plan
 
 

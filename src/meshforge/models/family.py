@@ -65,8 +65,9 @@ class Family:
     # its model masks sliding windows exactly (per layer, also under context parallelism and packing), so
     # `training.seq_len` may exceed `model.sliding_window` (Mistral's model does not: a rule refuses that)
     exact_windows: bool = False
-    # its MoE model's forward masks packed documents (every dense model's does); `models.packing_problem` asks
-    packs_documents: bool = False
+    # its MoE model's forward masks packed documents and keeps padding out of its router statistics (the default
+    # model, models/moe.py's, does; a family with a model of its own says whether its does; every dense model does)
+    packs_documents: bool = True
 
     def model_class(self, args: ModelArgs) -> type:
         return _resolve(self.model)(args)

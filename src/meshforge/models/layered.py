@@ -4,8 +4,8 @@ It is Llama's forward with what those families add: each block brings its own ro
 models/layer_types.py; the tables of one forward are computed once per distinct table), a sliding window in its
 attention slot, an embedding scale and a final logit soft-cap where the family has them, the auxiliary loss of
 MoE blocks collected as `MoETransformer` does, and generation's KV cache (`cache=`, as Llama). Packed sequences
-(document ids) mask every layer; the window is applied on top of the document (or cache) mask by each layer's
-attention (models/attention.py).
+(document ids) mask every layer and keep padding out of MoE blocks' router statistics; the window is applied on
+top of the document (or cache) mask by each layer's attention (models/attention.py).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from meshforge.models import rope
 from meshforge.models.kv_cache import KVCache
 from meshforge.models.llama import Llama, block_forward, cache_mask
 from meshforge.models.materialize import build_children
+from meshforge.models.moe import MoE
 
 
 class LayeredDecoder(Llama):
@@ -46,13 +47,15 @@ class LayeredDecoder(Llama):
             if self.embed_scale is not None:  # rounded to fp32, then to the embedding's dtype, as transformers does
                 h = h * torch.tensor(self.embed_scale, dtype=torch.float32, device=h.device).to(h.dtype)
         mask = cache_mask(cache, tokens, document_ids)
+        in_document = None if document_ids is None else document_ids >= 0  # padding: out of router statistics
         tables: dict = {}
         aux = None
         for i, block in enumerate(self.layers.values()):
             if block.rope not in tables:
                 tables[block.rope] = rope.tables(positions, self.args.hd, block.rope)
             cos, sin = tables[block.rope]
-            h = block_forward(block, h, cos, sin, mask, cache, i)
+            h = block_forward(block, h, cos, sin, mask, cache, i,
+                              in_document if isinstance(block.feed_forward, MoE) else None)
             ff_aux = getattr(block.feed_forward, "aux_loss", None)
             if ff_aux is not None:
                 aux = ff_aux if aux is None else aux + ff_aux

@@ -204,11 +204,14 @@ class TransformerBlock(nn.Module):
         build_children(self, shapes.block(args))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask=None,
-                cache: LayerCache | None = None) -> torch.Tensor:
+                cache: LayerCache | None = None, in_document: torch.Tensor | None = None) -> torch.Tensor:
+        """`in_document` (packed sequences, an MoE feed-forward only): (B, S) True where a token belongs to a
+        document, so padding never reaches the router's statistics."""
         attn_in = self.attention_norm(x)
         h = x + (self.attention(attn_in, cos, sin, mask) if cache is None else
                  self.attention(attn_in, cos, sin, mask, cache))
-        return h + self.feed_forward(self.ffn_norm(h))
+        ff_in = self.ffn_norm(h)
+        return h + (self.feed_forward(ff_in) if in_document is None else self.feed_forward(ff_in, in_document))
 
 
 def cache_mask(cache: KVCache | None, tokens: torch.Tensor, document_ids: torch.Tensor | None):
@@ -219,10 +222,14 @@ def cache_mask(cache: KVCache | None, tokens: torch.Tensor, document_ids: torch.
     return None if document_ids is None else document_mask(document_ids)
 
 
-def block_forward(block: nn.Module, h: torch.Tensor, cos, sin, mask, cache: KVCache | None, i: int) -> torch.Tensor:
-    """Block `i` on `h`, passing only the arguments in use (wrappers see training's exact call)."""
+def block_forward(block: nn.Module, h: torch.Tensor, cos, sin, mask, cache: KVCache | None, i: int,
+                  in_document: torch.Tensor | None = None) -> torch.Tensor:
+    """Block `i` on `h`, passing only the arguments in use (wrappers see training's exact call); `in_document`
+    (packed sequences, for a block whose feed-forward is an MoE): see `TransformerBlock.forward`."""
     if cache is not None:
         return block(h, cos, sin, mask, cache.at(i))
+    if in_document is not None:
+        return block(h, cos, sin, mask, in_document=in_document)
     return block(h, cos, sin) if mask is None else block(h, cos, sin, mask)
 
 

@@ -11,7 +11,10 @@ Per block, `feed_forward` is an `MoE`:
   aux     -> the Switch-Transformer load-balancing loss coeff * E * sum_e f_e * P_e (f_e: fraction of
              token copies sent to e, not differentiable; P_e: mean router probability of e, differentiable),
              summed over layers and returned by `MoETransformer.forward` as `(logits, aux_loss)` in training,
-             so `models.loss.lm_loss` adds it to the loss and its gradient reaches the router.
+             so `models.loss.lm_loss` adds it to the loss and its gradient reaches the router. With packed
+             sequences only tokens in a document count (document id >= 0; padding is -1): padding is routed and
+             computed like any token but never reaches f_e, P_e or `last_counts`, and attention keeps every
+             document's tokens (so their routing) independent of the other documents of the row.
 
 Why the aux loss is collected as it is: the block keeps `TransformerBlock`'s forward (`h -> h`), so the MoE
 leaves its aux loss on itself (`MoE.aux_loss`) and the model's forward collects it right after each block.
@@ -121,6 +124,10 @@ class Router(nn.Module):
         if self.route_norm:
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
         return scores, idx, weights
+
+    def forget_routing(self) -> None:
+        """Drop stored decisions no recompute will replay (a forward whose backward never ran)."""
+        self._routing_fifo.clear()
 
     def _select(self, choice: torch.Tensor) -> torch.Tensor:
         """The top-k expert ids of the (detached) selection scores."""
@@ -257,8 +264,19 @@ class MoE(nn.Module):
         # a buffer: DDP would overwrite buffers with rank 0's at every forward)
         self.expert_load: torch.Tensor | None = None
 
-    def load_balance_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """coeff * E * sum_e f_e * P_e over the micro batch's tokens.
+    def router_counts(self, idx: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        """Token copies per expert that the router statistics count: all of them, or (packed sequences) those of
+        tokens in a document (`keep`, (T,) bool; padding is in none), without a host sync."""
+        if keep is None:
+            return torch.bincount(idx.reshape(-1), minlength=self.n_experts)
+        weights = keep.unsqueeze(-1).expand_as(idx).reshape(-1).float()
+        # whole numbers: the int64 of the unweighted count (the balancing loads of the ranks are summed as one)
+        return torch.bincount(idx.reshape(-1), weights=weights, minlength=self.n_experts).long()
+
+    def load_balance_loss(self, scores: torch.Tensor, counts: torch.Tensor,
+                          keep: torch.Tensor | None = None) -> torch.Tensor:
+        """coeff * E * sum_e f_e * P_e over the micro batch's tokens (`keep`: only those in a document, with the
+        matching `router_counts`).
 
         With `stats_reducer` set (context parallelism: the micro batch's tokens are split over the cp ranks),
         the per-expert sums are added over those ranks first, so the value is the single-process one; the
@@ -266,8 +284,12 @@ class MoE(nn.Module):
         because the data-parallel reduction averages it over the cp ranks that each hold one share of it.
         """
         probs = scores if self.router.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
+        if keep is None:
+            n_tok = torch.tensor([float(probs.shape[0])], device=probs.device)
+        else:
+            probs = probs * keep.unsqueeze(-1).to(probs.dtype)
+            n_tok = keep.sum().reshape(1).to(probs.dtype)
         prob_sum = probs.sum(0)
-        n_tok = torch.tensor([float(probs.shape[0])], device=probs.device)
         counts = counts.to(probs.dtype)
         if self.stats_reducer is not None:
             total = self.stats_reducer(torch.cat([prob_sum.detach(), counts, n_tok]))
@@ -275,10 +297,12 @@ class MoE(nn.Module):
             prob_sum = prob_sum + (total[:e] - prob_sum.detach())  # global value, local gradient
             counts, n_tok = total[e:2 * e], total[2 * e:]
         frac = counts / counts.sum().clamp_min(1)
-        aux = self.aux_coeff * self.n_experts * (frac * prob_sum / n_tok).sum()
+        aux = self.aux_coeff * self.n_experts * (frac * prob_sum / n_tok.clamp_min(1)).sum()
         return _ScaleGrad.apply(aux, self.aux_grad_scale) if self.aux_grad_scale != 1.0 else aux
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, in_document: torch.Tensor | None = None) -> torch.Tensor:
+        """x: (..., dim); `in_document` (packed sequences): x's leading shape, True for tokens in a document. Every
+        token is routed and computed; only those in a document count in the router statistics and the aux loss."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         scores, idx, weights = self.router(x)
@@ -291,7 +315,9 @@ class MoE(nn.Module):
         flat = idx.reshape(-1)
         if counts_list is None:
             counts = torch.bincount(flat, minlength=self.n_experts)
-        aux = self.load_balance_loss(scores, counts)
+        keep = None if in_document is None else in_document.reshape(-1)
+        stat_counts = counts if keep is None else self.router_counts(idx, keep)
+        aux = self.load_balance_loss(scores, stat_counts, keep)
         order = torch.argsort(flat, stable=True)  # token copies grouped by expert, token order inside
         token = order // self.top_k
         xs = x[token]
@@ -304,10 +330,16 @@ class MoE(nn.Module):
             out = out + self.shared_experts(x)
         if not in_backward():  # a checkpoint recompute computes the same, but must not count it again
             self.aux_loss = aux
-            self.last_counts = counts.detach()
+            self.last_counts = stat_counts.detach()
             if self.router.has_bias and self.training and torch.is_grad_enabled():
-                self.expert_load = self.last_counts if self.expert_load is None else self.expert_load + counts
+                self.expert_load = self.last_counts if self.expert_load is None else self.expert_load + stat_counts
         return out.view(shape)
+
+    def forget_forward(self) -> None:
+        """Drop what a forward whose backward never runs left behind (a pipeline's metadata inference): its stored
+        routing decisions and the load it added to the balancing count."""
+        self.router.forget_routing()
+        self.expert_load = None
 
     def balance_load(self) -> torch.Tensor | None:
         """Token copies per expert (E,) routed by this rank's training forwards since the last `update_balance`,
@@ -351,15 +383,19 @@ class MoETransformer(Llama):
         """The MoE modules, in layer order (expert parallelism applies to these)."""
         return [m for m in self.modules() if isinstance(m, MoE)]
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None):
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None, cache: KVCache | None = None):
+        """As `Llama.forward`; packed sequences (`document_ids`, padding -1: in no document) also keep padding out
+        of the router statistics and the aux loss."""
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin = rope_cos_sin(positions, self.args)
-        mask = cache_mask(cache, tokens, None)
+        mask = cache_mask(cache, tokens, document_ids)
+        in_document = None if document_ids is None else document_ids >= 0
         aux = None
         for i, block in enumerate(self.layers.values()):
-            h = block_forward(block, h, cos, sin, mask, cache, i)
+            h = block_forward(block, h, cos, sin, mask, cache, i, in_document)
             aux = take_aux_loss(block.feed_forward, aux)
         if self.norm is not None:
             h = self.norm(h)

@@ -7,8 +7,8 @@ names in a declaration are dotted paths of `named_modules()` (patterns: `*` matc
 
 - `blocks()`: the repeated units in forward order. FSDP wraps each, activation checkpointing recomputes
   each, regional compilation compiles each.
-- `tp_plan(sequence_parallel)`: module-name pattern -> tensor-parallel style (`colwise`, `rowwise`,
-  `sequence_parallel`, `sequence_gather`, `vocab_embedding`, `vocab_output`), applied by
+- `tp_plan(sequence_parallel)`: module-name pattern -> tensor-parallel style (`colwise`, `rowwise`, `rowwise_full`,
+  `sequence_parallel`, `sequence_gather`, `sequence_gather_scatter`, `vocab_embedding`, `vocab_output`), applied by
   `distributed/tensor_parallel.py` and checked without processes by `planning/tp_plan.py`.
 - `pipeline_layout()`: the blocks as split points, plus the modules only the first stage holds (input
   embedding) and only the last stage holds (final norm, output head). A stage is the model with the other

@@ -383,11 +383,15 @@ def dense_tp_plan(sequence_parallel: bool = False) -> dict[str, str]:
 
 def moe_tp_plan(sequence_parallel: bool = False) -> dict[str, str]:
     """`MoETransformer.tp_plan`: attention and shared experts split as in Llama; router and routed experts stay
-    whole (EP splits those)."""
+    whole (EP splits those), so every tp rank computes them on the whole sequence. With sequence parallelism the MoE
+    gathers the sequence in and re-shards its output (as Megatron gathers tokens around its experts), and the shared
+    experts' row-wise projection returns the whole sequence, which the routed output is added to."""
     plan = {k: v for k, v in dense_tp_plan(sequence_parallel).items() if ".feed_forward." not in k}
     plan.update({"layers.*.feed_forward.shared_experts.w1": "colwise",
                  "layers.*.feed_forward.shared_experts.w3": "colwise",
-                 "layers.*.feed_forward.shared_experts.w2": "rowwise"})
+                 "layers.*.feed_forward.shared_experts.w2": "rowwise_full" if sequence_parallel else "rowwise"})
+    if sequence_parallel:
+        plan["layers.*.feed_forward"] = "sequence_gather_scatter"
     return plan
 
 

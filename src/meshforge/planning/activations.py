@@ -23,7 +23,7 @@ def activation_bytes(args, cfg, layout: Layout, blocks: int, first: bool, last: 
       no checkpointing: 4*dim (block input and residual, kept by the norms; the two norms' outputs, kept by the
         projections) + 2 rsqrt + q, k, v and the attention output (2*(heads + kv_heads)*head_dim) + heads
         (softmax log-sum-exp) + 3*ffn (w1 and w3 outputs, kept by the fused SwiGLU; the product, kept by w2)
-        [MoE: routed copies top_k*moe_ffn, router]
+        [MoE: the shared experts' SwiGLU instead of the MLP's, and the routed experts' copies (`_routed_bytes`)]
       full: the block input (dim) only; the block is recomputed in backward.
       selective: the block input + the matmul and attention outputs it caches (q, k, v, attention output and
         log-sum-exp, o-proj, ffn gate and up, down).
@@ -65,6 +65,17 @@ def lora_profile(cfg, args) -> tuple | None:
 _ROLES: dict = {}
 
 
+def _routed_bytes(args, e: int) -> int:
+    """Bytes per token an MoE's routed experts keep without checkpointing (measured with saved-tensor hooks, one
+    process, tiny MoE shapes within 0.5%): per routed copy (top_k per token) the gathered input and the experts'
+    output (and its weighted copy), dim each, the grouped matmuls' gate and up outputs and their product, moe_ffn
+    each, the copy's weight (fp32) and three int64 indices (expert, token, order); per token the router's fp32
+    scores. Every tp rank computes the routed experts on the whole sequence (sequence parallelism gathers it
+    around them), so these are per token of the sequence the rank's MoE sees; under EP a rank's experts keep what
+    the routing sends them (this is the balanced count)."""
+    return args.top_k * ((3 * args.dim + 3 * args.moe_ffn_dim) * e + F32 + 3 * 8) + args.n_experts * F32
+
+
 @functools.lru_cache(maxsize=8192)
 def _activation_bytes(args, bf16: bool, micro_batch: int, seq_len: int, cp: int, tp: int, sequence_parallel: bool,
                       mode: str | None, fused: bool, blocks: int, first: bool, last: bool,
@@ -74,21 +85,23 @@ def _activation_bytes(args, bf16: bool, micro_batch: int, seq_len: int, cp: int,
     sp = tp if sequence_parallel else 1
     hd, h, kv = args.hd, args.n_heads // tp, args.n_kv_heads // tp
     ffn = args.ffn_dim // tp
+    routed = 0  # bytes per token an MoE's routed experts keep (not split by TP)
     if args.is_moe:
-        ffn = (args.top_k * args.moe_ffn_dim + args.n_shared_experts * args.moe_ffn_dim) // tp
+        ffn = args.n_shared_experts * args.moe_ffn_dim // tp  # the shared experts: a SwiGLU split like Llama's
+        routed = _routed_bytes(args, e)
     dim_full = args.dim
     dim_sp = args.dim // sp
     attn = 2 * (h + kv) * hd  # q, k, v, attention output
     mm = 3 * ffn
     if mode is None:
-        per_tok = (4 * dim_sp + attn + mm) * e + (2 + h) * F32
+        per_tok = (4 * dim_sp + attn + mm) * e + (2 + h) * F32 + routed
         if compiled and sp > 1:  # compiled blocks keep each sub-layer's gathered input whole (measured, CPU)
             per_tok += 2 * (dim_full - dim_sp) * e
     elif mode == "full":
         per_tok = dim_sp * e
     else:
         per_tok = (dim_sp + attn + 2 * dim_full + 2 * ffn) * e + h * F32
-    full_block = (4 * dim_sp + attn + mm) * e + (2 + h) * F32
+    full_block = (4 * dim_sp + attn + mm) * e + (2 + h) * F32 + routed
     first_block = 0  # LoRA: what block 0 does not keep
     emb_train = lora is None or lora[2]  # the embedding and the output head (LoRA freezes both by default)
     if lora is not None:

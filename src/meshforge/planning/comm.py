@@ -18,7 +18,7 @@ import math
 
 from meshforge.planning.activations import lowered_passes
 from meshforge.planning.layout import Layout, MeshAxis
-from meshforge.planning.params import F32, ParamRec
+from meshforge.planning.params import F32, ParamRec, chunk_rows, local_shape, replicate_grad
 from meshforge.planning.precision import bf16_compute, fused_loss_on, residual_bytes
 from meshforge.planning.state import pipeline_plan_of, stage_params, terms_of
 from meshforge.planning.terms import AddComm
@@ -36,6 +36,10 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
 
     n_micro = t.global_batch_size // layout.dp // t.micro_batch_size
     accum = 1 if layout.pp > 1 else n_micro
+    micro = t.micro_batch_size
+    if layout.pp > 1:  # the pipeline's microbatches carry the per-microbatch traffic
+        pplan = pipeline_plan_of(cfg, layout, args.n_layers)
+        n_micro, micro = pplan.n_microbatches, pplan.microbatch_size
     stages = stage_params(params, cfg, layout, c[MeshAxis.PP], args.n_layers)
     terms = terms_of(cfg)
     passes = _stage_passes(cfg, layout, c[MeshAxis.PP], args.n_layers, len(stages))
@@ -43,31 +47,53 @@ def comm_per_step(params: list[ParamRec], args, cfg, layout: Layout, rank: int =
         terms.comm(stage, cfg, layout, accum, add, passes[i])
     mine = [p for st in stages for p in st]
     if layout.tp > 1:
-        _tensor_parallel(mine, args, cfg, layout, n_micro, add)
+        _tensor_parallel(mine, args, cfg, layout, n_micro, micro, add)
     # scalars: the loss averaged over the data-parallel ranks and its label-token count
     if layout.world_size > 1 and layout.size("dp_cp") > 1:
         add("dp_cp", "all_reduce", F32)
         add("dp_cp", "all_reduce", 8)  # the global count of label tokens (int64) that normalises the loss
     _grad_norm(mine, terms, cfg, layout, add)
     if layout.pp > 1:
-        pplan = pipeline_plan_of(cfg, layout, args.n_layers)
-        e = residual_bytes(cfg, layout)  # the hidden states a stage hands on
-        act = (pplan.microbatch_size * t.seq_len // layout.cp * args.dim
-               // (layout.tp if cfg.distributed.sequence_parallel else 1))
-        # per micro batch a stage receives its input and sends its gradient back (all but the first), sends its
-        # output and receives its gradient (all but the last); each send and each receive counted
-        ends = sum((s > 0) + (s < pplan.num_stages - 1) for s in pplan.rank_stages(c[MeshAxis.PP]))
-        add("pp", "send_recv", 2 * pplan.n_microbatches * act * e * ends)
-        add("pp", "broadcast", F32)  # the last stage's loss to the other stages
-        add("pp", "all_reduce", F32)  # the stages' squared gradient norms
+        _pipeline(params, terms, args, cfg, layout, c, add)
     if layout.ep > 1 and args.is_moe:
-        _expert_parallel(mine, args, cfg, layout, n_micro, add)
+        _expert_parallel(mine, args, cfg, layout, n_micro, micro, add)
     if args.router_bias_update_rate > 0 and layout.world_size > 1 and layout.size("dp_cp") > 1:
         # auxiliary-loss-free balancing: the step's int64 expert loads of this rank's MoE layers, one all-reduce
         add("dp_cp", "all_reduce", len({p.block for p in mine if p.expert}) * args.n_experts * 8)
     if layout.cp > 1:
-        _context_parallel(mine, args, cfg, layout, n_micro, add)
+        _context_parallel(mine, args, cfg, layout, n_micro, micro, add)
     return out
+
+
+def _pipeline(params: list[ParamRec], terms, args, cfg, layout: Layout, c: dict, add: AddComm) -> None:
+    """Per microbatch, each local stage sends its output to the next stage and its input's gradient to the previous
+    one and receives their counterparts (p2p with a stage on another pp rank; a V's turn on one rank passes
+    tensors directly); per step the loss broadcast, the stages' squared norms, and the gradient sum of weights
+    tied across the first and the last stage (the local shards of both ends, on those two pp ranks)."""
+    t = cfg.training
+    pplan = pipeline_plan_of(cfg, layout, args.n_layers)
+    e = residual_bytes(cfg, layout)  # the hidden states a stage hands on
+    act = (pplan.microbatch_size * t.seq_len // layout.cp * args.dim
+           // (layout.tp if cfg.distributed.sequence_parallel else 1))
+    r = c[MeshAxis.PP]
+    links = sum(1 for s in pplan.rank_stages(r) for nb in (s - 1, s + 1)
+                if 0 <= nb < pplan.num_stages and pplan.stage_rank(nb) != r)
+    add("pp", "send_recv", 2 * pplan.n_microbatches * act * e * links)
+    add("pp", "broadcast", F32)  # the last stage's loss to the other stages
+    add("pp", "all_reduce", F32)  # the stages' squared gradient norms
+    ends = (pplan.stage_rank(0), pplan.last_stage_rank)
+    if ends[0] != ends[1] and r in ends:
+        shard = c[MeshAxis.DP_SHARD_CP] if terms.dtensor_grads(cfg, layout) else None
+        add("pp", "all_reduce", F32 * sum(_grad_piece(p, layout, shard) for p in params if p.tied_copy and p.trainable))
+
+
+def _grad_piece(p: ParamRec, layout: Layout, shard: int | None) -> int:
+    """Elements of the local gradient of `p` on this rank: the torch.chunk piece of the data-parallel shard
+    `shard` (gradients that are DTensors over the dp mesh), else the whole local (TP) tensor."""
+    shape = local_shape(p, layout)
+    if shard is None:
+        return math.prod(shape)
+    return chunk_rows(shape[0], layout.dp_shard * layout.cp, shard) * (math.prod(shape) // shape[0] if shape[0] else 0)
 
 
 def _stage_passes(cfg, layout: Layout, pp_rank: int, n_layers: int, n_stages: int) -> list[list[str] | None]:
@@ -93,13 +119,12 @@ def _grad_norm(mine: list[ParamRec], terms, cfg, layout: Layout, add: AddComm) -
     its gradients are DTensors over the dp mesh), and the strategy's own reductions."""
     dtensor = terms.dtensor_grads(cfg, layout)
     n_ep = n_dp = n_tp = 0
-    for p in (p for p in mine if p.trainable):
+    for p in (p for p in mine if p.trainable and not p.copy):  # a tied copy is not counted (pipeline_ties.py)
         if p.expert and layout.ep > 1:
             n_ep += 1
             continue
         n_dp += dtensor
-        # (without FSDP the vocab-parallel embedding's grad is Replicate, unless the sharded head shares it)
-        n_tp += layout.tp > 1 and p.tp_dim is not None and (dtensor or p.place != "first" or p.tied)
+        n_tp += layout.tp > 1 and p.tp_dim is not None and (dtensor or not replicate_grad(p))
     add("ep", "all_reduce", n_ep * F32)
     add("ep_shard", "all_reduce", n_ep * F32 * (dtensor and layout.size(MeshAxis.EP_SHARD) > 1))
     add("dp_shard_cp", "all_reduce", n_dp * F32)  # the sharded mesh dimension (HSDP's replicas hold the same)
@@ -107,7 +132,8 @@ def _grad_norm(mine: list[ParamRec], terms, cfg, layout: Layout, add: AddComm) -
     terms.norm_comm(cfg, layout, add)
 
 
-def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micro: int, add: AddComm) -> None:
+def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micro: int, micro: int,
+                     add: AddComm) -> None:
     """Per micro batch (measured on torch's DTensor styles). Without sequence parallelism: an all-reduce of the
     activations (tokens x dim) after each row-wise projection and the vocabulary-parallel embedding (forward), of
     the input gradient of each column-wise projection and of the output head (backward). With it, each sub-layer
@@ -123,7 +149,7 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
     gathers (SP) or all-reduces the head's input and its gradient as the head would."""
     d, t = cfg.distributed, cfg.training
     e = 2 if bf16_compute(cfg) else F32
-    tokens = t.micro_batch_size * t.seq_len // layout.cp
+    tokens = micro * t.seq_len // layout.cp
     act = tokens * args.dim * e
     mine = [p for p in mine_all if p.tp_dim is not None and not p.adapter]
     in_blocks = [p for p in mine if p.block is not None]
@@ -135,7 +161,8 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
     def input_grad(p: ParamRec) -> int:  # a column-wise projection's input gradient (its weight's in-features)
         return tokens * p.shape[1] * e
     first = any(p.place == "first" for p in mine)
-    head = any(p.place == "last" or p.tied for p in mine)
+    # the output head, or (without PP) the embedding tied to it; under PP the last stage holds the tied copy
+    head = any(p.place == "last" or (p.tied_copy and layout.pp == 1) for p in mine)
     # a frozen embedding (and frozen norms in the first block) needs no gradient of its output: backward skips the
     # embedding's mirror collective and the input gradients of the first sub-layer's column-wise projections
     # (those before the first block's first row-wise one)
@@ -163,17 +190,13 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
     if gathered:
         add("tp", "all_gather", gathered)
     if d.sequence_parallel:
-        # without checkpointing a sub-layer (the parent of its row-wise projection) keeps the sequence shard of its
-        # gathered input and gathers it again in backward, if a trainable parameter reads that input (anything in
-        # the sub-layer but the row-wise projection and its adapters); compiled blocks, which keep the gathered
-        # input, send as many gathers (measured with aot_eager, torch 2.13)
-        subs = {p.name.rsplit(".", 2)[0]: p.name.rsplit(".", 1)[0] for p in projections if p.tp_dim == 1}
-        under = _trained_under(mine_all) if not recompute else {}
-        regather = sum(under.get(sub, 0) > under.get(row, 0) for sub, row in subs.items())
+        g, regather = _gathered_sublayers(mine_all, projections, recompute)
+        whole = sum(1 for p in projections if p.whole_out)  # all-reduced whole (an MoE's shared experts), not scattered
         add("tp", "all_gather",
-            n_micro * (2 * rows + first + head - frozen_in + (rows if recompute else 0) + regather) * act)
-        add("tp", "reduce_scatter", n_micro * (rows + first + head + (rows - n_blocks if recompute else 0)) * act)
-        add("tp", "all_reduce", n_micro * (cols + loss) + partial + summed)
+            n_micro * (2 * g + first + head - frozen_in + (g if recompute else 0) + regather) * act)
+        add("tp", "reduce_scatter",
+            n_micro * (rows - whole + first + head + (rows - n_blocks if recompute else 0)) * act)
+        add("tp", "all_reduce", n_micro * (whole * act + cols + loss) + partial + summed)
     else:
         redo = rows - n_blocks if recompute else 0
         add("tp", "all_reduce", n_micro * ((rows + first + head + redo) * act + cols + loss) + partial + summed)
@@ -194,19 +217,6 @@ def transformers_styles_comm(mine_all: list[ParamRec], cfg, layout: Layout, n_mi
     gathered = n_micro * tokens * e * (again * sum(p.shape[0] for p in weights if p.tp_style == "colwise_gather")
                                        + sum(p.shape[1] for p in weights if p.tp_style == "rowwise_split"))
     return summed, gathered
-
-
-def _trained_under(mine: list[ParamRec]) -> dict[str, int]:
-    """{module path: trainable parameters under it} (every dotted prefix of their names), in one pass: a
-    sub-layer has a trainable parameter outside its row-wise projection when its count exceeds the projection's."""
-    out: dict[str, int] = {}
-    for q in mine:
-        if q.trainable:
-            parts = q.name.split(".")
-            for i in range(1, len(parts)):
-                prefix = ".".join(parts[:i])
-                out[prefix] = out.get(prefix, 0) + 1
-    return out
 
 
 def _shared_inputs(mine: list[ParamRec], cfg) -> int:
@@ -235,12 +245,32 @@ def _shared_input_widths(model_json: str, sequence_parallel: bool) -> tuple[tupl
     return _SHARED[key]
 
 
-def _expert_parallel(mine: list[ParamRec], args, cfg, layout: Layout, n_micro: int, add: AddComm) -> None:
+def _gathered_sublayers(mine_all: list[ParamRec], projections: list[ParamRec], recompute: bool) -> tuple[int, int]:
+    """(sub-layers that gather the sequence, those of them that gather it again in backward). Each gathers its
+    input in forward and the gradient of its (re-sharded) output in backward: a dense sub-layer through its
+    row-wise projection's reduce-scatter, an MoE through its own re-sharding (`sequence_gather_scatter`). Without
+    checkpointing a sub-layer keeps the sequence shard of its gathered input and gathers it again in backward, if
+    a trainable parameter reads that input (anything in the sub-layer but its row-wise projections and their
+    adapters); compiled blocks, which keep the gathered input, send as many gathers (measured with aot_eager,
+    torch 2.13)."""
+    subs = {p.seq_sub for p in mine_all if p.seq_sub is not None and p.block is not None}
+    rows: dict[str, set[str]] = {}
+    for p in projections:
+        if p.tp_dim == 1:
+            rows.setdefault(p.seq_sub, set()).add(p.name.rsplit(".", 1)[0])
+    regather = 0 if recompute else sum(
+        any(q.trainable and q.seq_sub == sub and not any(q.name.startswith(r + ".") for r in rows.get(sub, ()))
+            for q in mine_all) for sub in subs)
+    return len(subs), regather
+
+
+def _expert_parallel(mine: list[ParamRec], args, cfg, layout: Layout, n_micro: int, micro: int,
+                     add: AddComm) -> None:
     """Each token's top_k copies go to their experts and back, forward and backward (what one rank receives
     depends on the routing: this is the balanced count); first the per-expert counts (int64)."""
     t = cfg.training
     e = 2 if bf16_compute(cfg) else F32
-    tokens = t.micro_batch_size * t.seq_len // layout.cp
+    tokens = micro * t.seq_len // layout.cp
     moe_layers = len({p.block for p in mine if p.expert})
     # activation checkpointing runs the forward's two again in backward (and the counts' exchange)
     passes = 6 if cfg.distributed.ac_mode else 4
@@ -248,12 +278,13 @@ def _expert_parallel(mine: list[ParamRec], args, cfg, layout: Layout, n_micro: i
     add("ep", "all_to_all", n_micro * moe_layers * (passes * tokens * args.top_k * args.dim * e + counts))
 
 
-def _context_parallel(mine: list[ParamRec], args, cfg, layout: Layout, n_micro: int, add: AddComm) -> None:
+def _context_parallel(mine: list[ParamRec], args, cfg, layout: Layout, n_micro: int, micro: int,
+                      add: AddComm) -> None:
     """Per attention layer and micro batch: all-gather of the local K/V in forward, again in backward, and a
     reduce-scatter of the K/V gradients (distributed/context_parallel.py); checkpointing adds the forward's."""
     t = cfg.training
     e = 2 if bf16_compute(cfg) else F32
     layers = len({p.block for p in mine if p.block is not None})
-    kv = 2 * t.micro_batch_size * (args.n_kv_heads // layout.tp) * t.seq_len * args.hd * e
+    kv = 2 * micro * (args.n_kv_heads // layout.tp) * t.seq_len * args.hd * e
     add("cp", "all_gather", n_micro * layers * kv * (3 if cfg.distributed.ac_mode else 2))
     add("cp", "reduce_scatter", n_micro * layers * kv)

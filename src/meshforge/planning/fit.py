@@ -7,7 +7,8 @@ for pipelines, virtual stages 1-8 per rank (1F1B for one, interleaved 1F1B for m
 embedding-only first stage and a head-only last stage, as Llama 3 405B ran); `reshard_after_forward` where the
 strategy's options offer it (fsdp2 without PP: false, no re-gather in backward, the gathered blocks kept; under PP:
 true, each micro batch re-gathers its stage, the stages no longer kept gathered through the schedule); FP8
-(`training.fp8`) on a device whose efficiencies give float8 matmuls a speed-up.
+(`training.fp8`) on a device whose efficiencies give float8 matmuls a speed-up. Kept from the config: the model,
+the batch, and an MoE's ep_size (a layout whose dp x cp it does not divide is rejected; MoE stages run under PP).
 
 The product of all of these is tens of thousands of plans; a plan answer must stay under 2 s. So, in two rounds:
   1. the structure (tp x pp x cp x strategy x checkpointing x micro batch) with the default pipeline (2 stages per
@@ -114,7 +115,7 @@ def search(cfg, world_size: int, device, gpus_per_node: int = 8, mfu: float | No
     tp_cfg = cfg.model_copy(deep=True)
     tp_cfg.distributed.tp_size = 2  # resolve the TP plan's sharded dims once; tp 1 ignores them
     params, args = model_params(tp_cfg)
-    gbs = cfg.training.global_batch_size
+    gbs, ep = cfg.training.global_batch_size, cfg.distributed.ep_size
     rejected, cache, seen = [], {}, {}
 
     def try_(ch: Choice) -> Found | None:
@@ -125,6 +126,9 @@ def search(cfg, world_size: int, device, gpus_per_node: int = 8, mfu: float | No
         dp = world_size // (ch.tp * ch.pp * ch.cp)
         if gbs % dp or (gbs // dp) % ch.mbs:
             rejected.append((label, f"global_batch_size {gbs} does not split into dp {dp} x micro batch {ch.mbs}"))
+            return None
+        if (dp * ch.cp) % ep:  # the expert ranks lie within dp x cp (config.rules checks it too, after the plan)
+            rejected.append((label, f"distributed.ep_size={ep} does not divide dp {dp} x cp {ch.cp}"))
             return None
         try:
             c = _configure(cfg, args, ch)

@@ -6,6 +6,7 @@ terms share and the memo the layout search leans on (it plans hundreds of candid
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -28,7 +29,13 @@ class ParamRec:
     # sequence-sharded) and the LoRA factor kept whole beside a split base layer
     partial_grad: bool = False
     adapter: bool = False  # a LoRA factor (`models.lora.is_adapter_param`), decided once: the search asks often
-    tied: bool = False  # also the last stage's (a tied embedding and output head: listed once, as the first's)
+    # a first-stage weight a last-stage module also uses (a tied output head), by that module's name: under pipeline
+    # parallelism the last stage holds a copy under this name (distributed/pipeline_ties.py)
+    tied_copy: str | None = None
+    copy: bool = False  # such a copy itself (`planning.state.tied_copy`): its gradient norm is its original's
+    # sequence parallelism: the sub-layer module that gathers the sequence for it (style sequence_gather[_scatter])
+    seq_sub: str | None = None
+    whole_out: bool = False  # a row-wise projection whose output is all-reduced whole (style rowwise_full)
     tp_style: str | None = None  # its module's TP style (the collectives of transformers' styles are per module)
 
 
@@ -52,11 +59,7 @@ def model_params(cfg) -> tuple[list[ParamRec], object]:
         styles, _, _ = resolve_plan(one, d.sequence_parallel, d.tp_plan, modules)
     # the stacked expert weights and their per-expert LoRA factors (dim 0 = expert: they shard with EP)
     expert_ids = {id(p) for layer in contract.moe_layers() for p in layer.experts.parameters()}
-    owners: dict[int, set[str]] = {}  # parameter -> the pipeline places of the modules holding it
-    for mname, mod in modules.items():
-        for _, p in mod.named_parameters(recurse=False):
-            owners.setdefault(id(p), set()).add(_place(mname, layout))
-    out, seen = [], set()
+    out, seen = [], {}
     for mname, mod in modules.items():
         block = None
         if container is not None and mname.startswith(container + "."):
@@ -64,8 +67,11 @@ def model_params(cfg) -> tuple[list[ParamRec], object]:
         for pname, p in mod.named_parameters(recurse=False):
             key = (id(p), block)
             if key in seen:
+                i = seen[key]
+                if block is None and _place(mname, layout) == "last" and out[i].place == "first":
+                    out[i] = dataclasses.replace(out[i], tied_copy=f"{mname}.{pname}")
                 continue
-            seen.add(key)
+            seen[key] = len(out)
             place = "block" if block is not None else _place(mname, layout)
             style = styles.get(mname)
             tp_dim = sharded_dim(mod, style) if style else None
@@ -76,13 +82,25 @@ def model_params(cfg) -> tuple[list[ParamRec], object]:
             if part in ADAPTER_PARTS and styles.get(parent):
                 # LoRA factors follow their base layer's style (distributed/tensor_parallel.py): under colwise B is
                 # split by rows and A whole; under rowwise A is split by columns and B whole
-                base = styles[parent].split("_")[0]  # (colwise_gather / rowwise_split: as colwise / rowwise)
+                # (colwise_gather / rowwise_split / rowwise_full: as colwise / rowwise)
+                base = styles[parent].split("_")[0]
                 tp_dim = {("colwise", "lora_B"): 0, ("rowwise", "lora_A"): 1}.get((base, part))
                 partial = tp_dim is None
             full = f"{mname}.{pname}" if mname else pname
             out.append(ParamRec(full, tuple(p.shape), block, tp_dim, id(p) in expert_ids, place, p.requires_grad,
-                                partial, is_adapter_param(full), {"first", "last"} <= owners[id(p)], style))
+                                partial, is_adapter_param(full), seq_sub=_gathering(mname, styles),
+                                whole_out=style == "rowwise_full", tp_style=style))
     return out, args
+
+
+def _gathering(mname: str, styles: dict[str, str]) -> str | None:
+    """The nearest module at or above `mname` that gathers the sequence (sequence parallelism), or None."""
+    name = mname
+    while name:
+        if styles.get(name) in ("sequence_gather", "sequence_gather_scatter"):
+            return name
+        name = name.rpartition(".")[0]
+    return None
 
 
 def _place(mname: str, layout) -> str:
@@ -143,6 +161,14 @@ def local_shape(p: ParamRec, layout: Layout) -> list[int]:
     return s
 
 
+def replicate_grad(p: ParamRec) -> bool:
+    """Without FSDP the vocabulary-parallel embedding's gradient arrives Replicate (each tp rank holds the whole
+    vocab x dim gradient, measured with torch 2.13), except for a weight tied to the output head: without PP the
+    head's sharded gradient is what accumulates; across pipeline stages the gradient is placed as the weight to be
+    summed with the last stage's copy (distributed/pipeline_ties.py)."""
+    return p.tp_dim is not None and p.place == "first" and not p.tied_copy
+
+
 def local_numel(p: ParamRec, layout: Layout) -> int:
     return math.prod(local_shape(p, layout))
 
@@ -169,7 +195,7 @@ def alike(stage: list[ParamRec]) -> list[tuple[ParamRec, int]]:
     def compute():
         kinds: dict = {}
         for p in stage:
-            k = (p.shape, p.tp_dim, p.expert, p.trainable, p.place == "first")
+            k = (p.shape, p.tp_dim, p.expert, p.trainable, p.place == "first", bool(p.tied_copy))
             rep, n = kinds.get(k, (p, 0))
             kinds[k] = (rep, n + 1)
         return list(kinds.values())

@@ -286,6 +286,10 @@ def _notes(cfg, eff: Efficiency, layout: Layout | None = None) -> list[str]:
     if cfg.peft is not None and lora_profile(cfg, _args_of(cfg)) is None:
         out.append("LoRA: activations are counted as for full training (this model's adapter roles are not the "
                    "Llama block's); parameters, gradients, optimizer state and communication are exact")
+    if d.pp_size > 1 and d.pipeline_or_default.pp_schedule == "dualpipev":
+        out.append("pp_schedule=dualpipev: its bubble and in-flight microbatches are counted as interleaved 1F1B's "
+                   "over the V's two stages per rank (DualPipeV's overlap of one microbatch's forward with "
+                   "another's backward is not modelled)")
     fused = fused_loss_note(cfg)
     if fused:
         out.append(fused)

@@ -10,6 +10,7 @@ keeps them, never silently counted as trainable.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from meshforge.planning.layout import Layout, MeshAxis
@@ -42,14 +43,21 @@ def stage_params(params: list[ParamRec], cfg, layout: Layout, pp_rank: int,
     def compute():
         by = _by_place(params)
         stages = []
+        last = pplan.num_stages - 1
         for s in pplan.rank_stages(pp_rank):
             picked = [i for b in pplan.stage_layers[s] for i in by.get(b, ())] + list(by.get("other", ()))
             picked += list(by.get("first", ())) if s == 0 else []
-            picked += list(by.get("last", ())) if s == pplan.num_stages - 1 else []
-            stages.append([params[i] for i in sorted(set(picked))])  # in the model's order, as a filter keeps them
+            picked += list(by.get("last", ())) if s == last else []
+            stages.append([params[i] for i in sorted(set(picked))]  # in the model's order, as a filter keeps them
+                          + ([tied_copy(p) for p in params if p.tied_copy] if s == last else []))
         return stages
 
     return memo("stages", params, (pplan, pp_rank), compute)
+
+
+def tied_copy(p: ParamRec) -> ParamRec:
+    """The last stage's copy of a first-stage weight a last-stage module shares (distributed/pipeline_ties.py)."""
+    return dataclasses.replace(p, name=p.tied_copy, place="last", tied_copy=None, copy=True)
 
 
 def _by_place(params: list[ParamRec]) -> dict:

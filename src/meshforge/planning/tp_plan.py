@@ -27,17 +27,19 @@ from meshforge.models import plan_modules
 from meshforge.models.shapes import ModuleShape, model_contract, pattern_matches
 from meshforge.planning.tp_trace import fold_repeats, trace_plan
 
-SHARDED_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_output", "local_heads", "colwise_gather",
-                  "rowwise_split")
+SHARDED_STYLES = ("colwise", "rowwise", "rowwise_full", "vocab_embedding", "vocab_output", "local_heads",
+                  "colwise_gather", "rowwise_split")
 # `local_heads`: a module's per-head parameters split on dim 0 with the heads (GPT-OSS's attention sinks; Cohere's
 # q/k norms, found by planning/tp_trace.py); `head_norm`: a per-head norm (QK-norm) kept whole, applied to this
 # rank's heads, its gradient summed over tp; `sequence_parallel_residual`: a norm whose output joins the residual
 # stream (Gemma's post-norms), sequence-sharded like `sequence_parallel`; `shared_input`: an input every rank's
-# heads share (DeepSeek's rope key), its gradient summed over tp; `colwise_gather` / `rowwise_split`: transformers'
+# heads share (DeepSeek's rope key), its gradient summed over tp; `rowwise_full` / `sequence_gather_scatter`: an
+# MoE under sequence parallelism (distributed/tensor_parallel.py); `colwise_gather` / `rowwise_split`: transformers'
 # colwise_gather_output / rowwise_split_input (split inside the module, whole outside); `replicate_grad_sum`:
 # transformers' replicated_with_grad_allreduce (whole parameters used on this rank's heads, gradient summed over tp)
-ALL_STYLES = SHARDED_STYLES + ("sequence_parallel", "sequence_parallel_residual", "sequence_gather", "head_norm",
-                               "shared_input", "replicate", "replicate_grad_sum")
+ALL_STYLES = SHARDED_STYLES + ("sequence_parallel", "sequence_parallel_residual", "sequence_gather",
+                               "sequence_gather_scatter", "head_norm", "shared_input", "replicate",
+                               "replicate_grad_sum")
 # whole on every tp rank, gradients arrive Partial (summed over tp when the gradient norm and the step read them);
 # `replicate_grad_sum` is not one: its plain gradient is summed in backward, at every micro batch
 PARTIAL_GRAD_STYLES = ("sequence_parallel", "sequence_parallel_residual", "head_norm")

@@ -85,13 +85,15 @@ def stage_examples(cfg, trainer: Trainer, fake) -> dict[int, tuple[torch.Tensor,
     with fake:
         tokens = torch.zeros(plan.microbatch_size, cfg.training.seq_len // mesh_ctx.cp_size, dtype=torch.long)
     hidden = _stage0_output(cfg, mesh_ctx, fake, tokens)
-    vocab = resolve_model_args(cfg.model).vocab_size
+    args = resolve_model_args(cfg.model)
     out = {}
     with fake:
-        for s in pm.stage_ids:
+        for s, part in zip(pm.stage_ids, pm.parts):
             inp = tokens if s == 0 else torch.empty_like(hidden, requires_grad=True)
             if s == plan.num_stages - 1:
-                res = torch.empty(*tokens.shape, vocab // mesh_ctx.tp_size, requires_grad=True)
+                res = torch.empty(*tokens.shape, args.vocab_size // mesh_ctx.tp_size, requires_grad=True)
+                if args.aux_loss_coeff > 0 and contract_of(pm.strategy.unwrap(part)).moe_layers():
+                    res = (res, torch.empty((), requires_grad=True))  # an MoE's last stage: (logits, aux loss)
             else:
                 res = torch.empty_like(hidden, requires_grad=True)
             out[s] = (inp, res)
@@ -103,7 +105,7 @@ def _stage0_output(cfg, mesh_ctx, fake, tokens: torch.Tensor) -> torch.Tensor:
     and parallelised on this rank as stage 0's rank builds them, run once under the run's autocast."""
     module = prune_to_stage(build_model(cfg.model, device="meta"), (), first=True, last=False)
     t = cfg.training  # parallelised as `distributed.pipeline.build_pipeline_model` parallelises a stage
-    part = parallelize_model(module, mesh_ctx, cfg.distributed, torch.device("cpu"))
+    part = parallelize_model(module, mesh_ctx, cfg.distributed, torch.device("cpu"), stage=True)
     with fake:
         part.strategy.materialize(part.model, cfg.run.seed, init=False)
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if t.precision == "bf16" \

@@ -24,7 +24,7 @@ from pydantic import ConfigDict, field_validator
 
 from meshforge.config.strategies import AXES, StrategyOptions, StrategySpec, StrictSection, dp_size, register_strategy
 from meshforge.planning.layout import MeshAxis
-from meshforge.planning.params import F32, STEP_BYTES, alike, chunk_rows, local_shape, memo
+from meshforge.planning.params import F32, STEP_BYTES, alike, chunk_rows, local_shape, memo, replicate_grad
 from meshforge.planning.precision import bf16_params, fused_loss_on, gather_bytes
 from meshforge.planning.terms import Parts, StrategyPlanTerms, replicas
 
@@ -192,10 +192,7 @@ class FSDP2Terms(StrategyPlanTerms):
             full_grad = None
             if not active:
                 stored = opt = math.prod(s)
-                if p.tp_dim is not None and p.place == "first" and not p.tied:
-                    # without FSDP the vocabulary-parallel embedding's gradient arrives Replicate: each tp rank
-                    # holds the whole (vocab x dim) gradient (measured with torch 2.13); tied to the head, the
-                    # head's sharded gradient is what accumulates
+                if replicate_grad(p):  # the vocabulary-parallel embedding's, whole on each tp rank
                     full_grad = math.prod(p.shape)
             else:
                 dim, n, r = (1, ep_shard_n, ep_shard_r) if p.expert and layout.ep > 1 else (0, dense_n, dense_r)

@@ -425,7 +425,9 @@ class MegatronFSDPStrategy(Strategy):
                 w.wait()
 
     # ================================================================== init
-    def materialize(self, model: nn.Module, seed: int, init: bool = True) -> nn.Module:
+    def materialize(self, model: nn.Module, seed: int, init: bool = True,
+                    names: dict[str, str] | None = None) -> nn.Module:
+        names = names or {}
         for m in model.modules():
             for k, b in list(m._buffers.items()):
                 if b is not None and b.is_meta:
@@ -442,7 +444,7 @@ class MegatronFSDPStrategy(Strategy):
             flat = torch.zeros(u.padded, dtype=torch.float32, device=self.device)
             for s in u.slots if init else ():
                 shape = tuple(s.global_shape if s.global_shape is not None else s.shape)
-                full = s.local_of(param_init_tensor(model, s.fqn, shape, seed).to(self.device))
+                full = s.local_of(param_init_tensor(model, names.get(s.fqn, s.fqn), shape, seed).to(self.device))
                 flat[s.offset:s.offset + s.numel].copy_(full.reshape(-1))
             u.set_full_flat(flat)
         return model
