@@ -51,6 +51,9 @@ N2 = {
 N4 = {
     "fsdp2_ep2_tp2_balanced": [*BAL, "distributed.ep_size=2", "distributed.tp_size=2"],
     "ep4_balanced": [*BAL, "distributed.ep_size=4"],
+    # DeepSeek-V3's natural layout (issue 30): pipeline x expert parallelism, the dense first block on stage 0
+    "pp2_ep2_balanced": [*BAL, "distributed.pp_size=2", "distributed.ep_size=2",
+                         "distributed.pipeline.pp_microbatch_size=2"],
 }
 GROUP_JOBS = [Job(f"deepseek parity n{n}", "meshforge.testing.parity:configs_job", {"configs": configs, "steps": STEPS},
                   n) for n, configs in ((2, N2), (4, N4))]
