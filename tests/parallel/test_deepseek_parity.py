@@ -55,11 +55,17 @@ N4 = {
     "pp2_ep2_balanced": [*BAL, "distributed.pp_size=2", "distributed.ep_size=2",
                          "distributed.pipeline.pp_microbatch_size=2"],
 }
+# issue 30's natural layouts with all three axes, in one launch of 8 processes: DeepSeek-V3's pp x ep x tp
+# (examples/moe_pp_ep_tp.yaml's layout) and, sharing the launch, Gemma 3's fsdp2 x tp x cp
+N8 = {"pp2_ep2_tp2_sp_balanced": [*BAL, "distributed.pp_size=2", "distributed.ep_size=2", "distributed.tp_size=2",
+                                  "distributed.sequence_parallel=true", "distributed.pipeline.pp_microbatch_size=2"],
+      "gemma3_fsdp2_tp2_sp_cp2": ["model.preset=tiny_gemma3", "distributed.strategy=fsdp2", "distributed.tp_size=2",
+                                  "distributed.sequence_parallel=true", "distributed.cp_size=2"]}
 GROUP_JOBS = [Job(f"deepseek parity n{n}", "meshforge.testing.parity:configs_job", {"configs": configs, "steps": STEPS},
-                  n) for n, configs in ((2, N2), (4, N4))]
+                  n) for n, configs in ((2, N2), (4, N4), (8, N8))]
 
 
-@pytest.mark.parametrize("nproc,configs", [(2, N2), (4, N4)], ids=["N2", "N4"])
+@pytest.mark.parametrize("nproc,configs", [(2, N2), (4, N4), (8, N8)], ids=["N2", "N4", "N8"])
 def test_parity_with_one_process(reference, group, nproc, configs):
     results = results_of(group(f"deepseek parity n{nproc}"))
     failures = []
