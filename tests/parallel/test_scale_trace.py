@@ -26,8 +26,8 @@ WORLD = 4
 PATH = str(ROOT / "examples" / "llama3_8b.yaml")
 # Llama 3 8B's widths (vocab, dim, heads, ffn) with two blocks and 2,048-token sequences: what dominates a real
 # rank's memory dominates here too, and a step is a few hundred ops. Not here, with why (docs/scale.md): HSDP
-# (-3.0%), megatron_fsdp without overlapped reductions (-6.9%), a single-stage schedule's first rank, FP8 (the plan
-# counts no float8), MoE without checkpointing (its routed copies), pure TP+PP without FSDP (fp32 residual traffic).
+# (-3.0%), a single-stage schedule's first rank, FP8 (the plan counts no float8), MoE without checkpointing (its
+# routed copies), pure TP+PP without FSDP (fp32 residual traffic).
 SHAPE = ["model.n_layers=2", "training.seq_len=2048", "training.global_batch_size=4", "training.micro_batch_size=1",
          "training.compile=false"]
 MATRIX = {
@@ -42,6 +42,9 @@ MATRIX = {
     "ddp": ["distributed.strategy=ddp", "distributed.defer_fsdp_grad_sync=null"],
     # the GPU's choices: reductions overlapped, every unit's full gradient buffer alive to the embedding's backward
     "megatron_fsdp": ["distributed.strategy=megatron_fsdp", "distributed.defer_fsdp_grad_sync=null"],
+    # the CPU's choice: each unit's full gradient buffer freed once reduced, the root's alive in every block's backward
+    "megatron_fsdp_sync": ["distributed.strategy=megatron_fsdp", "distributed.defer_fsdp_grad_sync=null",
+                           "distributed.overlap_grad_reduce=false"],
     "tp2": ["distributed.tp_size=2"],
     "tp2_sp": ["distributed.tp_size=2", "distributed.sequence_parallel=true"],
     "cp2": ["distributed.cp_size=2"],

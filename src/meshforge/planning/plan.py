@@ -215,7 +215,8 @@ def _rank_plans(states: list[tuple[int, Parts, dict]], args, cfg, layout: Layout
       head   the loss's backward on the last micro batch: optimizer state, what the strategy holds then
              (`StrategyPlanTerms.held`), every activation alive (a pipeline rank's in-flight micro batches) and,
              on the rank with the last stage, the loss backward's own tensors (`loss_backward_bytes`);
-      block  a block's recomputation under activation checkpointing, the head's activations freed;
+      block  a block's backward (its recomputation under activation checkpointing), the head's activations freed,
+             what the strategy holds then;
       end    the last reductions, activations gone;
       forward    the strategy's own gathers in forward (fsdp2: a block's unshard beside the root), no activations;
       embedding  (a pipeline's first stage) the embedding's backward in the schedule's steady state."""
@@ -249,7 +250,7 @@ def _rank_plans(states: list[tuple[int, Parts, dict]], args, cfg, layout: Layout
             recv = 0
         base = parts.optimizer + recv
         moments = {"head": base + held["head"] + alive + (loss_bw if last else 0),
-                   "block": base + held["head"] + alive - acts["head"] + acts["recompute"],
+                   "block": base + held["block"] + alive - acts["head"] + acts["recompute"],
                    "end": base + held["end"] + (acts["embedding"] if first else 0)}
         if held["forward"]:  # the strategy's gathers in forward, the embedding's output the activation then
             moments["forward"] = parts.optimizer + held["forward"] + acts["embedding"]

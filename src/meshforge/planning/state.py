@@ -122,7 +122,7 @@ def rank_state(params: list[ParamRec], cfg, layout: Layout, rank: int, n_layers:
     return out
 
 
-MOMENTS = ("head", "end", "forward")
+MOMENTS = ("head", "block", "end", "forward")
 
 
 def rank_held(params: list[ParamRec], cfg, layout: Layout, rank: int, accum: int,
@@ -142,5 +142,7 @@ def rank_held(params: list[ParamRec], cfg, layout: Layout, rank: int, accum: int
                                       pplan.stages_per_rank, len(stages))
         if getattr(cfg.distributed.options, "reshard_after_forward", None) is True:
             sets = [frozenset([i]) for i in range(len(stages))]  # freed after every forward: the running stage
-        out["head"] += max(sum(sizes[i] for i in group) for group in sets)
+        gathered = max(sum(sizes[i] for i in group) for group in sets)
+        out["head"] += gathered
+        out["block"] += gathered
     return out

@@ -18,10 +18,10 @@ side of each collective):
   held(stage, cfg, layout, coords, moment, accum, pipelined)
                                           parameters and gradients (sharded, gathered, accumulated, in
                                           reduction buffers) it holds at a moment of a step's last micro batch:
-                                          "head" (the loss's backward, every activation alive), "end" (the
-                                          last reductions) or "forward" (its gathers in forward; 0: no moment of
-                                          its own); the peak is the largest (planning/plan.py). Default: what
-                                          `state` holds after the step
+                                          "head" (the loss's backward, every activation alive), "block" (a
+                                          block's backward), "end" (the last reductions) or "forward" (its
+                                          gathers in forward; 0: no moment of its own); the peak is the largest
+                                          (planning/plan.py). Default: what `state` holds after the step
   stage_gathered(stage, cfg, layout)      under PP, a stage's gathered parameters while the schedule keeps it
                                           unsharded (torch's multi-stage schedules: at most 3 stages at once)
   sharding(options)                       a mode the plan names beside the strategy, or None

@@ -268,7 +268,7 @@ class FSDP2Terms(StrategyPlanTerms):
         rest = Parts()
         self.state(stage, cfg, layout, c, rest)
         if not self._active(layout) or cfg.distributed.options.offload_policy:
-            return dict.fromkeys(("head", "end", "forward"), rest.params + rest.grads + rest.buffers)
+            return dict.fromkeys(("head", "block", "end", "forward"), rest.params + rest.grads + rest.buffers)
         reshard = cfg.distributed.options.reshard_after_forward
         defer = cfg.distributed.options.defer_fsdp_grad_sync is not False
         accumulating = pipelined or (accum > 1 and defer)
@@ -304,7 +304,7 @@ class FSDP2Terms(StrategyPlanTerms):
                     (self._expert_units(stage, layout).get(ordered[-1], 0) if ordered and reshard is None else 0)
         grads = (sum(train.values()) + _replicated_embedding_grad(stage, layout)) * F32 if accumulating \
             else (rest.grads if accum > 1 else 0)
-        out["head"] = rest.params + kept * gb + grads
+        out["head"] = out["block"] = rest.params + kept * gb + grads  # a block's backward holds the same
         out.setdefault("forward", out["head"])  # under PP: no moment of its own (the head's value, as asked before)
         return out
 

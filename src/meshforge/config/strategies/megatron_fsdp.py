@@ -122,27 +122,49 @@ class MegatronFSDPTerms(StrategyPlanTerms):
                 off += n
 
     def held(self, stage, cfg, layout, c, moment, accum, pipelined) -> int:
-        """At the end of backward every trainable unit's full gradient buffer (reduce dtype, padded) is alive
-        when the reductions overlap compute (the default on CUDA): each is freed only when the step's reductions
-        are waited for; the sharded modes free them otherwise at once. The last of that backward is the
-        embedding's, whose weight gradient (compute dtype, the whole vocabulary x dim) exists beside them until
-        its hook adds it to the unit's buffer (measured with the scale trace, Llama 3 8B widths, dp 4: exact
-        but for the embedding's activations)."""
+        """What is alive beyond the state when the sharded modes (optim_grads, optim_grads_params) free a unit's
+        full gradient buffer (reduce dtype, padded) once reduced (measured with the scale trace, Llama 3 8B
+        widths, dp 4):
+        - reductions overlapped (the default on CUDA): every trainable unit's buffer is alive at the end of
+          backward, each freed only when the step's reductions are waited for. The last of that backward is the
+          embedding's, whose weight gradient (compute dtype, the whole vocabulary x dim) exists beside them until
+          its hook adds it to the unit's buffer (exact but for the embedding's activations);
+        - not overlapped (optim_grads_params): each unit's buffer is freed at once when its gradients are
+          complete, but the root's (embedding, final norm, head) is made when the head's or norm's gradient
+          arrives, before the blocks', and lives to the embedding's: a block's backward has it beside the block's
+          own buffer, and the block gathered beside the gathered root (exact but for temporaries, 0.1%)."""
         out = Parts()
         self.state(stage, cfg, layout, c, out)
+        rest = out.params + out.grads + out.buffers
         o = cfg.distributed.options
-        overlap = on_cuda(cfg) if o.overlap_grad_reduce is None else o.overlap_grad_reduce
-        if moment == "forward" or o.sharding_strategy not in ("optim_grads", "optim_grads_params") \
-                or not overlap or layout.size("dp_cp") == 1:
-            return 0 if moment == "forward" else out.params + out.grads + out.buffers
-        reduce_b = F32 if o.grad_reduce_in_fp32 is not False else (2 if on_cuda(cfg) else F32)
         world = layout.size("dp_cp")
-        full = sum(-(-sum(n) // world) * world for (_, trainable), n in _units(stage, layout).items() if trainable)
-        if moment != "end":
-            return out.params + out.grads + out.buffers
+        if moment == "forward":
+            return 0
+        if o.sharding_strategy not in ("optim_grads", "optim_grads_params") or world == 1:
+            return rest
+        overlap = on_cuda(cfg) if o.overlap_grad_reduce is None else o.overlap_grad_reduce
+        reduce_b = F32 if o.grad_reduce_in_fp32 is not False else (2 if on_cuda(cfg) else F32)
         compute_b = 2 if on_cuda(cfg) or bf16_params(cfg) else F32
-        embedding = sum(math.prod(p.shape) for p in stage if p.place == "first" and p.trainable and len(p.shape) == 2)
-        return out.params + out.grads + out.buffers + full * reduce_b + embedding * compute_b
+        full, gathered = {}, {}  # {block: padded elements} of the trainable units, of all units
+        for (block, trainable), n in _units(stage, layout).items():
+            padded = -(-sum(n) // world) * world
+            gathered[block] = gathered.get(block, 0) + padded
+            if trainable:
+                full[block] = full.get(block, 0) + padded
+        if overlap:
+            if moment != "end":
+                return rest
+            embedding = sum(math.prod(p.shape) for p in stage
+                            if p.place == "first" and p.trainable and len(p.shape) == 2)
+            return rest + sum(full.values()) * reduce_b + embedding * compute_b
+        if moment != "block" or o.sharding_strategy != "optim_grads_params":
+            return rest  # optim_grads: measured over already (its `buffers` repeat the full parameters), left so
+        root_early = any(p.block is None and p.trainable and p.place == "last" for p in stage)
+        root = full.get(None, 0) if root_early else 0
+        # the block's and the (early) root's gradient buffers, the block and the root gathered beyond `buffers`
+        return rest + max(((root + full.get(b, 0)) * reduce_b + max(
+            0, (gathered.get(None, 0) + gathered[b]) * compute_b - out.buffers) for b in gathered if b is not None),
+            default=0)
 
     def comm(self, stage, cfg, layout, accum, add, passes=None) -> None:
         dp_cp = layout.size("dp_cp")
