@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from meshforge.cli import main as cli_main
+from meshforge.testing.eval_task import TASK_YAML  # the local multiple-choice task (acc, acc_norm)
 from meshforge.testing.group import Job
 from meshforge.testing.parity import config, single_info
-from tests.unit.test_eval import TASK_YAML  # the local multiple-choice task's YAML (acc, acc_norm)
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]  # lm-eval and several tiny runs: tens of seconds
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from meshforge.cli import main
+from meshforge.testing.eval_task import TASK_YAML
 from meshforge.testing.parity import config, single_info
 
 pytestmark = pytest.mark.slow  # a training run, transformers and lm-eval: tens of seconds
@@ -23,20 +24,6 @@ PC = ROOT / "examples" / "data" / "prompt_completion_tiny.jsonl"
 TOK = ROOT / "examples" / "data" / "chat_tokenizer"
 DATA = [f"data.tokenizer={TOK}", "model.vocab_size=320"]
 
-TASK_YAML = """task: tiny_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{prompt}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{label}}}}"
-metric_list:
-  - metric: acc
-  - metric: acc_norm
-"""
 
 
 @pytest.fixture(scope="module")
