@@ -1,6 +1,6 @@
 """Weights a pipeline split ties across stages (a tied input embedding and output head), kept as torchtitan and
-Megatron keep them: the first stage holds the weight under its first name (`tok_embeddings.weight`), the last stage
-a copy under the head's name (`output.weight`), and the two stay equal.
+Megatron keep them: the first stage holds the weight under its first name (the embedding's, as the model's tie says),
+the last stage a copy under the head's name, and the two stay equal.
 
 - Init: the copy starts from the tied weight's own initial value (`stage_aliases` names it for `init_weights`).
 - Every step, after the schedule's backward and the data-parallel reduction, the two gradients are summed
