@@ -34,6 +34,7 @@ from typing import TypeVar
 
 MARKER = ".meshforge-output"
 LOCK = ".meshforge.lock"  # a running run's claim on its folders (training/rundir.py)
+PROBE = ".meshforge-write-test."  # a rank's write test, there for an instant (training/rundir.py)
 RUN, CHECKPOINTS, EXPORT = "run", "checkpoints", "export"
 _STEP = re.compile(r"^step_\d+$")
 _RUN_SIGNS = ("metrics.jsonl", "run_meta.json")  # what only a run directory holds
@@ -95,14 +96,15 @@ def is_empty(folder: Path) -> bool:
 
 def _holds_files(folder: Path) -> bool:
     try:
-        return any(p.name != LOCK and (not p.is_dir() or p.is_symlink() or _holds_files(p)) for p in folder.iterdir())
+        return any(p.name != LOCK and not p.name.startswith(PROBE) and (not p.is_dir() or p.is_symlink() or _holds_files(p)) for p in folder.iterdir())
     except OSError:
         return False
 
 
 def is_foreign(folder: Path) -> bool:
     """A folder that holds files, none of them recognisably meshforge's (a lock alone is meshforge's; empty
-    folders hold nothing, e.g. a checkpoints folder another rank has just created)."""
+    folders hold nothing, e.g. a checkpoints folder another rank has just created, nor does another rank's
+    write test in it: rank 0 looks while the others probe, and once took a fresh run for someone else's)."""
     folder = Path(folder)
     return folder.is_dir() and kind_of(folder) is None and _holds_files(folder)
 

@@ -200,6 +200,17 @@ def test_a_run_directory_of_someone_elses_files_is_refused_or_moved_aside(tmp_pa
     assert (aside / "notes.txt").read_text() == "keep me" and not (out / "notes.txt").exists()
 
 
+def test_another_ranks_write_test_in_flight_is_not_someone_elses_file(tmp_path):
+    """Every rank probes checkpoint.dir while rank 0 looks at run.output_dir: a probe seen there mid-flight made a
+    fresh 4-rank run refuse its own new folder ("holds files meshforge did not write"), now and then under load."""
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / ".meshforge-write-test.node7.4242.3").write_bytes(b"")  # rank 3's, caught before its unlink
+    assert not outputs.is_foreign(out)
+    assert _train([f"run.output_dir={out}", "logging.loggers=[jsonl]"]).final_step == 2
+    assert outputs.kind_of(out) == outputs.RUN
+
+
 @pytest.mark.parametrize("where", ["working directory", "home folder", "inside another run"])
 def test_a_run_never_writes_into_home_the_working_directory_or_another_run(where, finished, tmp_path, monkeypatch):
     home = tmp_path / "home"

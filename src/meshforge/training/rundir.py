@@ -53,7 +53,7 @@ def _probe(directory: Path, key: str, rank: int) -> str | None:
     """None when `directory` can be created and written to; else one line naming the key."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".meshforge-write-test.{socket.gethostname()}.{os.getpid()}.{rank}"
+        probe = directory / f"{outputs.PROBE}{socket.gethostname()}.{os.getpid()}.{rank}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as err:
