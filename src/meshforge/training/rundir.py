@@ -228,7 +228,7 @@ def claim(cfg, info, log=print) -> RunDir:
     foreign = False
     if claimed:
         problems, foreign = _place_problems(cfg, out, ck, writes_checkpoints(cfg))
-    if not problems and writes_checkpoints(cfg) and (p := _probe(ck, "checkpoint.dir", info.rank)):
+    if not problems and writes_checkpoints(cfg) and info.rank == 0 and (p := _probe(ck, "checkpoint.dir", 0)):
         problems.append(p)
     if claimed and not problems:
         problem = _probe(out, "run.output_dir", 0)
@@ -260,6 +260,11 @@ def claim(cfg, info, log=print) -> RunDir:
         if problem is not None:
             problems.append(problem)
     everyone = sorted({p for ps in all_gather_object(problems) for p in ps})
+    if not everyone and writes_checkpoints(cfg) and info.world_size > 1:
+        # the other ranks' write tests once rank 0 has looked and claimed (a test file in flight is not taken for
+        # someone else's, and none lands in a folder being moved aside)
+        problems = [p] if info.rank and (p := _probe(ck, "checkpoint.dir", info.rank)) else []
+        everyone = sorted({p for ps in all_gather_object(problems) for p in ps})
     if everyone:
         RunDir(cfg, info, locks, claimed).release()
         raise ConfigError(everyone)
