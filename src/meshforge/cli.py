@@ -237,13 +237,31 @@ def _positive(text: str) -> int:
     return n
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments are one line, as every other bad input is (argparse prints its whole usage first); the
+    subcommands' parsers are of this class too (argparse makes them of their parent's)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} (`{self.prog} --help` lists the arguments)\n")
+
+    def subcommand(self, args: argparse.Namespace) -> _Parser:
+        """The parser of the subcommand `args` came from (for an error found after parsing)."""
+        parser = self
+        for dest in ("command", "data_command", "tokenizer_command", "checkpoint_command"):
+            action = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+            if action is None or getattr(args, dest, None) not in action.choices:
+                break
+            parser = action.choices[getattr(args, dest)]
+        return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="meshforge", description="Train large language models on device meshes.")
+    p = _Parser(prog="meshforge", description="Train large language models on device meshes.")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train from a YAML config")
     t.add_argument("config")
-    t.add_argument("overrides", nargs="*", help="key.path=value edits")
+    t.add_argument("overrides", nargs="*", default=[], help="key.path=value edits")
     t.add_argument("--nproc-per-node", type=_positive, default=None, help="start N local processes (gloo on CPU)")
     t.add_argument("--nnodes", type=int, default=None, help="nodes of a multi-node launch (this is one of them)")
     t.add_argument("--node-rank", type=int, default=None, help="this node's rank (static rendezvous); "
@@ -256,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("validate", help="check a config (and its layout for a world size) without running")
     v.add_argument("config")
-    v.add_argument("overrides", nargs="*")
+    v.add_argument("overrides", nargs="*", default=[])
     v.add_argument("--world-size", type=_positive, default=None)
     v.add_argument("--gpus-per-node", type=_positive, default=None)
     v.set_defaults(fn=cmd_validate)
@@ -298,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+def parse_args(parser: _Parser, argv: list[str] | None) -> argparse.Namespace:
     """Flags and `key=value` overrides in any order, in every subcommand: argparse fills a `nargs="*"`
     positional only from the words before the first flag, so the later `key=value` words come back unknown
     and join the overrides here, in the order they were written. Anything else unknown is an error."""
@@ -308,7 +326,7 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
         args.overrides = [*args.overrides, *words]
         extra = [w for w in extra if w not in words]
     if extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        parser.subcommand(args).error(f"unrecognized arguments: {' '.join(extra)}")
     return args
 
 

@@ -45,6 +45,21 @@ def test_bad_input_is_one_line(case, tmp_path, capsys, monkeypatch):
     assert not pwned.exists(), "a checkpoint ran code"
 
 
+@pytest.mark.parametrize("argv, says", [
+    ("bogus", "meshforge: argument command: invalid choice: 'bogus'"),
+    ("train", "meshforge train: the following arguments are required: config ("),
+    ("train {examples}/tiny_cpu.yaml --zzz", "meshforge train: unrecognized arguments: --zzz"),
+    ("plan {examples}/llama3_8b.yaml --world-size 1e3", "meshforge plan: argument --world-size: invalid int"),
+    ("data prepare -o x.npy --qq", "meshforge data prepare: unrecognized arguments: --qq"),
+    ("checkpoint export", "meshforge checkpoint export: the following arguments are required"),
+])
+def test_a_bad_command_line_is_one_line_naming_the_subcommand(argv, says, capsys):
+    """argparse prints its whole usage before the error; meshforge's parsers print the one line."""
+    rc, out, err = run_cli(shlex.split(argv.format(examples=ROOT / "examples")), capsys)
+    assert rc == 2 and not out and err.count("\n") == 1 and err.startswith(f"error: {says}"), err
+    assert "--help` lists the arguments" in err
+
+
 def test_corpus_is_all_used():
     named = " ".join(c["argv"] for c in CASES)
     for f in CORPUS.iterdir():

@@ -28,7 +28,7 @@ def _bool(text: str) -> bool:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="YAML config (the base of every configuration)")
-    p.add_argument("overrides", nargs="*", help="key.path=value edits applied to every configuration")
+    p.add_argument("overrides", nargs="*", default=[], help="key.path=value edits applied to every configuration")
     p.add_argument("--nproc-per-node", default="1",
                    help="processes per configuration (gloo on CPU); a list like 1,2,4 runs each world size")
     p.add_argument("--steps", type=int, default=10, help="timed steps per configuration (default 10)")

@@ -19,7 +19,7 @@ READ = ("training.seq_len", "training.micro_batch_size", "training.device")
 
 def add_arguments(parser) -> None:
     parser.add_argument("model", help="a run dir, checkpoints dir, checkpoint, or Hugging Face folder")
-    parser.add_argument("overrides", nargs="*", help="data.*=... (what to evaluate perplexity on), "
+    parser.add_argument("overrides", nargs="*", default=[], help="data.*=... (what to evaluate perplexity on), "
                         "training.seq_len=N, training.micro_batch_size=N, training.device=cpu|cuda")
     parser.add_argument("--tasks", default=None, help="comma-separated lm-eval task names (needs meshforge[eval])")
     parser.add_argument("--include", action="append", default=[], help="a folder of lm-eval task YAML files")

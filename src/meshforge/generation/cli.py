@@ -20,7 +20,7 @@ from meshforge.errors import MeshforgeError
 def add_arguments(p) -> None:
     p.add_argument("source", help="a run directory (its latest checkpoint), a checkpoint step_N, or a Hugging Face "
                    "model folder (e.g. an export)")
-    p.add_argument("overrides", nargs="*", help="model.key=value edits of the run's config.yaml")
+    p.add_argument("overrides", nargs="*", default=[], help="model.key=value edits of the run's config.yaml")
     p.add_argument("--prompt", "-p", action="append", default=[], help="a prompt (repeat for a batch)")
     p.add_argument("--prompts-file", default=None, help="one prompt a line; .jsonl: {prompt} or {messages} objects")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,

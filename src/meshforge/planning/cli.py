@@ -21,7 +21,7 @@ GB = 1e9
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="YAML config (optional with --calibrate alone)")
-    p.add_argument("overrides", nargs="*", help="key.path=value edits")
+    p.add_argument("overrides", nargs="*", default=[], help="key.path=value edits")
     p.add_argument("--world-size", type=int, default=None, help="number of devices (ranks)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (NVLink domain; default 8)")
     p.add_argument("--gpu", default=None,
