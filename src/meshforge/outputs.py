@@ -96,7 +96,8 @@ def is_empty(folder: Path) -> bool:
 
 def _holds_files(folder: Path) -> bool:
     try:
-        return any(p.name != LOCK and not p.name.startswith(PROBE) and (not p.is_dir() or p.is_symlink() or _holds_files(p)) for p in folder.iterdir())
+        return any(p.name != LOCK and not p.name.startswith(PROBE)
+                   and (not p.is_dir() or p.is_symlink() or _holds_files(p)) for p in folder.iterdir())
     except OSError:
         return False
 
