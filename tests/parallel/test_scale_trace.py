@@ -45,6 +45,11 @@ MATRIX = {
     # the CPU's choice: each unit's full gradient buffer freed once reduced, the root's alive in every block's backward
     "megatron_fsdp_sync": ["distributed.strategy=megatron_fsdp", "distributed.defer_fsdp_grad_sync=null",
                            "distributed.overlap_grad_reduce=false"],
+    # the modes that keep parameters whole gather nothing: ZeRO-1 (gradients whole), ZeRO-2 (overlapped reductions)
+    "megatron_fsdp_optim": ["distributed.strategy=megatron_fsdp", "distributed.defer_fsdp_grad_sync=null",
+                            "distributed.data_parallel_sharding_strategy=optim"],
+    "megatron_fsdp_optim_grads": ["distributed.strategy=megatron_fsdp", "distributed.defer_fsdp_grad_sync=null",
+                                  "distributed.data_parallel_sharding_strategy=optim_grads"],
     # ZeRO-2: parameters whole, the root's and the block's full gradient buffers alive in the block's backward
     "megatron_fsdp_optim_grads_sync": ["distributed.strategy=megatron_fsdp", "distributed.defer_fsdp_grad_sync=null",
                                        "distributed.overlap_grad_reduce=false",
