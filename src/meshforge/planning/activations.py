@@ -27,7 +27,7 @@ def activation_bytes(args, cfg, layout: Layout, blocks: int, first: bool, last: 
         QK-norm: q's and k's norms keep their inputs and an fp32 rstd per head]
       full: the block input (dim) only; the block is recomputed in backward.
       selective: the block input + the matmul and attention outputs it caches (q, k, v, attention output and
-        log-sum-exp, o-proj, ffn gate and up, down).
+        log-sum-exp, o-proj, ffn gate and up, down; an MoE's routed experts run outside its cache, recomputed).
     TP divides heads and ffn by tp; sequence parallelism divides the norms' tensors too (without checkpointing
     the projections keep the sequence shard and gather it again in backward, distributed/tensor_parallel.py;
     recomputed blocks gather it in their recompute); CP divides the tokens.

@@ -156,7 +156,7 @@ def _root_last_grad(stage, layout) -> int:
     (a loop variable) beside the reduce-scatter input and output until the reduction returns (torch 2.13,
     measured with the scale trace: the head's, when untied). The unit's parameters are in module order."""
     last = [p for p in stage if p.block is None and p.trainable][-1:]
-    return sum(math.prod(p.shape) if replicate_grad(p) else math.prod(local_shape(p, layout)) for p in last)
+    return sum(math.prod(local_shape(p, layout)) for p in last) + _replicated_embedding_grad(last, layout)
 
 
 def _largest_block(stage, layout) -> int:

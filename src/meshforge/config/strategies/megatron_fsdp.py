@@ -163,11 +163,11 @@ class MegatronFSDPTerms(StrategyPlanTerms):
             return rest
         root_early = any(p.block is None and p.trainable and p.place == "last" for p in stage)
         root = full.get(None, 0) if root_early else 0
-        # optim_grads_params gathers the block beside the gathered root (beyond `buffers`); optim_grads keeps them whole
-        sharded = o.sharding_strategy == "optim_grads_params"
-        # the block's and the (early) root's gradient buffers, the block and the root gathered
+        # the block's and the (early) root's gradient buffers; optim_grads_params also gathers the block beside the
+        # gathered root (beyond `buffers`), optim_grads keeps every unit's parameters whole
+        gathers = o.sharding_strategy == "optim_grads_params"
         return rest + max(((root + full.get(b, 0)) * reduce_b + (max(
-            0, (gathered.get(None, 0) + gathered[b]) * compute_b - out.buffers) if sharded else 0)
+            0, (gathered.get(None, 0) + gathered[b]) * compute_b - out.buffers) if gathers else 0)
             for b in gathered if b is not None), default=0)
 
     def comm(self, stage, cfg, layout, accum, add, passes=None) -> None:
