@@ -56,6 +56,9 @@ MATRIX = {
                                        "distributed.data_parallel_sharding_strategy=optim_grads"],
     # HSDP 2 x 2: the root's reduce-scatter output (1/2 of it, fp32) beside its input and its last gradient
     "hsdp": ["distributed.dp_replicate_size=2"],
+    # reduced after every micro batch: each unit's all-reduce buffer, kept to the end of backward, beside its gradient
+    "hsdp_accum_nodefer": ["distributed.dp_replicate_size=2", "training.global_batch_size=16",
+                           "distributed.defer_fsdp_grad_sync=false"],
     "tp2": ["distributed.tp_size=2"],
     "tp2_sp": ["distributed.tp_size=2", "distributed.sequence_parallel=true"],
     "cp2": ["distributed.cp_size=2"],

@@ -297,9 +297,13 @@ class FSDP2Terms(StrategyPlanTerms):
         # and the reduce-scatter output (the new sharded gradient, or a temporary added to the existing one)
         root, grad_b = train.get(None, 0), F32 if accumulating else gb
         shard_before = accum > 1 and not defer and not pipelined
-        copy_in = rest.params + rest.grads - (0 if shard_before else root_shard * F32) + root * grad_b + root * F32
+        # HSDP keeps each unit's all-reduce buffer (its reduce-scatter output) to the end of backward: the blocks'
+        # are temporaries beside their gradients when these were made by earlier micro batches
+        kept_ar = rest.grads - root_shard * F32 if shard_before and layout.dp_replicate > 1 else 0
+        copy_in = rest.params + rest.grads - (0 if shard_before else root_shard * F32) + root * grad_b + root * F32 \
+            + kept_ar
         copied = rest.params + rest.grads + (root_shard * F32 if shard_before else 0) + root * F32 + \
-            _root_last_grad(stage, layout) * grad_b
+            _root_last_grad(stage, layout) * grad_b + kept_ar
         out["end"] = max(copy_in, copied)
         if not pipelined:
             # a block's unshard in forward: the root kept, the all-gather output of the unit before it not yet freed
