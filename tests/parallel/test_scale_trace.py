@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parents[2]
 WORLD = 4
 PATH = str(ROOT / "examples" / "llama3_8b.yaml")
 # Llama 3 8B's widths (vocab, dim, heads, ffn) with two blocks and 2,048-token sequences: what dominates a real
-# rank's memory dominates here too, and a step is a few hundred ops. Not here, with why (docs/scale.md): HSDP
-# (-3.0%), a single-stage schedule's first rank, FP8 (the plan counts no float8), MoE without checkpointing (its
-# routed copies), pure TP+PP without FSDP (fp32 residual traffic).
+# rank's memory dominates here too, and a step is a few hundred ops. Not here, with why (docs/scale.md): a
+# single-stage schedule's first rank, FP8 (the plan counts no float8), pure TP+PP without FSDP (fp32 residual
+# traffic).
 SHAPE = ["model.n_layers=2", "training.seq_len=2048", "training.global_batch_size=4", "training.micro_batch_size=1",
          "training.compile=false"]
 MATRIX = {
@@ -45,6 +45,20 @@ MATRIX = {
     # the CPU's choice: each unit's full gradient buffer freed once reduced, the root's alive in every block's backward
     "megatron_fsdp_sync": ["distributed.strategy=megatron_fsdp", "distributed.defer_fsdp_grad_sync=null",
                            "distributed.overlap_grad_reduce=false"],
+    # the modes that keep parameters whole gather nothing: ZeRO-1 (gradients whole), ZeRO-2 (overlapped reductions)
+    "megatron_fsdp_optim": ["distributed.strategy=megatron_fsdp", "distributed.defer_fsdp_grad_sync=null",
+                            "distributed.data_parallel_sharding_strategy=optim"],
+    "megatron_fsdp_optim_grads": ["distributed.strategy=megatron_fsdp", "distributed.defer_fsdp_grad_sync=null",
+                                  "distributed.data_parallel_sharding_strategy=optim_grads"],
+    # ZeRO-2: parameters whole, the root's and the block's full gradient buffers alive in the block's backward
+    "megatron_fsdp_optim_grads_sync": ["distributed.strategy=megatron_fsdp", "distributed.defer_fsdp_grad_sync=null",
+                                       "distributed.overlap_grad_reduce=false",
+                                       "distributed.data_parallel_sharding_strategy=optim_grads"],
+    # HSDP 2 x 2: the root's reduce-scatter output (1/2 of it, fp32) beside its input and its last gradient
+    "hsdp": ["distributed.dp_replicate_size=2"],
+    # reduced after every micro batch: each unit's all-reduce buffer, kept to the end of backward, beside its gradient
+    "hsdp_accum_nodefer": ["distributed.dp_replicate_size=2", "training.global_batch_size=16",
+                           "distributed.defer_fsdp_grad_sync=false"],
     "tp2": ["distributed.tp_size=2"],
     "tp2_sp": ["distributed.tp_size=2", "distributed.sequence_parallel=true"],
     "cp2": ["distributed.cp_size=2"],
@@ -54,6 +68,12 @@ MATRIX = {
                         "distributed.pipeline.virtual_stages_per_rank=2"],
     "ep2_moe": ["model.preset=qwen3_30b_a3b", "model.n_layers=2", "distributed.ep_size=2",
                 "distributed.activation_checkpointing=full"],
+    # each token's routed copies kept for backward (QK-norm's inputs too); under selective checkpointing the routed
+    # experts run outside its cache (recomputed)
+    "ep2_moe_none": ["model.preset=qwen3_30b_a3b", "model.n_layers=2", "distributed.ep_size=2",
+                     "distributed.activation_checkpointing=false"],
+    "ep2_moe_selective": ["model.preset=qwen3_30b_a3b", "model.n_layers=2", "distributed.ep_size=2",
+                          "distributed.activation_checkpointing=selective"],
     # MoE stages with expert parallelism: stage 0's output is probed with its embedding alone (no MoE layer), the
     # last stage returns (logits, aux loss)
     "pp2_ep2_moe": ["model.preset=qwen3_30b_a3b", "model.n_layers=2", "distributed.ep_size=2", "distributed.pp_size=2",

@@ -135,16 +135,30 @@ def _outside_selective_ac(fn, *args):
     forward. The experts' FSDP hooks do not: in the recompute their state is IDLE rather than FORWARD, so
     they issue an extra `record_function` (FSDP::root_pre_forward) and the replay fails. Outside the cache
     the experts are simply recomputed (their saved tensors still come back through the checkpoint), which
-    is correct for any policy; full AC has no cache and is unaffected.
+    is correct for any policy; full AC has no cache and is unaffected. Only the cache's modes are set aside: any
+    other mode (a memory tracker, a collective counter: the scale trace's, the bench's) still sees the experts.
     """
-    from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
     from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
-    if any(isinstance(m, (_CachingTorchDispatchMode, _CachedTorchDispatchMode))
-           for m in _get_current_dispatch_mode_stack()):
-        with _disable_current_modes():
-            return fn(*args)
-    return fn(*args)
+    def caching(m) -> bool:
+        return isinstance(m, (_CachingTorchDispatchMode, _CachedTorchDispatchMode))
+
+    if not any(caching(m) for m in _get_current_dispatch_mode_stack()):
+        return fn(*args)
+    popped = []  # from the top of the stack down to the last caching mode, top first
+    while any(caching(m) for m in _get_current_dispatch_mode_stack()):
+        popped.append(_pop_mode())
+    kept = [m for m in reversed(popped) if not caching(m)]
+    for m in kept:
+        _push_mode(m)
+    try:
+        return fn(*args)
+    finally:
+        for _ in kept:
+            _pop_mode()
+        for m in reversed(popped):
+            _push_mode(m)
 
 
 def apply_ep(model: nn.Module, mesh_ctx, dcfg, strategy, required: bool = True) -> nn.Module:

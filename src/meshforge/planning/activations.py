@@ -23,10 +23,11 @@ def activation_bytes(args, cfg, layout: Layout, blocks: int, first: bool, last: 
       no checkpointing: 4*dim (block input and residual, kept by the norms; the two norms' outputs, kept by the
         projections) + 2 rsqrt + q, k, v and the attention output (2*(heads + kv_heads)*head_dim) + heads
         (softmax log-sum-exp) + 3*ffn (w1 and w3 outputs, kept by the fused SwiGLU; the product, kept by w2)
-        [MoE: the shared experts' SwiGLU instead of the MLP's, and the routed experts' copies (`_routed_bytes`)]
+        [MoE: the shared experts' SwiGLU instead of the MLP's, and the routed experts' copies (`_routed_bytes`);
+        QK-norm: q's and k's norms keep their inputs and an fp32 rstd per head]
       full: the block input (dim) only; the block is recomputed in backward.
       selective: the block input + the matmul and attention outputs it caches (q, k, v, attention output and
-        log-sum-exp, o-proj, ffn gate and up, down).
+        log-sum-exp, o-proj, ffn gate and up, down; an MoE's routed experts run outside its cache, recomputed).
     TP divides heads and ffn by tp; sequence parallelism divides the norms' tensors too (without checkpointing
     the projections keep the sequence shard and gather it again in backward, distributed/tensor_parallel.py;
     recomputed blocks gather it in their recompute); CP divides the tokens.
@@ -93,15 +94,19 @@ def _activation_bytes(args, bf16: bool, micro_batch: int, seq_len: int, cp: int,
     dim_sp = args.dim // sp
     attn = 2 * (h + kv) * hd  # q, k, v, attention output
     mm = 3 * ffn
+    # QK-norm (Qwen3): each of q's and k's norms keeps its input (the projection's output) and an fp32 rstd per head
+    qk = (h + kv) * (hd * e + F32) if getattr(args, "qk_norm", False) else 0
     if mode is None:
-        per_tok = (4 * dim_sp + attn + mm) * e + (2 + h) * F32 + routed
+        per_tok = (4 * dim_sp + attn + mm) * e + (2 + h) * F32 + routed + qk
         if compiled and sp > 1:  # compiled blocks keep each sub-layer's gathered input whole (measured, CPU)
             per_tok += 2 * (dim_full - dim_sp) * e
     elif mode == "full":
         per_tok = dim_sp * e
     else:
-        per_tok = (dim_sp + attn + 2 * dim_full + 2 * ffn) * e + h * F32
-    full_block = (4 * dim_sp + attn + mm) * e + (2 + h) * F32 + routed
+        # o-proj's output, and the down projection's where a dense one runs (an MoE's routed experts run outside
+        # the cache: distributed/expert_parallel.py)
+        per_tok = (dim_sp + attn + dim_full + (dim_full if ffn else 0) + 2 * ffn) * e + h * F32
+    full_block = (4 * dim_sp + attn + mm) * e + (2 + h) * F32 + routed + qk
     first_block = 0  # LoRA: what block 0 does not keep
     emb_train = lora is None or lora[2]  # the embedding and the output head (LoRA freezes both by default)
     if lora is not None:

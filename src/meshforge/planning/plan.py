@@ -313,10 +313,6 @@ def _untraced(cfg, layout: Layout | None) -> list[str]:
     """Layouts whose peak memory the plan counts but the scale trace has not checked (docs/scale.md), one line each."""
     d = cfg.distributed
     out = []
-    if d.ac_mode is None and _is_moe(cfg):
-        out.append("MoE without activation checkpointing: the activations of its blocks (each token's routed "
-                   "copies kept for backward, the router's tensors) are counted, not checked against the scale "
-                   "trace (peak memory may be off by more than 3%)")
     if d.pp_size > 1 and d.pipeline_or_default.pp_schedule in SINGLE_STAGE:
         out.append(f"pipeline schedule {d.pipeline_or_default.pp_schedule}: its first pipeline rank's peak memory "
                    "is counted, not checked against the scale trace")
@@ -324,13 +320,6 @@ def _untraced(cfg, layout: Layout | None) -> list[str]:
         out.append("tensor + pipeline parallelism without data parallelism: the hidden states sent between stages "
                    "(fp32 residuals) and their receive buffers are counted, not checked against the scale trace")
     return out
-
-
-def _is_moe(cfg) -> bool:
-    try:
-        return _args_of(cfg).is_moe
-    except (KeyError, ValueError, OSError):  # a model the planner cannot resolve here: the rules say why
-        return False
 
 
 def _args_of(cfg):

@@ -151,6 +151,14 @@ def _replicated_embedding_grad(stage, layout) -> int:
                if p.place == "first" and p.tp_dim is not None and p.trainable and layout.tp > 1)
 
 
+def _root_last_grad(stage, layout) -> int:
+    """Elements of the root unit's last trainable parameter's unsharded gradient: torch's `foreach_reduce` keeps it
+    (a loop variable) beside the reduce-scatter input and output until the reduction returns (torch 2.13,
+    measured with the scale trace: the head's, when untied). The unit's parameters are in module order."""
+    last = [p for p in stage if p.block is None and p.trainable][-1:]
+    return sum(math.prod(local_shape(p, layout)) for p in last) + _replicated_embedding_grad(last, layout)
+
+
 def _largest_block(stage, layout) -> int:
     def compute():
         sizes: dict = {}
@@ -283,9 +291,20 @@ class FSDP2Terms(StrategyPlanTerms):
         gb = gather_bytes(cfg)
         ordered = sorted(b for b in blocks if b is not None)
         out = {}
-        # the end: the blocks' sharded gradients; the root's unsharded ones beside its fp32 reduce input
-        root = train.get(None, 0)
-        out["end"] = rest.params + rest.grads - root_shard * F32 + root * (F32 if accumulating else gb) + root * F32
+        # the end, the root's reduction: its fp32 reduce-scatter input beside, first, its unsharded gradients (the
+        # compute dtype, or the accumulated fp32 ones; its sharded gradient not made yet unless earlier micro
+        # batches' reductions made it), then, once they are copied in, its last parameter's unsharded gradient
+        # and the reduce-scatter output (the new sharded gradient, or a temporary added to the existing one)
+        root, grad_b = train.get(None, 0), F32 if accumulating else gb
+        shard_before = accum > 1 and not defer and not pipelined
+        # HSDP keeps each unit's all-reduce buffer (its reduce-scatter output) to the end of backward: the blocks'
+        # are temporaries beside their gradients when these were made by earlier micro batches
+        kept_ar = rest.grads - root_shard * F32 if shard_before and layout.dp_replicate > 1 else 0
+        copy_in = rest.params + rest.grads - (0 if shard_before else root_shard * F32) + root * grad_b + root * F32 \
+            + kept_ar
+        copied = rest.params + rest.grads + (root_shard * F32 if shard_before else 0) + root * F32 + \
+            _root_last_grad(stage, layout) * grad_b + kept_ar
+        out["end"] = max(copy_in, copied)
         if not pipelined:
             # a block's unshard in forward: the root kept, the all-gather output of the unit before it not yet freed
             # (fully_shard frees an all-gather's output at the next one), the block's own output and its copies

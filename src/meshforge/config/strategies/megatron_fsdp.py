@@ -98,7 +98,8 @@ class MegatronFSDPTerms(StrategyPlanTerms):
             sharded = mode != "no_shard"
             lo, hi = (rank * shard, (rank + 1) * shard) if sharded else (0, padded)
             gathered[block] = gathered.get(block, 0) + padded * compute_b
-            out.buffers = max(out.buffers, gathered[block])
+            if mode == "optim_grads_params":  # the other modes keep every unit's parameters whole: nothing to gather
+                out.buffers = max(out.buffers, gathered[block])
             if not trainable:  # values only, in the compute dtype: no main copy, gradients or optimizer state
                 out.params += (shard if mode == "optim_grads_params" else padded) * compute_b
                 continue
@@ -129,10 +130,11 @@ class MegatronFSDPTerms(StrategyPlanTerms):
           backward, each freed only when the step's reductions are waited for. The last of that backward is the
           embedding's, whose weight gradient (compute dtype, the whole vocabulary x dim) exists beside them until
           its hook adds it to the unit's buffer (exact but for the embedding's activations);
-        - not overlapped (optim_grads_params): each unit's buffer is freed at once when its gradients are
-          complete, but the root's (embedding, final norm, head) is made when the head's or norm's gradient
-          arrives, before the blocks', and lives to the embedding's: a block's backward has it beside the block's
-          own buffer, and the block gathered beside the gathered root (exact but for temporaries, 0.1%)."""
+        - not overlapped: each unit's buffer is freed at once when its gradients are complete, but the root's
+          (embedding, final norm, head) is made when the head's or norm's gradient arrives, before the blocks',
+          and lives to the embedding's: a block's backward has it beside the block's own buffer and, with
+          optim_grads_params, the block gathered beside the gathered root (optim_grads keeps the parameters whole:
+          nothing gathered); exact but for temporaries, 0.1%."""
         out = Parts()
         self.state(stage, cfg, layout, c, out)
         rest = out.params + out.grads + out.buffers
@@ -157,14 +159,16 @@ class MegatronFSDPTerms(StrategyPlanTerms):
             embedding = sum(math.prod(p.shape) for p in stage
                             if p.place == "first" and p.trainable and len(p.shape) == 2)
             return rest + sum(full.values()) * reduce_b + embedding * compute_b
-        if moment != "block" or o.sharding_strategy != "optim_grads_params":
-            return rest  # optim_grads: measured over already (its `buffers` repeat the full parameters), left so
+        if moment != "block":
+            return rest
         root_early = any(p.block is None and p.trainable and p.place == "last" for p in stage)
         root = full.get(None, 0) if root_early else 0
-        # the block's and the (early) root's gradient buffers, the block and the root gathered beyond `buffers`
-        return rest + max(((root + full.get(b, 0)) * reduce_b + max(
-            0, (gathered.get(None, 0) + gathered[b]) * compute_b - out.buffers) for b in gathered if b is not None),
-            default=0)
+        # the block's and the (early) root's gradient buffers; optim_grads_params also gathers the block beside the
+        # gathered root (beyond `buffers`), optim_grads keeps every unit's parameters whole
+        gathers = o.sharding_strategy == "optim_grads_params"
+        return rest + max(((root + full.get(b, 0)) * reduce_b + (max(
+            0, (gathered.get(None, 0) + gathered[b]) * compute_b - out.buffers) if gathers else 0)
+            for b in gathered if b is not None), default=0)
 
     def comm(self, stage, cfg, layout, accum, add, passes=None) -> None:
         dp_cp = layout.size("dp_cp")
