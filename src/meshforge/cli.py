@@ -14,6 +14,7 @@ import dataclasses
 import importlib
 import os
 import sys
+import time
 
 from meshforge.errors import MeshforgeError
 
@@ -110,8 +111,15 @@ def cmd_train(args) -> int:
                      "--nproc-per-node N); under torchrun pass torchrun --max-restarts, under srun use the "
                      "scheduler's requeue")
     if nodes or (world and world > 1) or (restarts and not _under_launcher()):
-        return run_cli(world or 1, ["train", args.config, *args.overrides], nodes,
+        from meshforge.distributed.hang import dump_summary, nccl_dump_prefix
+
+        started = time.time()
+        code = run_cli(world or 1, ["train", args.config, *args.overrides], nodes,
                        shutdown_timeout=int(cfg.checkpoint.grace_period_s) + 30, max_restarts=restarts)
+        if code:  # NCCL's flight recorder dumped the ranks' traces on a timeout: where the job hung
+            for line in dump_summary(nccl_dump_prefix(cfg.run.output_dir), since=started):
+                print(line, file=sys.stderr, flush=True)
+        return code
     return run_training(cfg)
 
 

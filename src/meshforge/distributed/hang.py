@@ -29,10 +29,12 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import pickle
 import sys
 import threading
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -331,13 +333,68 @@ def _where(states: dict, ranks: list[int], group: str | None, axis: str | None) 
     return lines
 
 
+def nccl_dump_prefix(run_dir: str) -> str:
+    """Where NCCL's flight recorder dumps rank R's trace on a timeout: this prefix + R."""
+    return os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE") or os.path.join(run_dir, "nccl_trace_rank_")
+
+
 def enable_nccl_flight_recorder(run_dir: str) -> str | None:
     """Turn NCCL's flight recorder on before the process group starts (values the user set win): the last 2000
     collectives per rank, dumped on a timeout to `run_dir/nccl_trace_rank_<R>`. Returns where, None when the
     user chose otherwise."""
     os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", os.path.join(run_dir, "nccl_trace_rank_"))
+    os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", nccl_dump_prefix(run_dir))
     if os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] in ("", "0"):
         return None
     return os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
+
+
+def dump_summary(prefix: str, since: float = 0.0) -> list[str]:
+    """The hang summary from flight-recorder dumps, one file per rank (`prefix` + rank, torch's pickle format, as
+    NCCL writes them on a timeout; files older than `since` are another run's): for each process group whose
+    ranks' dumps disagree, its first collective that some never entered, who did and who did not, and each
+    missing rank's last collective there. [] when there are no dumps or they all agree."""
+    folder, stem = os.path.split(prefix)
+    dumps: dict[int, dict] = {}
+    for f in sorted(Path(folder or ".").glob(stem + "*")):
+        rank = f.name[len(stem):]
+        if rank.isdigit() and f.stat().st_mtime >= since:
+            try:
+                dumps[int(rank)] = pickle.loads(f.read_bytes())  # noqa: S301 - torch's own dump in this run's folder
+            except (OSError, pickle.UnpicklingError, EOFError, ValueError):
+                continue
+    seen = {r: recorded(d) for r, d in dumps.items()}
+    members: dict[str, list[int]] = {}
+    descs: dict[str, str] = {}
+    for r, d in sorted(dumps.items()):
+        for e in d.get("entries", []):
+            descs.setdefault(str(e["process_group"][0]), str(e["process_group"][1]))
+        for g in seen[r]:
+            members.setdefault(g, []).append(r)
+        for g, config in (d.get("pg_config") or {}).items():
+            try:
+                ranks = json.loads(config["ranks"]) if isinstance(config.get("ranks"), str) else config.get("ranks")
+            except (ValueError, TypeError):
+                continue
+            if g and ranks:
+                members[str(g)] = sorted(int(x) for x in ranks)
+    lines = []
+    for g, ranks in members.items():
+        counts = {r: (seen[r].get(g) or [(0, "", True)])[-1][0] for r in ranks if r in dumps}
+        if not counts or min(counts.values()) == max(counts.values()) and len(counts) == len(ranks):
+            continue
+        first = min(counts.values()) + 1 if min(counts.values()) < max(counts.values()) else max(counts.values())
+        op = next((o for r in counts for s, o, _ in seen[r].get(g, []) if s == first), "collective")
+        entered = [r for r in ranks if counts.get(r, 0) >= first]
+        missing = [r for r in ranks if r not in entered]
+        desc = descs.get(g, "")
+        where = f"mesh axis {desc[5:]}" if desc.startswith("mesh_") else "a process group"
+        lines.append(f"hang: {op} #{first} on {where} (process group {g} {desc!r}, ranks {ranks}) did not complete; "
+                     f"entered: ranks {entered}; never entered: ranks {missing} (from the flight recorder's dumps "
+                     f"{prefix}<rank>)")
+        for r in missing:
+            last = (seen[r].get(g) or [(0, "none", True)])[-1] if r in seen else None
+            lines.append(f"hang: rank {r} left no dump" if last is None else
+                         f"hang: rank {r}'s last collective there was {last[1]} #{last[0]}")
+    return lines
