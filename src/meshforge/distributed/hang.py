@@ -293,7 +293,8 @@ def summary(rec: _Recorder) -> list[str] | None:
         entered = [r for r in members if r not in missing]
         op = next((o for s, o, _ in mine.get(g, []) if s == first), "collective")
         axis = rec.name(g)
-        lines = [f"hang: step {step}: {op} #{first} on mesh axis {axis.split('/')[0]} (group {axis}, ranks "
+        where = f"mesh axis {axis.split('/')[0]}" if g in rec.axes else axis
+        lines = [f"hang: step {step}: {op} #{first} on {where} (group {axis}, ranks "
                  f"{members}) did not complete within distributed.timeout_minutes={timeout_minutes:g}; entered: "
                  f"ranks {entered}; never entered: ranks {missing}"]
         return lines + _where(states, missing, g, axis.split("/")[0])
