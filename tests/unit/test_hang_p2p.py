@@ -96,7 +96,7 @@ def test_meshforge_turns_the_nccl_recorder_on_unless_the_user_chose(monkeypatch,
     assert hang.nccl_dump_prefix(str(tmp_path)) == "/elsewhere/trace_"
 
 
-def test_the_summary_reads_torchs_dumps(ranks):
+def test_the_summary_reads_torchs_dumps(ranks, tmp_path):
     prefix = str(ranks[0] / "nccl_trace_rank_")
     lines = hang.dump_summary(prefix)
     print("\n".join(lines))
@@ -105,3 +105,7 @@ def test_the_summary_reads_torchs_dumps(ranks):
         "did not complete; entered: ranks [0]; never entered: ranks [1]" in lines[0], lines
     assert lines[1] == "hang: rank 1's last collective there was all_gather #3", lines
     assert hang.dump_summary(prefix, since=2e9) == []  # another run's dumps
+    alone = tmp_path / "node0"  # rank 0's dump alone (rank 1's on another node's storage): no claim about rank 1
+    alone.mkdir()
+    (alone / "nccl_trace_rank_0").write_bytes((ranks[0] / "nccl_trace_rank_0").read_bytes())
+    assert hang.dump_summary(str(alone / "nccl_trace_rank_")) == []

@@ -355,7 +355,8 @@ def dump_summary(prefix: str, since: float = 0.0) -> list[str]:
     """The hang summary from flight-recorder dumps, one file per rank (`prefix` + rank, torch's pickle format, as
     NCCL writes them on a timeout; files older than `since` are another run's): for each process group whose
     ranks' dumps disagree, its first collective that some never entered, who did and who did not, and each
-    missing rank's last collective there. [] when there are no dumps or they all agree."""
+    missing rank's last collective there. [] when there are no dumps or they all agree. A rank without a dump
+    (another node's, on storage of its own) is named as such, never as one that did not enter."""
     folder, stem = os.path.split(prefix)
     dumps: dict[int, dict] = {}
     for f in sorted(Path(folder or ".").glob(stem + "*")):
@@ -383,19 +384,20 @@ def dump_summary(prefix: str, since: float = 0.0) -> list[str]:
     lines = []
     for g, ranks in members.items():
         counts = {r: (seen[r].get(g) or [(0, "", True)])[-1][0] for r in ranks if r in dumps}
-        if not counts or min(counts.values()) == max(counts.values()) and len(counts) == len(ranks):
-            continue
-        first = min(counts.values()) + 1 if min(counts.values()) < max(counts.values()) else max(counts.values())
+        if not counts or min(counts.values()) == max(counts.values()):
+            continue  # the ranks that left a dump agree (another node's ranks may have left theirs elsewhere)
+        first = min(counts.values()) + 1
         op = next((o for r in counts for s, o, _ in seen[r].get(g, []) if s == first), "collective")
-        entered = [r for r in ranks if counts.get(r, 0) >= first]
-        missing = [r for r in ranks if r not in entered]
+        entered = [r for r in ranks if counts.get(r, -1) >= first]
+        missing = [r for r in ranks if counts.get(r, first) < first]
+        absent = [r for r in ranks if r not in counts]
         desc = descs.get(g, "")
         where = f"mesh axis {desc[5:]}" if desc.startswith("mesh_") else "a process group"
         lines.append(f"hang: {op} #{first} on {where} (process group {g} {desc!r}, ranks {ranks}) did not complete; "
-                     f"entered: ranks {entered}; never entered: ranks {missing} (from the flight recorder's dumps "
-                     f"{prefix}<rank>)")
+                     f"entered: ranks {entered}; never entered: ranks {missing}" +
+                     (f"; no dump from ranks {absent}" if absent else "") +
+                     f" (from the flight recorder's dumps {prefix}<rank>)")
         for r in missing:
-            last = (seen[r].get(g) or [(0, "none", True)])[-1] if r in seen else None
-            lines.append(f"hang: rank {r} left no dump" if last is None else
-                         f"hang: rank {r}'s last collective there was {last[1]} #{last[0]}")
+            last = (seen[r].get(g) or [(0, "none", True)])[-1]
+            lines.append(f"hang: rank {r}'s last collective there was {last[1]} #{last[0]}")
     return lines
