@@ -49,6 +49,15 @@ def _under_launcher() -> bool:
     return "RANK" in os.environ or in_srun_task() and env_world_size() > 1
 
 
+def _follows_a_launcher() -> bool:
+    """Whether this process must stop with the process that started it (`launch.stop_with_launcher`): a rank of
+    a launcher, and every srun task, a one-task step's too (also one running meshforge's launcher for its node):
+    srun's step daemon is its launcher."""
+    from meshforge.distributed.env import in_srun_task
+
+    return _under_launcher() or in_srun_task()
+
+
 # ------------------------------------------------------------------------------ train
 def _nodes(args):
     """`--nnodes/--node-rank/--rdzv-endpoint/--rdzv-id` -> this node's part of a multi-node launch (None when
@@ -113,6 +122,10 @@ def cmd_train(args) -> int:
     if nodes or (world and world > 1) or (restarts and not _under_launcher()):
         from meshforge.distributed.hang import dump_summary, nccl_dump_prefix
 
+        if _follows_a_launcher():  # meshforge's launcher as one srun task: it follows srun's step daemon
+            from meshforge.launch import stop_with_launcher
+
+            stop_with_launcher()
         started = time.time()
         code = run_cli(world or 1, ["train", args.config, *args.overrides], nodes,
                        shutdown_timeout=int(cfg.checkpoint.grace_period_s) + 30, max_restarts=restarts)
@@ -128,7 +141,7 @@ def run_training(cfg) -> int:
     from meshforge.launch import note_failure, stop_with_launcher
     from meshforge.training.trainer import train
 
-    if _under_launcher():  # a rank of meshforge's launcher, torchrun or srun: it never outlives its launcher
+    if _follows_a_launcher():  # a rank of meshforge's launcher, torchrun or srun: it never outlives its launcher
         stop_with_launcher()
     apply_slurm_env()  # under srun: RANK before it is read here
     rank = int(os.environ.get("RANK", 0))
