@@ -14,6 +14,7 @@ import dataclasses
 import importlib
 import os
 import sys
+import time
 
 from meshforge.errors import MeshforgeError
 
@@ -46,6 +47,15 @@ def _under_launcher() -> bool:
     from meshforge.distributed.env import env_world_size, in_srun_task
 
     return "RANK" in os.environ or in_srun_task() and env_world_size() > 1
+
+
+def _follows_a_launcher() -> bool:
+    """Whether this process must stop with the process that started it (`launch.stop_with_launcher`): a rank of
+    a launcher, and every srun task, a one-task step's too (also one running meshforge's launcher for its node):
+    srun's step daemon is its launcher."""
+    from meshforge.distributed.env import in_srun_task
+
+    return _under_launcher() or in_srun_task()
 
 
 # ------------------------------------------------------------------------------ train
@@ -110,8 +120,19 @@ def cmd_train(args) -> int:
                      "--nproc-per-node N); under torchrun pass torchrun --max-restarts, under srun use the "
                      "scheduler's requeue")
     if nodes or (world and world > 1) or (restarts and not _under_launcher()):
-        return run_cli(world or 1, ["train", args.config, *args.overrides], nodes,
+        from meshforge.distributed.hang import dump_summary, nccl_dump_prefix
+
+        if _follows_a_launcher():  # meshforge's launcher as one srun task: it follows srun's step daemon
+            from meshforge.launch import stop_with_launcher
+
+            stop_with_launcher()
+        started = time.time()
+        code = run_cli(world or 1, ["train", args.config, *args.overrides], nodes,
                        shutdown_timeout=int(cfg.checkpoint.grace_period_s) + 30, max_restarts=restarts)
+        if code:  # NCCL's flight recorder dumped the ranks' traces on a timeout: where the job hung
+            for line in dump_summary(nccl_dump_prefix(cfg.run.output_dir), since=started):
+                print(line, file=sys.stderr, flush=True)
+        return code
     return run_training(cfg)
 
 
@@ -120,7 +141,7 @@ def run_training(cfg) -> int:
     from meshforge.launch import note_failure, stop_with_launcher
     from meshforge.training.trainer import train
 
-    if _under_launcher():  # a rank of meshforge's launcher, torchrun or srun: it never outlives its launcher
+    if _follows_a_launcher():  # a rank of meshforge's launcher, torchrun or srun: it never outlives its launcher
         stop_with_launcher()
     apply_slurm_env()  # under srun: RANK before it is read here
     rank = int(os.environ.get("RANK", 0))

@@ -69,6 +69,23 @@ def test_nproc_per_node_in_an_sbatch_script_launches_as_asked(monkeypatch, tmp_p
     assert calls == [(2, None)] and "RANK" not in os.environ
 
 
+@pytest.mark.parametrize("env, follows", [(SBATCH_2x4, False), ({**SBATCH_2x4, "SLURM_NTASKS": "1", "SLURM_STEP_ID": "0"}, True)])
+def test_every_srun_task_follows_its_step_daemon(monkeypatch, tmp_path, env, follows):
+    """A one-task srun step's process (here meshforge's launcher for its node) stops with srun's step daemon, as a
+    rank of a many-task step does (tests/functional/test_lifeline.py kills one); an sbatch script follows nobody."""
+    from meshforge import launch
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", *SLURM_2x4):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    calls = []
+    monkeypatch.setattr(launch, "stop_with_launcher", lambda: calls.append("follows"))
+    monkeypatch.setattr(launch, "run_cli", lambda nproc, argv, nodes=None, **kw: calls.append(nproc) or 0)
+    assert main(["train", "examples/tiny_cpu.yaml", f"run.output_dir={tmp_path}", "--nproc-per-node", "2"]) == 0
+    assert calls == (["follows", 2] if follows else [2])
+
+
 def test_master_port_differs_across_steps_and_jobs():
     """Concurrent steps of one job and jobs sharing a first node derive different ports: steps 0..63 of 312 jobs
     in a row (19,968 pairs), and one step number of every job id in a span of 20,011, never collide."""

@@ -253,6 +253,9 @@ class Trainer:
                     ckpt.save(self.step)
                     log.info(f"stop signal received: saved step {self.step} and exiting ({signals.received})")
                     break
+        except RuntimeError as err:
+            hang.timed_out(err)  # a collective that timed out: its summary and exit 5, before any teardown waits
+            raise
         finally:
             signals.close()
             self.loader.close()  # stops background data workers, if any
@@ -342,6 +345,8 @@ def train(cfg: Config, info: DistInfo | None = None) -> TrainResult:
     if note and int(os.environ.get("RANK", 0)) == 0:
         print(f"meshforge: {note}", flush=True)
     owns_group = not dist.is_initialized()
+    if not cuda and owns_group:  # the record a hang summary reads (distributed/hang.py), before the group starts
+        hang.enable_flight_recorder()
     if cuda and owns_group and env_world_size() > 1:  # NCCL reads these when its process group starts
         where = hang.enable_nccl_flight_recorder(cfg.run.output_dir)
         if where and int(os.environ.get("RANK", 0)) == 0:
