@@ -21,6 +21,7 @@ import pytest
 
 from meshforge.distributed import hang
 
+pytestmark = pytest.mark.dist  # it starts two processes
 NCCL_VARS = ("TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 
 RANK = """

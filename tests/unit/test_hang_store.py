@@ -48,7 +48,7 @@ def _watch(store, rank: int, seconds: float) -> list[str]:
 def test_the_watch_waits_on_the_store_instead_of_polling_and_answers_when_rung(monkeypatch):
     server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10), wait_for_workers=False)
     monkeypatch.setattr(hang, "_REC", Answer())
-    window = 2.0
+    window = 1.0
     try:
         # the real renewal period: one request to clear this rank's key, one wait, nothing more in the window
         store = Counting(_client(server))
