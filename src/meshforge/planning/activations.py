@@ -226,6 +226,28 @@ def rank_passes(schedule: str, p: int, r: int, m: int, v: int) -> tuple[tuple[st
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=4096)
+def alive_at_backward(schedule: str, p: int, r: int, m: int, weights: tuple[int, ...], stage: int) -> int:
+    """The most activation bytes pp rank `r` keeps when a backward of its local `stage` starts (that micro batch
+    still alive), replaying the order `alive_peak` replays: the moment of the loss's backward on the last stage
+    and of the embedding's on the first, which under an interleaved schedule need not be the schedule's peak
+    (rank 1 of 2, 4 micro batches: the third micro batch of its first stage is alive only in the forward before
+    its first stage's backwards, when its last stage holds none). The schedule's peak where it is not replayed
+    (v_schedule) or a backward keeps its graph longer (zero_bubble's weight passes)."""
+    passes = rank_passes(schedule, p, r, m, len(weights))
+    if passes is None or schedule == "zero_bubble":
+        return alive_peak(schedule, p, r, m, weights)[0]
+    now = worst = 0
+    for op, s in passes:
+        if op == "F":
+            now += weights[s]
+            continue
+        if s == stage:
+            worst = max(worst, now)
+        now -= weights[s]
+    return worst
+
+
 MAX_ACTIVE_STAGES = 3  # torch's multi-stage schedules keep at most 3 stages unsharded (`_add_unshard_reshard`)
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from meshforge.planning.activations import (
     activation_bytes,
+    alive_at_backward,
     alive_peak,
     embedding_backward_bytes,
     lora_profile,
@@ -242,20 +243,26 @@ def _rank_plans(states: list[tuple[int, Parts, dict]], args, cfg, layout: Layout
             weights = tuple(acts_of(len(pplan.stage_layers[s]), s == 0, s == pplan.num_stages - 1)["total"]
                             for s in here)
             alive, in_flight = alive_peak(pplan.schedule, layout.pp, c[MeshAxis.PP], pplan.n_microbatches, weights)
+            # the activations alive when the loss's (the embedding's) backward runs: a backward of the last (first)
+            # stage; the schedule's peak, in some forward, is a moment without either's buffers
+            at_loss, at_emb = (alive_at_backward(pplan.schedule, layout.pp, c[MeshAxis.PP], pplan.n_microbatches,
+                                                 weights, here.index(s)) if s in here else alive
+                               for s in (pplan.num_stages - 1, 0))
             recv = pplan.n_microbatches * hidden * sum((s > 0) + (s < pplan.num_stages - 1) for s in here)
         else:
             acts = dict(acts_of(args.n_layers, True, True))
             in_flight, alive = 1, acts["total"]
+            at_loss = at_emb = alive
             first = last = True
             recv = 0
         base = parts.optimizer + recv
-        moments = {"head": base + held["head"] + alive + (loss_bw if last else 0),
+        moments = {"head": base + held["head"] + max(alive, at_loss + (loss_bw if last else 0)),
                    "block": base + held["block"] + alive - acts["head"] + acts["recompute"],
                    "end": base + held["end"] + (acts["embedding"] if first else 0)}
         if held["forward"]:  # the strategy's gathers in forward, the embedding's output the activation then
             moments["forward"] = parts.optimizer + held["forward"] + acts["embedding"]
         if pplan is not None and first:  # a first stage's embedding backward, in the schedule's steady state
-            moments["embedding"] = base + held["head"] + alive + emb_bw
+            moments["embedding"] = base + held["head"] + max(alive, at_emb + emb_bw)
         peak = max(moments.values())
         ranks.append(RankPlan(r, parts, acts, in_flight, peak, moments))
     return ranks
