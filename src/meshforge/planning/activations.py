@@ -180,17 +180,19 @@ def loss_backward_bytes(args, cfg, layout: Layout, micro_batch: int | None = Non
 
 def embedding_backward_bytes(args, cfg, layout: Layout, micro_batch: int | None = None) -> int:
     """Bytes the embedding's backward allocates on a pipeline's first stage, on top of what is alive: its weight's
-    gradient for the micro batch (compute dtype; the whole vocabulary x dim under TP, where it arrives Replicate),
+    gradient for the micro batch (the dtype the weight is computed in: bf16 gathered, fp32 where autocast runs over
+    fp32 parameters, TP + PP without data parallelism; the whole vocabulary x dim under TP, where it arrives
+    Replicate),
     and under sequence parallelism the all-gathered gradient of its output. Measured with the scale trace
     (Llama 3 70B shapes, TP 8 x PP 4): within 2%, the micro batch's own activations being partly freed by then."""
-    from meshforge.planning.precision import gather_bytes, residual_bytes
+    from meshforge.planning.precision import residual_bytes
 
     lora = lora_profile(cfg, args)
     if lora is not None and not lora[2]:
         return 0
     t = cfg.training
     tokens = (micro_batch or t.micro_batch_size) * t.seq_len // layout.cp
-    grad = args.vocab_size * args.dim * gather_bytes(cfg)
+    grad = args.vocab_size * args.dim * residual_bytes(cfg, layout)
     if layout.tp == 1:
         return grad
     sp = tokens * args.dim * residual_bytes(cfg, layout) if cfg.distributed.sequence_parallel else 0
