@@ -1,10 +1,10 @@
 """The plan against the scale trace (meshforge.scale): one real training step of rank 0 and the last rank of a
-4-rank job, each in one process on fake tensors, for a matrix of layouts at shapes wide enough to be like real
-ones (the trace's cost is the number of ops, not their size). Asked of the plan (issue 27): state bytes and
-collective bytes per (mesh axis, kind) exact, peak memory within 3%.
+4-rank job (and of an 8-rank one for MATRIX8), each in one process on fake tensors, for a matrix of layouts at
+shapes wide enough to be like real ones (the trace's cost is the number of ops, not their size). Asked of the
+plan (issue 27): state bytes and collective bytes per (mesh axis, kind) exact, peak memory within 3%.
 
-Two processes (one per traced rank: `meshforge.scale.worker`), every configuration inside them, run side by
-side; no gloo launch. The example configs' full shapes are `benchmarks/scale_trace.py` (docs/scale.md).
+Two processes (one per traced rank of each world: `meshforge.scale.worker`), every configuration inside them,
+run side by side; no gloo launch. The example configs' full shapes are `benchmarks/scale_trace.py` (docs/scale.md).
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ WORLD = 4
 PATH = str(ROOT / "examples" / "llama3_8b.yaml")
 # Llama 3 8B's widths (vocab, dim, heads, ffn) with two blocks and 2,048-token sequences: what dominates a real
 # rank's memory dominates here too, and a step is a few hundred ops. Not here, with why (docs/scale.md): HSDP
-# (-3.0%), a single-stage schedule's first rank, FP8 (the plan counts no float8), MoE without checkpointing (its
-# routed copies), pure TP+PP without FSDP (fp32 residual traffic).
+# (-3.0%), FP8 (the plan counts no float8), MoE without checkpointing (its routed copies).
 SHAPE = ["model.n_layers=2", "training.seq_len=2048", "training.global_batch_size=4", "training.micro_batch_size=1",
          "training.compile=false"]
 MATRIX = {
@@ -56,6 +55,12 @@ MATRIX = {
     "pp2_interleaved_reshard": ["distributed.pp_size=2", "training.global_batch_size=8", "model.n_layers=4",
                                 "distributed.pipeline.pp_schedule=interleaved_1f1b",
                                 "distributed.pipeline.virtual_stages_per_rank=2", "distributed.reshard_after_forward=true"],
+    # a single-stage schedule: its first rank's peak is the schedule's gradient reduction (REDUCE_GRAD)
+    "pp2_1f1b": ["distributed.pp_size=2", "training.global_batch_size=8"],
+    # no data parallelism: the stages run autocast over fp32 parameters, the residual stream and what TP collects
+    # of it in fp32, the embedding's gradient fp32 and whole
+    "tp2_pp2": ["distributed.tp_size=2", "distributed.pp_size=2"],
+    "tp2_sp_pp2": ["distributed.tp_size=2", "distributed.pp_size=2", "distributed.sequence_parallel=true"],
     "ep2_moe": ["model.preset=qwen3_30b_a3b", "model.n_layers=2", "distributed.ep_size=2",
                 "distributed.activation_checkpointing=full"],
     # MoE stages with expert parallelism: stage 0's output is probed with its embedding alone (no MoE layer), the

@@ -34,7 +34,6 @@ from meshforge.planning.hardware import Device, Efficiency, default_efficiency, 
 from meshforge.planning.headroom import Headroom, communicators
 from meshforge.planning.layout import Layout, MeshAxis
 from meshforge.planning.params import ParamRec, model_params, n_params
-from meshforge.planning.pipeline_plan import SINGLE_STAGE
 from meshforge.planning.precision import bf16_params, compiled, fused_loss_note, residual_bytes
 from meshforge.planning.state import pipeline_plan_of, rank_held, rank_state, spec_of, terms_of
 from meshforge.planning.step import StepTime, flops_per_token, largest_state_per_pp_rank, step_time
@@ -324,12 +323,6 @@ def _untraced(cfg, layout: Layout | None) -> list[str]:
         out.append("MoE without activation checkpointing: the activations of its blocks (each token's routed "
                    "copies kept for backward, the router's tensors) are counted, not checked against the scale "
                    "trace (peak memory may be off by more than 3%)")
-    if d.pp_size > 1 and d.pipeline_or_default.pp_schedule in SINGLE_STAGE:
-        out.append(f"pipeline schedule {d.pipeline_or_default.pp_schedule}: its first pipeline rank's peak memory "
-                   "is counted, not checked against the scale trace")
-    if layout is not None and layout.pp > 1 and layout.tp > 1 and layout.size("dp_cp") == 1:
-        out.append("tensor + pipeline parallelism without data parallelism: the hidden states sent between stages "
-                   "(fp32 residuals) and their receive buffers are counted, not checked against the scale trace")
     return out
 
 

@@ -166,6 +166,5 @@ def _stages_reduced(stages, terms, cfg, layout: Layout, c, accum: int, pplan, ga
         parts = Parts()
         terms.state(st, cfg, layout, c, parts)
         settled.append(parts.params + parts.grads)
-    return max(held[s]["end"] + sum(settled[x] for x in order[:k])
-               + sum(held[x]["head"] for x in order[k + 1:]) + sum(gathered[x] for x in order[k + 1:k + MAX_ACTIVE_STAGES])
-               for k, s in enumerate(order))
+    return max(held[s]["end"] + sum(settled[x] for x in order[:k]) + sum(held[x]["head"] for x in order[k + 1:])
+               + sum(gathered[x] for x in order[k + 1:k + MAX_ACTIVE_STAGES]) for k, s in enumerate(order))
