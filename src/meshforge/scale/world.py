@@ -43,9 +43,11 @@ def fake_world(world_size: int, rank: int, device_type: str) -> Iterator[FakeTen
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     if _WORLD and _WORLD[-1] != (world_size, rank):
-        if any(w == world_size for w, _ in _WORLD):
-            raise ConfigError(f"this process traced rank {_WORLD[-1][1]} of {_WORLD[-1][0]}: trace rank {rank} of "
-                              f"{world_size} in another process (meshforge.scale.worker)")
+        earlier = [r for w, r in _WORLD if w == world_size]
+        if earlier:  # its group is gone, and its meshes are still in DTensor's caches
+            raise ConfigError(f"this process traced rank {earlier[0]} of {world_size} before rank {_WORLD[-1][1]} of "
+                              f"{_WORLD[-1][0]}: trace rank {rank} of {world_size} in another process "
+                              "(meshforge.scale.worker)")
         dist.destroy_process_group()
     if not _WORLD or _WORLD[-1] != (world_size, rank):
         if dist.is_initialized():
