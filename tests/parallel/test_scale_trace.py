@@ -1,10 +1,10 @@
 """The plan against the scale trace (meshforge.scale): one real training step of rank 0 and the last rank of a
-4-rank job, each in one process on fake tensors, for a matrix of layouts at shapes wide enough to be like real
-ones (the trace's cost is the number of ops, not their size). Asked of the plan (issue 27): state bytes and
-collective bytes per (mesh axis, kind) exact, peak memory within 3%.
+4-rank job (and of an 8-rank one for MATRIX8), each in one process on fake tensors, for a matrix of layouts at
+shapes wide enough to be like real ones (the trace's cost is the number of ops, not their size). Asked of the
+plan (issue 27): state bytes and collective bytes per (mesh axis, kind) exact, peak memory within 3%.
 
-Two processes (one per traced rank: `meshforge.scale.worker`), every configuration inside them, run side by
-side; no gloo launch. The example configs' full shapes are `benchmarks/scale_trace.py` (docs/scale.md).
+Two processes (one per traced rank of each world: `meshforge.scale.worker`), every configuration inside them,
+run side by side; no gloo launch. The example configs' full shapes are `benchmarks/scale_trace.py` (docs/scale.md).
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 WORLD = 4
 PATH = str(ROOT / "examples" / "llama3_8b.yaml")
 # Llama 3 8B's widths (vocab, dim, heads, ffn) with two blocks and 2,048-token sequences: what dominates a real
-# rank's memory dominates here too, and a step is a few hundred ops. Not here, with why (docs/scale.md): a
-# single-stage schedule's first rank, FP8 (the plan counts no float8), pure TP+PP without FSDP (fp32 residual
-# traffic).
+# rank's memory dominates here too, and a step is a few hundred ops. Not here, with why (docs/scale.md): FP8
+# (the plan counts no float8).
 SHAPE = ["model.n_layers=2", "training.seq_len=2048", "training.global_batch_size=4", "training.micro_batch_size=1",
          "training.compile=false"]
 MATRIX = {
@@ -66,6 +65,16 @@ MATRIX = {
     "pp2_interleaved": ["distributed.pp_size=2", "training.global_batch_size=8", "model.n_layers=4",
                         "distributed.pipeline.pp_schedule=interleaved_1f1b",
                         "distributed.pipeline.virtual_stages_per_rank=2"],
+    # each micro batch re-gathers the stages; the last stage's root stays gathered (the fused loss reads its head)
+    "pp2_interleaved_reshard": ["distributed.pp_size=2", "training.global_batch_size=8", "model.n_layers=4",
+                                "distributed.pipeline.pp_schedule=interleaved_1f1b",
+                                "distributed.pipeline.virtual_stages_per_rank=2", "distributed.reshard_after_forward=true"],
+    # a single-stage schedule: its first rank's peak is the schedule's gradient reduction (REDUCE_GRAD)
+    "pp2_1f1b": ["distributed.pp_size=2", "training.global_batch_size=8"],
+    # no data parallelism: the stages run autocast over fp32 parameters, the residual stream and what TP collects
+    # of it in fp32, the embedding's gradient fp32 and whole
+    "tp2_pp2": ["distributed.tp_size=2", "distributed.pp_size=2"],
+    "tp2_sp_pp2": ["distributed.tp_size=2", "distributed.pp_size=2", "distributed.sequence_parallel=true"],
     "ep2_moe": ["model.preset=qwen3_30b_a3b", "model.n_layers=2", "distributed.ep_size=2",
                 "distributed.activation_checkpointing=full"],
     # each token's routed copies kept for backward (QK-norm's inputs too); under selective checkpointing the routed
@@ -75,7 +84,7 @@ MATRIX = {
     "ep2_moe_selective": ["model.preset=qwen3_30b_a3b", "model.n_layers=2", "distributed.ep_size=2",
                           "distributed.activation_checkpointing=selective"],
     # MoE stages with expert parallelism: stage 0's output is probed with its embedding alone (no MoE layer), the
-    # last stage returns (logits, aux loss)
+    # last stage returns (logits, aux loss); rank 0's peak is the schedule's gradient reduction (REDUCE_GRAD)
     "pp2_ep2_moe": ["model.preset=qwen3_30b_a3b", "model.n_layers=2", "distributed.ep_size=2", "distributed.pp_size=2",
                     "distributed.activation_checkpointing=full"],
     "lora": ["peft.rank=16", "peft.target_modules=[q_proj,v_proj]"],
@@ -83,18 +92,33 @@ MATRIX = {
     "compile": ["training.compile=true"],
 }
 UNFOLDED = {"fsdp2_accum_unfolded"}
-# state and collectives exact, peak not yet within the bound (a gap the plan has to close, measured here):
-# pp2_ep2_moe rank 0 plan 10,057,501,748 B, trace 10,669,445,180 B (-5.74%; the trace's peak is in a forward
-# outside any block during the schedule's step, a moment the plan's pipeline moments do not model yet)
-PEAK_GAPS = {"pp2_ep2_moe"}
+# traced at 8 ranks (rank 0 and 7), after the 4-rank jobs in the same two processes: interleaved 1F1B with four
+# micro batches a rank (dp 4), with and without Llama 3 405B's empty end stages
+WORLD8 = 8
+MATRIX8 = {
+    "pp2_interleaved_w8": ["distributed.pp_size=2", "training.global_batch_size=16", "model.n_layers=4",
+                           "distributed.pipeline.pp_schedule=interleaved_1f1b",
+                           "distributed.pipeline.virtual_stages_per_rank=2"],
+    "pp2_interleaved_ends_w8": ["distributed.pp_size=2", "training.global_batch_size=16", "model.n_layers=4",
+                                "distributed.pipeline.pp_schedule=interleaved_1f1b",
+                                "distributed.pipeline.virtual_stages_per_rank=2",
+                                "distributed.pipeline.first_stage_layers=0", "distributed.pipeline.last_stage_layers=0"],
+}
+# state and collectives exact, peak not yet within the bound (a gap the plan has to close, measured here): none
+PEAK_GAPS: set[str] = set()
 
 
 def _traces() -> dict[int, list[dict]]:
     jobs = [{"name": name, "path": PATH, "overrides": SHAPE + extra, "fold": name not in UNFOLDED}
             for name, extra in MATRIX.items()]
     ranks = (0, WORLD - 1)
+
+    def jobs_of(r: int) -> list[dict]:  # the 8-rank jobs: rank 0 of 8 after rank 0 of 4, rank 7 after rank 3
+        return jobs + [{"name": name, "path": PATH, "overrides": SHAPE + extra, "world_size": WORLD8,
+                        "rank": 0 if r == 0 else WORLD8 - 1} for name, extra in MATRIX8.items()]
+
     with concurrent.futures.ThreadPoolExecutor(len(ranks)) as pool:
-        futures = {r: pool.submit(trace_jobs, WORLD, r, jobs, 900) for r in ranks}
+        futures = {r: pool.submit(trace_jobs, WORLD, r, jobs_of(r), 900) for r in ranks}
         return {r: f.result() for r, f in futures.items()}
 
 
@@ -107,8 +131,9 @@ def _comparisons(traces):
     for rank, results in traces.items():
         for res in results:
             assert "error" not in res, (rank, res["name"], res.get("error"))
-            cfg = load_config(PATH, SHAPE + MATRIX[res["name"]], world_size=WORLD)
-            trace = RankTrace.from_dict(res, layout_of(cfg, WORLD))
+            world = res["world_size"]
+            cfg = load_config(PATH, SHAPE + (MATRIX | MATRIX8)[res["name"]], world_size=world)
+            trace = RankTrace.from_dict(res, layout_of(cfg, world))
             yield res["name"], trace, compare(cfg, trace)
 
 

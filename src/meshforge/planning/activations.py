@@ -185,17 +185,19 @@ def loss_backward_bytes(args, cfg, layout: Layout, micro_batch: int | None = Non
 
 def embedding_backward_bytes(args, cfg, layout: Layout, micro_batch: int | None = None) -> int:
     """Bytes the embedding's backward allocates on a pipeline's first stage, on top of what is alive: its weight's
-    gradient for the micro batch (compute dtype; the whole vocabulary x dim under TP, where it arrives Replicate),
+    gradient for the micro batch (the dtype the weight is computed in: bf16 gathered, fp32 where autocast runs over
+    fp32 parameters, TP + PP without data parallelism; the whole vocabulary x dim under TP, where it arrives
+    Replicate),
     and under sequence parallelism the all-gathered gradient of its output. Measured with the scale trace
     (Llama 3 70B shapes, TP 8 x PP 4): within 2%, the micro batch's own activations being partly freed by then."""
-    from meshforge.planning.precision import gather_bytes, residual_bytes
+    from meshforge.planning.precision import residual_bytes
 
     lora = lora_profile(cfg, args)
     if lora is not None and not lora[2]:
         return 0
     t = cfg.training
     tokens = (micro_batch or t.micro_batch_size) * t.seq_len // layout.cp
-    grad = args.vocab_size * args.dim * gather_bytes(cfg)
+    grad = args.vocab_size * args.dim * residual_bytes(cfg, layout)
     if layout.tp == 1:
         return grad
     sp = tokens * args.dim * residual_bytes(cfg, layout) if cfg.distributed.sequence_parallel else 0
@@ -229,6 +231,28 @@ def rank_passes(schedule: str, p: int, r: int, m: int, v: int) -> tuple[tuple[st
             out.append(("B", v - 1 - ((b // per_round) % v)))
             b += 1
     return tuple(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def alive_at_backward(schedule: str, p: int, r: int, m: int, weights: tuple[int, ...], stage: int) -> int:
+    """The most activation bytes pp rank `r` keeps when a backward of its local `stage` starts (that micro batch
+    still alive), replaying the order `alive_peak` replays: the moment of the loss's backward on the last stage
+    and of the embedding's on the first, which under an interleaved schedule need not be the schedule's peak
+    (rank 1 of 2, 4 micro batches: the third micro batch of its first stage is alive only in the forward before
+    its first stage's backwards, when its last stage holds none). The schedule's peak where it is not replayed
+    (v_schedule) or a backward keeps its graph longer (zero_bubble's weight passes)."""
+    passes = rank_passes(schedule, p, r, m, len(weights))
+    if passes is None or schedule == "zero_bubble":
+        return alive_peak(schedule, p, r, m, weights)[0]
+    now = worst = 0
+    for op, s in passes:
+        if op == "F":
+            now += weights[s]
+            continue
+        if s == stage:
+            worst = max(worst, now)
+        now -= weights[s]
+    return worst
 
 
 MAX_ACTIVE_STAGES = 3  # torch's multi-stage schedules keep at most 3 stages unsharded (`_add_unshard_reshard`)

@@ -158,8 +158,15 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
     rows = sum(1 for p in projections if p.tp_dim == 1)  # row-wise: one per sub-layer
     n_blocks = len({p.block for p in in_blocks})
 
+    # the residual stream's dtype (fp32 where autocast runs over fp32 parameters: TP + PP without data
+    # parallelism): the vocabulary-parallel embedding's output, the norms' outputs the sub-layers gather under SP
+    # and the column-wise projections' input gradients (autocast casts them back to their input's dtype) are in
+    # it; the row-wise outputs and their gradients in the compute dtype
+    er = residual_bytes(cfg, layout)
+    emb = tokens * args.dim * er
+
     def input_grad(p: ParamRec) -> int:  # a column-wise projection's input gradient (its weight's in-features)
-        return tokens * p.shape[1] * e
+        return tokens * p.shape[1] * er
     first = any(p.place == "first" for p in mine)
     # the output head, or (without PP) the embedding tied to it; under PP the last stage holds the tied copy
     head = any(p.place == "last" or (p.tied_copy and layout.pp == 1) for p in mine)
@@ -192,14 +199,16 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
     if d.sequence_parallel:
         g, regather = _gathered_sublayers(mine_all, projections, recompute)
         whole = sum(1 for p in projections if p.whole_out)  # all-reduced whole (an MoE's shared experts), not scattered
-        add("tp", "all_gather",
-            n_micro * (2 * g + first + head - frozen_in + (g if recompute else 0) + regather) * act)
+        # a sub-layer's input (the norm's output, residual dtype) gathered in forward, recomputation and again in
+        # backward; its output's gradient (compute dtype) in backward
+        add("tp", "all_gather", n_micro * ((g + head) * act + (g + (g if recompute else 0) + regather) * emb
+                                           + (first - frozen_in) * emb))
         add("tp", "reduce_scatter",
-            n_micro * (rows - whole + first + head + (rows - n_blocks if recompute else 0)) * act)
+            n_micro * ((rows - whole + head + (rows - n_blocks if recompute else 0)) * act + first * emb))
         add("tp", "all_reduce", n_micro * (whole * act + cols + loss) + partial + summed)
     else:
         redo = rows - n_blocks if recompute else 0
-        add("tp", "all_reduce", n_micro * ((rows + first + head + redo) * act + cols + loss) + partial + summed)
+        add("tp", "all_reduce", n_micro * ((rows + head + redo) * act + first * emb + cols + loss) + partial + summed)
 
 
 def transformers_styles_comm(mine_all: list[ParamRec], cfg, layout: Layout, n_micro: int) -> tuple[int, int]:

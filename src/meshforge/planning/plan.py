@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from meshforge.planning.activations import (
     activation_bytes,
+    alive_at_backward,
     alive_peak,
     embedding_backward_bytes,
     lora_profile,
@@ -33,7 +34,6 @@ from meshforge.planning.hardware import Device, Efficiency, default_efficiency, 
 from meshforge.planning.headroom import Headroom, communicators
 from meshforge.planning.layout import Layout, MeshAxis
 from meshforge.planning.params import ParamRec, model_params, n_params
-from meshforge.planning.pipeline_plan import SINGLE_STAGE
 from meshforge.planning.precision import bf16_params, compiled, fused_loss_note, residual_bytes
 from meshforge.planning.state import pipeline_plan_of, rank_held, rank_state, spec_of, terms_of
 from meshforge.planning.step import StepTime, flops_per_token, largest_state_per_pp_rank, step_time
@@ -242,20 +242,26 @@ def _rank_plans(states: list[tuple[int, Parts, dict]], args, cfg, layout: Layout
             weights = tuple(acts_of(len(pplan.stage_layers[s]), s == 0, s == pplan.num_stages - 1)["total"]
                             for s in here)
             alive, in_flight = alive_peak(pplan.schedule, layout.pp, c[MeshAxis.PP], pplan.n_microbatches, weights)
+            # the activations alive when the loss's (the embedding's) backward runs: a backward of the last (first)
+            # stage; the schedule's peak, in some forward, is a moment without either's buffers
+            at_loss, at_emb = (alive_at_backward(pplan.schedule, layout.pp, c[MeshAxis.PP], pplan.n_microbatches,
+                                                 weights, here.index(s)) if s in here else alive
+                               for s in (pplan.num_stages - 1, 0))
             recv = pplan.n_microbatches * hidden * sum((s > 0) + (s < pplan.num_stages - 1) for s in here)
         else:
             acts = dict(acts_of(args.n_layers, True, True))
             in_flight, alive = 1, acts["total"]
+            at_loss = at_emb = alive
             first = last = True
             recv = 0
         base = parts.optimizer + recv
-        moments = {"head": base + held["head"] + alive + (loss_bw if last else 0),
+        moments = {"head": base + held["head"] + max(alive, at_loss + (loss_bw if last else 0)),
                    "block": base + held["block"] + alive - acts["head"] + acts["recompute"],
                    "end": base + held["end"] + (acts["embedding"] if first else 0)}
         if held["forward"]:  # the strategy's gathers in forward, the embedding's output the activation then
             moments["forward"] = parts.optimizer + held["forward"] + acts["embedding"]
         if pplan is not None and first:  # a first stage's embedding backward, in the schedule's steady state
-            moments["embedding"] = base + held["head"] + alive + emb_bw
+            moments["embedding"] = base + held["head"] + max(alive, at_emb + emb_bw)
         peak = max(moments.values())
         ranks.append(RankPlan(r, parts, acts, in_flight, peak, moments))
     return ranks
@@ -300,25 +306,11 @@ def _notes(cfg, eff: Efficiency, layout: Layout | None = None) -> list[str]:
                    "byte an element, where the plan counts the gathered dtype), the float8 copies the matmuls keep "
                    "for backward, and the float8 scales' small all-reduces (under TP and sharded weights); "
                    "`meshforge plan ... --trace` measures them")
-    out += _untraced(cfg, layout)
     spec = spec_of(cfg)
     if spec is None or spec.plan is None:
         out.append(f"strategy {d.strategy} declares no planner terms (StrategySpec.plan, planning/terms.py): its "
                    "parameters, gradients and optimizer state are counted as full replicas on every rank and its "
                    "gradients as one all-reduce per step, whatever it really keeps and sends")
-    return out
-
-
-def _untraced(cfg, layout: Layout | None) -> list[str]:
-    """Layouts whose peak memory the plan counts but the scale trace has not checked (docs/scale.md), one line each."""
-    d = cfg.distributed
-    out = []
-    if d.pp_size > 1 and d.pipeline_or_default.pp_schedule in SINGLE_STAGE:
-        out.append(f"pipeline schedule {d.pipeline_or_default.pp_schedule}: its first pipeline rank's peak memory "
-                   "is counted, not checked against the scale trace")
-    if layout is not None and layout.pp > 1 and layout.tp > 1 and layout.size("dp_cp") == 1:
-        out.append("tensor + pipeline parallelism without data parallelism: the hidden states sent between stages "
-                   "(fp32 residuals) and their receive buffers are counted, not checked against the scale trace")
     return out
 
 

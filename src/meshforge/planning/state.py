@@ -143,6 +143,28 @@ def rank_held(params: list[ParamRec], cfg, layout: Layout, rank: int, accum: int
         if getattr(cfg.distributed.options, "reshard_after_forward", None) is True:
             sets = [frozenset([i]) for i in range(len(stages))]  # freed after every forward: the running stage
         gathered = max(sum(sizes[i] for i in group) for group in sets)
+        if len(stages) > 1:
+            out["end"] = _stages_reduced(stages, terms, cfg, layout, c, accum, pplan, sizes)
         out["head"] += gathered
         out["block"] += gathered
     return out
+
+
+def _stages_reduced(stages, terms, cfg, layout: Layout, c, accum: int, pplan, gathered: list[int]) -> int:
+    """The "end" of a pipeline rank with several stages: torch reduces each stage after its own last backward
+    (REDUCE_GRAD), one at a time; the stages reduced before it hold their state (sharded parameters and
+    gradients), those still to come what they hold in backward (accumulated gradients; the next ones to run
+    gathered, at most MAX_ACTIVE_STAGES at once)."""
+    from meshforge.planning.activations import MAX_ACTIVE_STAGES, rank_passes
+
+    passes = rank_passes(pplan.schedule, layout.pp, c[MeshAxis.PP], pplan.n_microbatches, pplan.stages_per_rank)
+    last_b = {s: i for i, (op, s) in enumerate(passes or ()) if op == "B"}
+    order = sorted(range(len(stages)), key=lambda s: last_b.get(s, -s))  # not replayed: the last stage first
+    held = [{m: terms.held(st, cfg, layout, c, m, accum, True) for m in ("end", "head")} for st in stages]
+    settled = []
+    for st in stages:
+        parts = Parts()
+        terms.state(st, cfg, layout, c, parts)
+        settled.append(parts.params + parts.grads)
+    return max(held[s]["end"] + sum(settled[x] for x in order[:k]) + sum(held[x]["head"] for x in order[k + 1:])
+               + sum(gathered[x] for x in order[k + 1:k + MAX_ACTIVE_STAGES]) for k, s in enumerate(order))

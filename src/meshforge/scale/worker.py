@@ -1,4 +1,4 @@
-"""Traces in a child process, one (world size, rank) per process (`world.fake_world` says why).
+"""Traces in a child process, one rank of each world size per process (`world.fake_world` says why).
 
 `trace_jobs(world_size, rank, jobs)` runs `python -m meshforge.scale.worker` with the jobs as JSON on stdin; the
 child traces each job (a config path, its overrides and a name) in turn and prints one JSON line per job:
@@ -16,7 +16,8 @@ RESULT = "MESHFORGE-TRACE "  # prefix of the child's result lines (torch may pri
 
 
 def trace_jobs(world_size: int, rank: int, jobs: list[dict], timeout_s: float | None = None) -> list[dict]:
-    """[{"name", "path", "overrides", "fold"?}] -> one result dict per job, in order (see the module docstring)."""
+    """[{"name", "path", "overrides", "fold"?, "world_size"?, "rank"?}] -> one result dict per job, in order (see
+    the module docstring; a job's own world size, of another size than `world_size`, and rank trace after)."""
     request = json.dumps({"world_size": world_size, "rank": rank, "jobs": jobs})
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     try:
@@ -39,8 +40,9 @@ def run(request: dict) -> None:
     from meshforge.errors import MeshforgeError
     from meshforge.scale.trace import trace_rank
 
-    world, rank = request["world_size"], request["rank"]
     for job in request["jobs"]:
+        # a job may name a world of another size and its rank (`world.fake_world`: after the request's own jobs)
+        world, rank = job.get("world_size", request["world_size"]), job.get("rank", request["rank"])
         out = {"name": job["name"]}
         try:
             cfg = load_config(job["path"], job.get("overrides", []), world_size=world)

@@ -34,17 +34,22 @@ def fake_world(world_size: int, rank: int, device_type: str) -> Iterator[FakeTen
     """Rank `rank` of a `world_size`-rank fake process group, taking `device_type`'s defaults; yields the fake
     tensor mode the rank's tensors live in.
 
-    The group lives as long as the process and serves every trace of the same (world size, rank); another pair
-    needs another process (`worker.py`). Why: DeviceMesh objects of two groups with the same layout compare
-    equal, and DTensor caches what it derives from a mesh (sharding propagation, redistribution plans) by it,
-    with the process-group names of the first; after the first group is destroyed those names resolve to nothing
-    ("Could not resolve the process group", measured, torch 2.13)."""
+    The group serves every trace of the same (world size, rank); another rank of the same world size needs
+    another process (`worker.py`). Why: DeviceMesh objects of two groups with the same layout compare equal, and
+    DTensor caches what it derives from a mesh (sharding propagation, redistribution plans) by it, with the
+    process-group names of the first; after the first group is destroyed those names resolve to nothing ("Could
+    not resolve the process group", measured, torch 2.13). A world of another size may follow in the same
+    process: a mesh's equality includes its root's whole rank map, so no mesh of it equals an earlier one."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
-    if _WORLD and _WORLD[0] != (world_size, rank):
-        raise ConfigError(f"this process traces rank {_WORLD[0][1]} of {_WORLD[0][0]}: trace rank {rank} of "
-                          f"{world_size} in another process (meshforge.scale.worker)")
-    if not _WORLD:
+    if _WORLD and _WORLD[-1] != (world_size, rank):
+        earlier = [r for w, r in _WORLD if w == world_size]
+        if earlier:  # its group is gone, and its meshes are still in DTensor's caches
+            raise ConfigError(f"this process traced rank {earlier[0]} of {world_size} before rank {_WORLD[-1][1]} of "
+                              f"{_WORLD[-1][0]}: trace rank {rank} of {world_size} in another process "
+                              "(meshforge.scale.worker)")
+        dist.destroy_process_group()
+    if not _WORLD or _WORLD[-1] != (world_size, rank):
         if dist.is_initialized():
             raise ConfigError("the scale trace makes its own (fake) process group: run it outside a distributed job")
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)

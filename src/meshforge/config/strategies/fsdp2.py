@@ -136,6 +136,19 @@ def _fsdp_units(group: list, layout, dim: int, n: int) -> tuple[dict, dict]:
     return memo("units", group, (layout.tp, layout.ep, dim, n), compute)
 
 
+def _last_trainable(group: list, layout, dim: int, n: int) -> dict:
+    """{unit: padded elements of its last trainable parameter} (the order fully_shard reduces them in)."""
+    def compute():
+        out: dict = {}
+        for p in group:
+            if p.trainable:
+                s = local_shape(p, layout)
+                out[p.block] = -(-s[dim] // n) * n * (math.prod(s) // s[dim] if s[dim] else 0)
+        return out
+
+    return memo("last_trainable", group, (layout.tp, layout.ep, dim, n), compute)
+
+
 def _split_experts(stage: list, layout) -> tuple[list, list]:
     """(dense parameters, experts) of a stage: the experts are FSDP units of their own under EP only (else
     everything is dense); the same lists for the same stage (memoised), so the units memoised on them hit."""
@@ -237,7 +250,12 @@ class FSDP2Terms(StrategyPlanTerms):
                 regather = []  # the experts' units stay gathered from forward to backward
             total = sum(units.values())
             if layout.pp > 1:  # the stage's units, gathered once per step or as often as resharding makes it
-                gathers = total * per_step
+                # (the root as often as it is resharded: the last stage's not under the fused loss, which reads
+                # its head after forward; the other stages' roots are resharded as asked)
+                root = units.get(None, 0)
+                kept = reshard is True and not _root_resharded(cfg) and any(p.place == "last" for p in group)
+                root_per_step = pipeline_gathers(passes, False) if kept else per_step
+                gathers = (total - root) * per_step + root * root_per_step
             else:
                 gathers = total + sum(units[b] for b in regather) + (units.get(None, 0) if _root_resharded(cfg) else 0)
             reps = accum if (layout.pp == 1) else 1
@@ -305,6 +323,8 @@ class FSDP2Terms(StrategyPlanTerms):
         copied = rest.params + rest.grads + (root_shard * F32 if shard_before else 0) + root * F32 + \
             _root_last_grad(stage, layout) * grad_b + kept_ar
         out["end"] = max(copy_in, copied)
+        if pipelined:  # the schedule's REDUCE_GRAD: the stage's units reduced one after another, the root first
+            out["end"] = rest.params + self._pipelined_reduction(stage, layout, gb)
         if not pipelined:
             # a block's unshard in forward: the root kept, the all-gather output of the unit before it not yet freed
             # (fully_shard frees an all-gather's output at the next one), the block's own output and its copies
@@ -332,6 +352,32 @@ class FSDP2Terms(StrategyPlanTerms):
             return 0
         units = sum(sum(_fsdp_units(g, layout, d, n)[0].values()) for g, d, n in self._groups(stage, layout))
         return units * gather_bytes(cfg)
+
+    def _pipelined_reduction(self, stage, layout, gb: int) -> int:
+        """Bytes beyond the sharded parameters at the worst moment of a pipeline stage's gradient reduction (torch's
+        `perform_reduce_grad`, after the stage's last backward; measured with the scale trace, torch 2.13). It
+        runs each unit's `post_backward` in the order of the stage's FSDP states, the root first, then each block
+        (its dense unit, then its experts'): a unit reshards, then copies its unsharded fp32 gradients into the
+        fp32 reduce-scatter input and allocates the output (its sharded gradient). `foreach_reduce`'s loop
+        variable keeps the unit's last gradient alive beside both (the others are freed once copied); the units
+        not reduced yet keep their unsharded fp32 gradients and stay gathered, the ones before hold their
+        sharded gradients."""
+        units = []  # (gathered elements, trainable elements, its last trainable parameter's, ranks), in order
+        for group, dim, n in self._groups(stage, layout):
+            gathered, train = _fsdp_units(group, layout, dim, n)
+            last = _last_trainable(group, layout, dim, n)
+            units += [(b, gathered[b], train[b], last.get(b, 0), n) for b in gathered]
+        units.sort(key=lambda u: -1 if u[0] is None else u[0])  # stable: a block's dense unit before its experts
+        worst, done = 0, 0
+        pending = sum(t * F32 + g * gb for _, g, t, _, _ in units)
+        for _, g, t, last, n in units:
+            pending -= t * F32 + g * gb
+            copy_in = t * F32 + t * F32  # every unsharded gradient and the reduce-scatter input
+            # the output beside the input and the last gradient (a group of one rank keeps no loop variable)
+            out_alloc = t * F32 + t // n * F32 + (last * F32 if n > 1 else 0)
+            worst = max(worst, done + pending + max(copy_in, out_alloc))
+            done += t // n * F32
+        return worst
 
     @staticmethod
     def _expert_units(stage, layout) -> dict:
