@@ -149,7 +149,7 @@ def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: floa
     pplan = pipeline_plan_of(cfg, layout, args.n_layers) if layout.pp > 1 else None
     # what a rank's state and held bytes depend on (a search varies the pipeline and the micro batch too)
     key = (layout, d.strategy, d.options.model_dump_json(), d.pipeline and d.pipeline.model_dump_json(),
-           t.model_dump_json(include={"device", "precision", "micro_batch_size", "global_batch_size"}))
+           t.model_dump_json(include={"device", "precision", "micro_batch_size", "global_batch_size", "fp8"}))
     if ranks or state_cache is None or key not in state_cache:
         states = _rank_states(params, cfg, layout, pplan, ranks or [])
         if state_cache is not None and not ranks:
