@@ -101,6 +101,19 @@ def float8_weight(p, cfg) -> bool:
     return not (n % 16 or k % 16) and (f.filter == "all" or FP8_AUTO[f.recipe](n, k))
 
 
+def float8_weights(params: list, cfg) -> frozenset[str]:
+    """Names of the weights among `params` whose linears torchao converts (`float8_weight`), less LoRA-adapted
+    linears' (distributed/float8.py converts plain linears only). Memoised per list."""
+    from meshforge.planning.params import memo
+
+    def compute():
+        adapted = {p.name.rsplit(".lora_", 1)[0] for p in params if p.adapter}
+        return frozenset(p.name for p in params if float8_weight(p, cfg) and p.name.rsplit(".", 1)[0] not in adapted)
+
+    f = cfg.training.fp8
+    return memo("float8", params, (f.enabled, f.recipe, f.filter), compute) if f.enabled else frozenset()
+
+
 def float8_gather(cfg) -> bool:
     """training.fp8 with tensorwise scales: a strategy that gathers float8 weights itself (its runtime's
     `float8_all_gather`) casts each converted weight's shard before the all-gather, 1 byte an element, and

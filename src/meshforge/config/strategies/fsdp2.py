@@ -29,7 +29,7 @@ from meshforge.planning.precision import (
     FLOAT8_AMAX,
     bf16_params,
     float8_gather,
-    float8_weight,
+    float8_weights,
     fused_loss_on,
     gather_bytes,
 )
@@ -151,8 +151,9 @@ def _float8_units(group: list, cfg, layout, dim: int, n: int) -> tuple[dict, dic
     def compute():
         elems: dict = {}
         weights: dict = {}
+        f8 = float8_weights(group, cfg)
         for p in group:
-            if float8_weight(p, cfg):
+            if p.name in f8:
                 s = local_shape(p, layout)
                 elems[p.block] = elems.get(p.block, 0) + -(-s[dim] // n) * n * (math.prod(s) // s[dim])
                 weights[p.block] = weights.get(p.block, 0) + 1
