@@ -3,6 +3,8 @@ torch): every term of the plan (state, activations, communication) asks here."""
 
 from __future__ import annotations
 
+from meshforge.planning.params import memo
+
 F32 = 4
 
 
@@ -104,8 +106,6 @@ def float8_weight(p, cfg) -> bool:
 def float8_weights(params: list, cfg) -> frozenset[str]:
     """Names of the weights among `params` whose linears torchao converts (`float8_weight`), less LoRA-adapted
     linears' (distributed/float8.py converts plain linears only). Memoised per list."""
-    from meshforge.planning.params import memo
-
     def compute():
         adapted = {p.name.rsplit(".lora_", 1)[0] for p in params if p.adapter}
         return frozenset(p.name for p in params if float8_weight(p, cfg) and p.name.rsplit(".", 1)[0] not in adapted)
