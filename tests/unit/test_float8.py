@@ -37,6 +37,22 @@ def test_filter_auto_keeps_small_matmuls_and_refuses_a_model_with_none_to_conver
         apply_float8(build_model(ModelConfig(preset="tiny")), FP8Config(enabled=True), torch.device("cpu"), False)
 
 
+def test_lora_adapted_linears_and_factors_stay_in_high_precision():
+    """torchao rebuilds a converted module as a Float8Linear: a LoRA-adapted linear lost its adapters (with
+    filter=all every trainable parameter of the model, silently). Adapted linears and LoRA's factors stay."""
+    from meshforge.config.schema import PeftConfig
+    from meshforge.models.lora import adapter_modules, apply_lora
+
+    model = build_model(ModelConfig(preset="tiny"))
+    apply_lora(model, PeftConfig(rank=16, target_modules=["q_proj", "v_proj"]))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    apply_float8(model, FP8Config(enabled=True, filter="all"), torch.device("cpu"), fsdp2_sharded=False)
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == trainable and len(trainable) == 8
+    assert set(adapter_modules(model)) == {f"layers.{i}.attention.w{r}" for i in range(2) for r in "qv"}
+    assert _float8_names(model) == {f"layers.{i}.{m}" for i in range(2) for m in (
+        "attention.wk", "attention.wo", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")}
+
+
 def test_fp8_rules_take_tp_and_pp_and_refuse_rowwise_tp_and_old_gpus(monkeypatch):
     for dist, ws in (({"tp_size": 2}, 2), ({"tp_size": 2, "sequence_parallel": True}, 2), ({"pp_size": 2}, 2),
                      ({"pp_size": 2, "tp_size": 2}, 8), ({"strategy": "megatron_fsdp"}, 2)):

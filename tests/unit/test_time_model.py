@@ -66,7 +66,7 @@ def test_fp8_auto_filter_is_torchaos():
     from torch import nn
     from torchao.float8 import _auto_filter_for_recipe
 
-    from meshforge.planning.step import FP8_AUTO
+    from meshforge.planning.precision import FP8_AUTO
 
     for recipe, mine in FP8_AUTO.items():
         theirs = _auto_filter_for_recipe(recipe, filter_fqns=[])

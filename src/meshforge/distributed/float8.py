@@ -5,7 +5,8 @@ dynamic scales, tensorwise (one scale per tensor) or rowwise (one per row, more 
 with tensorwise scaling the all-gather itself carries float8 weights (half the bytes of bf16), scaled from
 the amax of the whole (all-reduced) weight, so every rank casts exactly as one process would.
 
-Which linears convert: never the output head (its logits need the precision; the contract's `vocab_output`);
+Which linears convert: plain `nn.Linear`s only (a LoRA-adapted linear and LoRA's factors stay in high precision),
+never the output head (its logits need the precision; the contract's `vocab_output`);
 `filter: auto` keeps torchao's size heuristic (only matmuls large enough to gain on H100), `all` converts every
 linear whose dimensions divide by 16 (a float8 matmul requirement). Converted before every parallelism,
 activation checkpointing and compile wrap the blocks, and before the strategy (fsdp2's float8 all-gather
@@ -32,6 +33,7 @@ from torch import nn
 
 from meshforge.errors import ConfigError
 from meshforge.models import contract_of
+from meshforge.models.shapes import ADAPTER_PARTS
 
 
 def float8_filter(model: nn.Module, filter_mode: str, recipe: str):
@@ -43,7 +45,12 @@ def float8_filter(model: nn.Module, filter_mode: str, recipe: str):
     auto = _auto_filter_for_recipe(recipe, filter_fqns=[]) if filter_mode == "auto" else None
 
     def convert(module: nn.Module, fqn: str) -> bool:
-        if not isinstance(module, nn.Linear) or any(fnmatch.fnmatchcase(fqn, p) for p in keep):
+        # plain linears only: torchao rebuilds the module as a Float8Linear, which would drop what a subclass adds
+        # (a LoRA-adapted linear lost its adapters, and with them every trainable parameter, silently); nor LoRA's
+        # factors (rank-wide matmuls gain nothing, and the planner counts them in high precision)
+        if type(module) is not nn.Linear or fqn.rsplit(".", 1)[-1] in ADAPTER_PARTS:
+            return False
+        if any(fnmatch.fnmatchcase(fqn, p) for p in keep):
             return False
         if module.in_features % 16 or module.out_features % 16:
             return False

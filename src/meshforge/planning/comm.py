@@ -19,7 +19,7 @@ import math
 from meshforge.planning.activations import lowered_passes
 from meshforge.planning.layout import Layout, MeshAxis
 from meshforge.planning.params import F32, ParamRec, chunk_rows, local_shape, replicate_grad
-from meshforge.planning.precision import bf16_compute, fused_loss_on, residual_bytes
+from meshforge.planning.precision import FLOAT8_TP_AMAX, bf16_compute, float8_weights, fused_loss_on, residual_bytes
 from meshforge.planning.state import pipeline_plan_of, stage_params, terms_of
 from meshforge.planning.terms import AddComm
 
@@ -194,6 +194,7 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
     partial = (1 if terms_of(cfg).dtensor_grads(cfg, layout) else 2) * F32 * sum(
         math.prod(p.shape) for p in mine_all if p.partial_grad and p.trainable)
     summed, gathered = transformers_styles_comm(mine_all, cfg, layout, n_micro)
+    summed += n_micro * _float8_amaxes(projections, mine_all, cfg, recompute) * FLOAT8_TP_AMAX
     if gathered:
         add("tp", "all_gather", gathered)
     if d.sequence_parallel:
@@ -209,6 +210,18 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
     else:
         redo = rows - n_blocks if recompute else 0
         add("tp", "all_reduce", n_micro * ((rows + head + redo) * act + first * emb + cols + loss) + partial + summed)
+
+
+def _float8_amaxes(projections: list[ParamRec], mine_all: list[ParamRec], cfg, recompute: bool) -> int:
+    """training.fp8 under TP: the amax all-reduces of one micro batch. Each cast of a tensor sharded over tp reduces
+    its amax (torchao's float8 styles, distributed/float8.py): every float8 weight in forward and again in
+    backward (torchao keeps the high-precision weight and casts it again), a row-wise projection's input (split on
+    its in-features) in forward, a column-wise one's output gradient in backward; checkpointing casts the forward's
+    again (measured with the scale trace, torch 2.13, torchao 0.18)."""
+    names = float8_weights(mine_all, cfg)
+    f8 = [p for p in projections if p.name in names]
+    forward = len(f8) + sum(p.tp_dim == 1 for p in f8)
+    return forward * (2 if recompute else 1) + len(f8) + sum(p.tp_dim == 0 for p in f8)
 
 
 def transformers_styles_comm(mine_all: list[ParamRec], cfg, layout: Layout, n_micro: int) -> tuple[int, int]:

@@ -149,7 +149,7 @@ def plan(cfg, world_size: int, device: Device, gpus_per_node: int = 8, mfu: floa
     pplan = pipeline_plan_of(cfg, layout, args.n_layers) if layout.pp > 1 else None
     # what a rank's state and held bytes depend on (a search varies the pipeline and the micro batch too)
     key = (layout, d.strategy, d.options.model_dump_json(), d.pipeline and d.pipeline.model_dump_json(),
-           t.model_dump_json(include={"device", "precision", "micro_batch_size", "global_batch_size"}))
+           t.model_dump_json(include={"device", "precision", "micro_batch_size", "global_batch_size", "fp8"}))
     if ranks or state_cache is None or key not in state_cache:
         states = _rank_states(params, cfg, layout, pplan, ranks or [])
         if state_cache is not None and not ranks:
@@ -301,11 +301,12 @@ def _notes(cfg, eff: Efficiency, layout: Layout | None = None) -> list[str]:
     if fused:
         out.append(fused)
     if cfg.training.fp8.enabled:
-        out.append("training.fp8: memory and communication counted as without it (weights, gradients and optimizer "
-                   "state stay in their dtype, exactly); not counted: a sharding strategy's float8 all-gather (1 "
-                   "byte an element, where the plan counts the gathered dtype), the float8 copies the matmuls keep "
-                   "for backward, and the float8 scales' small all-reduces (under TP and sharded weights); "
-                   "`meshforge plan ... --trace` measures them")
+        out.append("training.fp8: counted as the scale trace measures torchao's float8 linears: weights, gradients "
+                   "and optimizer state in their own dtype, the high-precision inputs and weights kept for backward "
+                   "(no float8 copies), a strategy's float8 all-gather (1 byte an element, its gathered units held "
+                   "so) and the amax all-reduces; not counted: a linear's transient float8 casts (-1.3% where the "
+                   "peak falls in a block's backward, docs/scale.md) and, under TP without checkpointing, the float8 "
+                   "cast of a projection's input kept in place of the bf16 one (+0.03%)")
     spec = spec_of(cfg)
     if spec is None or spec.plan is None:
         out.append(f"strategy {d.strategy} declares no planner terms (StrategySpec.plan, planning/terms.py): its "

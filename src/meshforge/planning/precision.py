@@ -3,6 +3,8 @@ torch): every term of the plan (state, activations, communication) asks here."""
 
 from __future__ import annotations
 
+from meshforge.planning.params import memo
+
 F32 = 4
 
 
@@ -80,3 +82,46 @@ def fused_loss_note(cfg) -> str | None:
     why = fused_loss_conflict(cfg) if cfg.training.fused_loss == "auto" else None
     return (f"training.fused_loss=auto takes the plain loss ({why}): full fp32 [batch, seq, vocab] logits are "
             "kept for backward") if why else None
+
+
+# torchao's `_auto_filter_for_recipe` (training.fp8.filter=auto), on the weight's (out N, in K): which linears it
+# converts (tests/unit/test_time_model.py checks these against torchao's own filter)
+FP8_AUTO = {
+    "tensorwise": lambda n, k: not (k <= 4096 and n <= 1024),
+    "rowwise": lambda n, k: not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)),
+}
+
+
+def float8_weight(p, cfg) -> bool:
+    """training.fp8: is `p` (a `ParamRec`) the weight of a linear torchao converts (distributed/float8.py)? The
+    blocks' linears whose dimensions divide by 16, under `filter: auto` torchao's size filter on the whole
+    weight; never the head, the embedding, routed experts or LoRA factors."""
+    f = cfg.training.fp8
+    if not f.enabled or p.block is None or p.expert or p.adapter or len(p.shape) != 2:
+        return False
+    n, k = p.shape
+    return not (n % 16 or k % 16) and (f.filter == "all" or FP8_AUTO[f.recipe](n, k))
+
+
+def float8_weights(params: list, cfg) -> frozenset[str]:
+    """Names of the weights among `params` whose linears torchao converts (`float8_weight`), less LoRA-adapted
+    linears' (distributed/float8.py converts plain linears only). Memoised per list."""
+    def compute():
+        adapted = {p.name.rsplit(".lora_", 1)[0] for p in params if p.adapter}
+        return frozenset(p.name for p in params if float8_weight(p, cfg) and p.name.rsplit(".", 1)[0] not in adapted)
+
+    f = cfg.training.fp8
+    return memo("float8", params, (f.enabled, f.recipe, f.filter), compute) if f.enabled else frozenset()
+
+
+def float8_gather(cfg) -> bool:
+    """training.fp8 with tensorwise scales: a strategy that gathers float8 weights itself (its runtime's
+    `float8_all_gather`) casts each converted weight's shard before the all-gather, 1 byte an element, and
+    all-reduces the shard's fp32 amax over the gathering ranks first (`FLOAT8_AMAX` bytes per weight and gather:
+    torchao's `fsdp_pre_all_gather` without precomputed scales, measured with the scale trace)."""
+    return cfg.training.fp8.enabled and cfg.training.fp8.recipe == "tensorwise"
+
+
+FLOAT8_AMAX = F32  # a float8-gathered weight's amax, all-reduced before each all-gather
+# a scale's amax over tensor-parallel shards: DTensor reduces the Partial amax once torchao has cast it to float64
+FLOAT8_TP_AMAX = 8

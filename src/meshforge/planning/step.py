@@ -46,15 +46,8 @@ from dataclasses import dataclass, field
 from meshforge.planning.hardware import Device, Efficiency
 from meshforge.planning.layout import Layout, MeshAxis
 from meshforge.planning.params import F32, ParamRec, memo
-from meshforge.planning.precision import bf16_compute, fused_loss_on
+from meshforge.planning.precision import FP8_AUTO, bf16_compute, fused_loss_on
 from meshforge.planning.theory import textbook_bubble
-
-# torchao's `_auto_filter_for_recipe` (training.fp8.filter=auto), on the weight's (out N, in K): which linears it
-# converts (tests/unit/test_step_time.py checks these against torchao's own filter)
-FP8_AUTO = {
-    "tensorwise": lambda n, k: not (k <= 4096 and n <= 1024),
-    "rowwise": lambda n, k: not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048)),
-}
 
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int) -> float:

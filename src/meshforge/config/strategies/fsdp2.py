@@ -25,7 +25,14 @@ from pydantic import ConfigDict, field_validator
 from meshforge.config.strategies import AXES, StrategyOptions, StrategySpec, StrictSection, dp_size, register_strategy
 from meshforge.planning.layout import MeshAxis
 from meshforge.planning.params import F32, STEP_BYTES, alike, chunk_rows, local_shape, memo, replicate_grad
-from meshforge.planning.precision import bf16_params, fused_loss_on, gather_bytes
+from meshforge.planning.precision import (
+    FLOAT8_AMAX,
+    bf16_params,
+    float8_gather,
+    float8_weights,
+    fused_loss_on,
+    gather_bytes,
+)
 from meshforge.planning.terms import Parts, StrategyPlanTerms, replicas
 
 if TYPE_CHECKING:
@@ -149,6 +156,36 @@ def _last_trainable(group: list, layout, dim: int, n: int) -> dict:
     return memo("last_trainable", group, (layout.tp, layout.ep, dim, n), compute)
 
 
+def _float8_units(group: list, cfg, layout, dim: int, n: int) -> tuple[dict, dict]:
+    """({unit: padded elements}, {unit: weights}) of the float8 linears' weights of FSDP's units (`_fsdp_units`):
+    what fully_shard gathers in float8 when torchao casts before the gather (`precision.float8_gather`)."""
+    f = cfg.training.fp8
+
+    def compute():
+        elems: dict = {}
+        weights: dict = {}
+        f8 = float8_weights(group, cfg)
+        for p in group:
+            if p.name in f8:
+                s = local_shape(p, layout)
+                elems[p.block] = elems.get(p.block, 0) + -(-s[dim] // n) * n * (math.prod(s) // s[dim])
+                weights[p.block] = weights.get(p.block, 0) + 1
+        return elems, weights
+
+    return memo("float8_units", group, (layout.tp, layout.ep, dim, n, f.enabled, f.recipe, f.filter), compute)
+
+
+def _per_gathers(per_unit: dict, cfg: Config, layout, per_step: tuple[int, int], regather: list) -> int:
+    """`per_unit` (bytes or counts of each unit) summed over the all-gathers of one micro batch (under PP, of one
+    step, `per_step`: a block's gathers and the root's): every unit once, the blocks in `regather` again in
+    backward, the root again when it is resharded."""
+    if layout.pp > 1:  # the stage's units, gathered once per step or as often as resharding makes it
+        root = per_unit.get(None, 0)
+        return (sum(per_unit.values()) - root) * per_step[0] + root * per_step[1]
+    return (sum(per_unit.values()) + sum(per_unit.get(b, 0) for b in regather)
+            + (per_unit.get(None, 0) if _root_resharded(cfg) else 0))
+
+
 def _split_experts(stage: list, layout) -> tuple[list, list]:
     """(dense parameters, experts) of a stage: the experts are FSDP units of their own under EP only (else
     everything is dense); the same lists for the same stage (memoised), so the units memoised on them hit."""
@@ -248,27 +285,39 @@ class FSDP2Terms(StrategyPlanTerms):
             regather = [b for b in blocks if (b != blocks[-1] if reshard is None else reshard)]
             if dim == 1 and not cfg.distributed.moe_or_default.reshard_after_forward:
                 regather = []  # the experts' units stay gathered from forward to backward
-            total = sum(units.values())
-            if layout.pp > 1:  # the stage's units, gathered once per step or as often as resharding makes it
-                # (the root as often as it is resharded: the last stage's not under the fused loss, which reads
-                # its head after forward; the other stages' roots are resharded as asked)
-                root = units.get(None, 0)
-                kept = reshard is True and not _root_resharded(cfg) and any(p.place == "last" for p in group)
-                root_per_step = pipeline_gathers(passes, False) if kept else per_step
-                gathers = (total - root) * per_step + root * root_per_step
-            else:
-                gathers = total + sum(units[b] for b in regather) + (units.get(None, 0) if _root_resharded(cfg) else 0)
+            # under PP the root as often as it is resharded: the last stage's not under the fused loss, which reads
+            # its head after forward; the other stages' roots are resharded as asked
+            kept = layout.pp > 1 and passes and reshard is True and not _root_resharded(cfg) and \
+                any(p.place == "last" for p in group)
+            root_per_step = pipeline_gathers(passes, False) if kept else per_step
             reps = accum if (layout.pp == 1) else 1
+            counts = (per_step, root_per_step)
+            gathers = _per_gathers(self._gathered_bytes(group, cfg, layout, dim, nn_), cfg, layout, counts, regather)
             # gradients are reduced once per step, or after every micro batch when the sync is not deferred
             reduces = reps if cfg.distributed.options.defer_fsdp_grad_sync is False else 1
             ax = ("dp_shard_cp" if layout.cp > 1 else "dp_shard") if dim == 0 else "ep_shard"
-            add(ax, "all_gather", gathers * reps * gather_bytes(cfg))
+            add(ax, "all_gather", gathers * reps)
+            if self._float8(cfg, layout):  # each float8 weight's amax, before each of its gathers
+                f8 = _float8_units(group, cfg, layout, dim, nn_)[1]
+                add(ax, "all_reduce", _per_gathers(f8, cfg, layout, counts, regather) * reps * FLOAT8_AMAX)
             add(ax, "reduce_scatter", sum(grads.values()) * F32 * reduces)
             if dim == 0 and layout.dp_replicate > 1:
                 add("dp_replicate", "all_reduce", sum(grads.values()) // nn_ * F32 * reduces)
 
     def dtensor_grads(self, cfg, layout) -> bool:
         return self._active(layout)
+
+    def _float8(self, cfg, layout) -> bool:
+        """torchao casts the float8 linears' weights before fully_shard gathers them (the runtime's
+        `float8_all_gather`: sharded, tensorwise scales, not under TP, whose scales must span the tp shards)."""
+        return self._active(layout) and layout.tp == 1 and float8_gather(cfg)
+
+    def _gathered_bytes(self, group, cfg, layout, dim: int, n: int) -> dict:
+        """{unit: bytes of its all-gather output}: the gathered dtype, 1 byte an element of a float8 weight."""
+        units, _ = _fsdp_units(group, layout, dim, n)
+        gb = gather_bytes(cfg)
+        f8 = _float8_units(group, cfg, layout, dim, n)[0] if self._float8(cfg, layout) else {}
+        return {u: k * gb - f8.get(u, 0) * (gb - 1) for u, k in units.items()}
 
     def held(self, stage, cfg, layout, c, moment, accum, pipelined) -> int:
         """What fully_shard holds at `moment` (measured with the scale trace, meshforge.scale):
@@ -286,7 +335,7 @@ class FSDP2Terms(StrategyPlanTerms):
         o = cfg.distributed.options
         key = (layout, c[MeshAxis.DP_SHARD_CP], c[MeshAxis.EP_SHARD], accum, pipelined, bool(o.offload_policy),
                o.reshard_after_forward, o.defer_fsdp_grad_sync, cfg.distributed.moe_or_default.reshard_after_forward,
-               bf16_params(cfg), gather_bytes(cfg))
+               bf16_params(cfg), gather_bytes(cfg), cfg.training.fp8.model_dump_json())
         return memo("fsdp2_held", stage, key, lambda: self._held(stage, cfg, layout, c, accum, pipelined))[moment]
 
     def _held(self, stage, cfg, layout, c, accum, pipelined) -> dict[str, int]:
@@ -298,12 +347,12 @@ class FSDP2Terms(StrategyPlanTerms):
         reshard = cfg.distributed.options.reshard_after_forward
         defer = cfg.distributed.options.defer_fsdp_grad_sync is not False
         accumulating = pipelined or (accum > 1 and defer)
-        gathered, train, blocks, root_shard = {}, {}, set(), 0
+        gathered, train, blocks, root_shard = {}, {}, set(), 0  # gathered: bytes of each unit's all-gather output
         for group, dim, n in self._groups(stage, layout):
-            units, grads = _fsdp_units(group, layout, dim, n)
+            grads = _fsdp_units(group, layout, dim, n)[1]
             root_shard += grads.get(None, 0) // n
-            for unit, numel in units.items():
-                gathered[unit] = gathered.get(unit, 0) + numel
+            for unit, nbytes in self._gathered_bytes(group, cfg, layout, dim, n).items():
+                gathered[unit] = gathered.get(unit, 0) + nbytes
                 train[unit] = train.get(unit, 0) + grads[unit]
                 blocks.add(unit)
         gb = gather_bytes(cfg)
@@ -331,7 +380,7 @@ class FSDP2Terms(StrategyPlanTerms):
             # into the parameters
             big = max((gathered[b] for b in ordered), default=0)
             grads = sum(train.values()) * F32 if accumulating else (rest.grads if accum > 1 else 0)
-            out["forward"] = rest.params + (2 * gathered.get(None, 0) + 2 * big) * gb + grads
+            out["forward"] = rest.params + 2 * gathered.get(None, 0) + 2 * big + grads
         if pipelined:  # which stages are gathered at once is the schedule's (`stage_gathered`)
             kept = 0
         elif reshard is False:
@@ -339,19 +388,19 @@ class FSDP2Terms(StrategyPlanTerms):
         else:
             kept = gathered.get(None, 0) + (gathered[ordered[-1]] if ordered and reshard is None else 0)
             if not cfg.distributed.moe_or_default.reshard_after_forward:  # experts kept after forward
-                kept += sum(self._expert_units(stage, layout).values()) - \
-                    (self._expert_units(stage, layout).get(ordered[-1], 0) if ordered and reshard is None else 0)
+                kept += (sum(self._expert_units(stage, layout).values()) -
+                         (self._expert_units(stage, layout).get(ordered[-1], 0) if ordered and reshard is None
+                          else 0)) * gb
         grads = (sum(train.values()) + _replicated_embedding_grad(stage, layout)) * F32 if accumulating \
             else (rest.grads if accum > 1 else 0)
-        out["head"] = out["block"] = rest.params + kept * gb + grads  # a block's backward holds the same
+        out["head"] = out["block"] = rest.params + kept + grads  # a block's backward holds the same
         out.setdefault("forward", out["head"])  # under PP: no moment of its own (the head's value, as asked before)
         return out
 
     def stage_gathered(self, stage, cfg, layout) -> int:
         if not self._active(layout) or cfg.distributed.options.offload_policy:
             return 0
-        units = sum(sum(_fsdp_units(g, layout, d, n)[0].values()) for g, d, n in self._groups(stage, layout))
-        return units * gather_bytes(cfg)
+        return sum(sum(self._gathered_bytes(g, cfg, layout, d, n).values()) for g, d, n in self._groups(stage, layout))
 
     def _pipelined_reduction(self, stage, layout, gb: int) -> int:
         """Bytes beyond the sharded parameters at the worst moment of a pipeline stage's gradient reduction (torch's
