@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 WORLD = 4
 PATH = str(ROOT / "examples" / "llama3_8b.yaml")
 # Llama 3 8B's widths (vocab, dim, heads, ffn) with two blocks and 2,048-token sequences: what dominates a real
-# rank's memory dominates here too, and a step is a few hundred ops. Not here, with why (docs/scale.md): HSDP with
-# FP8 (-4.2%: HSDP's end-of-backward moment is the peak there).
+# rank's memory dominates here too, and a step is a few hundred ops. Measured beside the matrix (docs/scale.md):
+# FP8 with the other strategies and layouts, HSDP with FP8 (-0.1%), gpipe's last rank (+2.06%).
 SHAPE = ["model.n_layers=2", "training.seq_len=2048", "training.global_batch_size=4", "training.micro_batch_size=1",
          "training.compile=false"]
 MATRIX = {
