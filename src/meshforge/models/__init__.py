@@ -29,8 +29,8 @@ from meshforge.models.protocol import (
 __all__ = ["FAMILIES", "HF_PREFIX", "PRESETS", "AdapterLayout", "ForeignModel", "InitSpec", "ModelArgs",
            "ModelContract", "PipelineLayout", "StateDictAdapter", "args_from_hf_config", "blocks_of", "build_model",
            "contract_of", "hf_config_dict", "init_weights", "load_folder_weights", "meta_modules",
-           "persistent_buffers", "plan_layout", "plan_modules", "param_init_tensor", "probe_model", "resolve_model_args",
-           "set_submodule", "submodule_or_none"]
+           "persistent_buffers", "plan_layout", "plan_modules", "param_init_tensor", "probe_model",
+           "resolve_model_args", "set_submodule", "submodule_or_none"]
 
 
 def resolve_model_args(model_cfg: Any) -> ModelArgs:
