@@ -84,9 +84,6 @@ def _trace(args) -> int:
         cfg = load_config(args.config, args.overrides, world_size=args.world_size)
     except ConfigError as err:
         return fail(err.problems)
-    if cfg.model.hf_model:
-        return fail("model.hf_model cannot be traced yet: the trace builds on the meta device, which a transformers "
-                    "model refuses (its buffers are computed at construction)")
     over = []
     for r in ranks:
         e = estimate(cfg, args.world_size, r)
