@@ -22,7 +22,10 @@ def measured_activations(formula: dict[str, int], args, cfg, layout, micro_batch
     block's measured bytes; with it the blocks' inputs (the formula's) and one block's recomputation, the largest
     measured; after the blocks the measured final norm and head input beside the loss's tensors (the formula's
     fp32 log-softmax of this rank's vocabulary, int64 labels)."""
-    per_block, after = saved_bytes(cfg, layout.tp, micro_batch)
+    measured = saved_bytes(cfg, layout.tp, micro_batch)
+    if isinstance(measured, str):  # not measurable (`unmeasured_note` says why): the formula's
+        return formula
+    per_block, after = measured
     tokens = micro_batch * cfg.training.seq_len // layout.cp
     out = dict(formula)
     if cfg.distributed.ac_mode is None:
@@ -35,9 +38,20 @@ def measured_activations(formula: dict[str, int], args, cfg, layout, micro_batch
     return out
 
 
-def saved_bytes(cfg, tp: int, micro_batch: int) -> tuple[tuple[int, ...], int]:
+def unmeasured_note(cfg) -> str | None:
+    """The plan's note when a model.hf_model's activations could not be measured (None when they were)."""
+    d, t = cfg.distributed, cfg.training
+    measured = saved_bytes(cfg, d.tp_size, t.micro_batch_size)
+    if not isinstance(measured, str):
+        return None
+    return (f"model.hf_model: activations are counted as for a Llama block of the same widths, not measured "
+            f"({measured}); parameters, gradients and optimizer state are exact")
+
+
+def saved_bytes(cfg, tp: int, micro_batch: int) -> tuple[tuple[int, ...], int] | str:
     """((bytes each block keeps, in block order), bytes kept after the last block) for one micro batch on one
-    rank of a model.hf_model config (fp32, or under CPU autocast where the run computes in bf16)."""
+    rank of a model.hf_model config (fp32, or under CPU autocast where the run computes in bf16); or why that
+    cannot be measured on fake tensors (a transformers MoE routes by values)."""
     d, t = cfg.distributed, cfg.training
     return _saved(cfg.model.model_dump_json(), tuple(d.block_classes), tuple(sorted((d.tp_plan or {}).items())),
                   tp, micro_batch, t.seq_len, bf16_compute(cfg))
@@ -45,18 +59,20 @@ def saved_bytes(cfg, tp: int, micro_batch: int) -> tuple[tuple[int, ...], int]:
 
 @functools.lru_cache(maxsize=64)
 def _saved(model_json: str, block_classes: tuple, tp_plan: tuple, tp: int, micro_batch: int, seq_len: int,
-           bf16: bool) -> tuple[tuple[int, ...], int]:
+           bf16: bool) -> tuple[tuple[int, ...], int] | str:
     import contextlib
 
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from meshforge.config.schema import ModelConfig
-    from meshforge.models import blocks_of, build_model
+    from meshforge.models import blocks_of, build_model, contract_of
     from meshforge.planning.tp_plan import resolve_plan
     from meshforge.planning.tp_trace import _swapped
 
     model = build_model(ModelConfig.model_validate_json(model_json), device="meta")
+    if contract_of(model).moe_layers():
+        return "its routed experts route by values, which fake tensors do not have"
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
         model.to_empty(device="cpu")
@@ -85,6 +101,8 @@ def _saved(model_json: str, block_classes: tuple, tp_plan: tuple, tp: int, micro
             with fake, torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x), autocast:
                 model.train()
                 model(torch.zeros(micro_batch, seq_len, dtype=torch.long))
+    except Exception as err:  # noqa: BLE001 - an op fake tensors cannot run (a value-dependent shape): said, not fatal
+        return f"its forward does not run on fake tensors: {type(err).__name__}"
     finally:
         for h in handles:
             h.remove()

@@ -287,6 +287,17 @@ def _notes(cfg, eff: Efficiency, layout: Layout | None = None) -> list[str]:
     if cfg.peft is not None and lora_profile(cfg, _args_of(cfg)) is None:
         out.append("LoRA: activations are counted as for full training (this model's adapter roles are not the "
                    "Llama block's); parameters, gradients, optimizer state and communication are exact")
+    if cfg.model.hf_model:
+        from meshforge.planning.hf_activations import unmeasured_note
+
+        out += [n for n in (unmeasured_note(cfg),) if n]
+        spec = spec_of(cfg)
+        if spec is not None and not spec.shards_parameters and layout is not None and layout.size("dp_cp") > 1:
+            out.append("model.hf_model with whole replicas: the broadcast of the model's buffers (e.g. its rotary "
+                       "tables) before every forward is not counted (a few hundred bytes a step)")
+        if d.ep_size > 1:
+            out.append("model.hf_model with expert parallelism: the token copies' all-to-all is not counted (the "
+                       "plan does not read transformers' top-k); the rest of the communication is")
     if d.pp_size > 1 and d.pipeline_or_default.pp_schedule == "dualpipev":
         out.append("pp_schedule=dualpipev: its bubble and in-flight microbatches are counted as interleaved 1F1B's "
                    "over the V's two stages per rank (DualPipeV's overlap of one microbatch's forward with "
