@@ -38,9 +38,6 @@ MATRIX.update(llama_full=("llama", ["distributed.activation_checkpointing=full"]
 # `full` -4.3%, `megatron_fsdp` -11.8%; gemma3_text `fsdp2` -10.3%, `tp2_full` -12.9%: CPU attention with a
 # mask keeps its scores in backward)
 PEAK_GAPS = {"llama_full", "llama_megatron_fsdp", "gemma3_text_fsdp2", "gemma3_text_tp2_full"}
-# collectives not yet exact: Gemma 3's post-norms keep each block's last row-wise output, so checkpointing
-# recomputes that reduction too (the plan leaves it out, as it does for pre-norm blocks)
-COMM_GAPS = {"gemma3_text_tp2_full"}
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +77,7 @@ def _comparisons(folders, traces):
 def test_hf_model_state_and_collectives_exact(folders, traces):
     for name, _trace, c in _comparisons(folders, traces):
         assert c.state_exact, (name, c.state_plan, c.state_trace)
-        assert c.comm_exact or name in COMM_GAPS, (name, c.problems())
+        assert c.comm_exact, (name, c.problems())
 
 
 def test_hf_model_peak_within_bound(folders, traces):

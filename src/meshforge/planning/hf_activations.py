@@ -7,7 +7,9 @@ batch's shape, as one tp rank holds it (the plan's column-wise and row-wise slic
 `tp_trace.py` swaps them in), under saved-tensor hooks, and sums the storages autograd keeps (parameters
 excluded), per block (the model's blocks, `models.blocks_of`: each storage to the block that first saves it) and
 after the last block (the final norm and the head's input). The loss's own tensors stay the formula's (they are
-meshforge's loss, not the model's). Each storage is counted once, as the memory holds it.
+meshforge's loss, not the model's). Each storage is counted once, as the memory holds it. The same forward says
+which blocks keep their last row-wise projection's output (a post-norm after it): checkpointing recomputes that
+reduction too (`comm.py`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ def measured_activations(formula: dict[str, int], args, cfg, layout, micro_batch
     measured = saved_bytes(cfg, layout.tp, micro_batch)
     if isinstance(measured, str):  # not measurable (`unmeasured_note` says why): the formula's
         return formula
-    per_block, after = measured
+    per_block, after, _ = measured
     tokens = micro_batch * cfg.training.seq_len // layout.cp
     out = dict(formula)
     if cfg.distributed.ac_mode is None:
@@ -41,17 +43,21 @@ def measured_activations(formula: dict[str, int], args, cfg, layout, micro_batch
 def unmeasured_note(cfg) -> str | None:
     """The plan's note when a model.hf_model's activations could not be measured (None when they were)."""
     d, t = cfg.distributed, cfg.training
-    measured = saved_bytes(cfg, d.tp_size, t.micro_batch_size)
+    try:
+        measured = saved_bytes(cfg, d.tp_size, t.micro_batch_size)
+    except (ValueError, OSError):  # a model that cannot be read: validation says why
+        return None
     if not isinstance(measured, str):
         return None
     return (f"model.hf_model: activations are counted as for a Llama block of the same widths, not measured "
             f"({measured}); parameters, gradients and optimizer state are exact")
 
 
-def saved_bytes(cfg, tp: int, micro_batch: int) -> tuple[tuple[int, ...], int] | str:
-    """((bytes each block keeps, in block order), bytes kept after the last block) for one micro batch on one
-    rank of a model.hf_model config (fp32, or under CPU autocast where the run computes in bf16); or why that
-    cannot be measured on fake tensors (a transformers MoE routes by values)."""
+def saved_bytes(cfg, tp: int, micro_batch: int) -> tuple[tuple[int, ...], int, int] | str:
+    """((bytes each block keeps, in block order), bytes kept after the last block, blocks that keep their last
+    row-wise projection's output) for one micro batch on one rank of a model.hf_model config (fp32, or under CPU
+    autocast where the run computes in bf16); or why that cannot be measured on fake tensors (a transformers MoE
+    routes by values)."""
     d, t = cfg.distributed, cfg.training
     return _saved(cfg.model.model_dump_json(), tuple(d.block_classes), tuple(sorted((d.tp_plan or {}).items())),
                   tp, micro_batch, t.seq_len, bf16_compute(cfg))
@@ -59,7 +65,7 @@ def saved_bytes(cfg, tp: int, micro_batch: int) -> tuple[tuple[int, ...], int] |
 
 @functools.lru_cache(maxsize=64)
 def _saved(model_json: str, block_classes: tuple, tp_plan: tuple, tp: int, micro_batch: int, seq_len: int,
-           bf16: bool) -> tuple[tuple[int, ...], int] | str:
+           bf16: bool) -> tuple[tuple[int, ...], int, int] | str:
     import contextlib
 
     import torch
@@ -91,6 +97,12 @@ def _saved(model_json: str, block_classes: tuple, tp_plan: tuple, tp: int, micro
         return x
 
     handles = []
+    last_row: dict[int, int] = {}  # block -> the storage of its last row-wise projection's output
+    for name, mod in model.named_modules():
+        if styles.get(name, "").startswith("rowwise"):
+            handles.append(mod.register_forward_hook(
+                lambda m, a, o: last_row.__setitem__(where[-1], o.untyped_storage()._cdata)
+                if isinstance(where[-1], int) else None))
     for i, block in enumerate(blocks):
         handles.append(block.register_forward_pre_hook(lambda m, a, i=i: where.append(i)))
         handles.append(block.register_forward_hook(lambda m, a, o: _left(where)))
@@ -113,7 +125,17 @@ def _saved(model_json: str, block_classes: tuple, tp_plan: tuple, tp: int, micro
             after += n
         elif block != "before":  # (before: the embedding's token ids, the formula's)
             per_block[block] += n
-    return tuple(per_block), after
+    # a block that keeps its last row-wise output for backward (a post-norm after it: Gemma 3) recomputes that
+    # reduction under checkpointing too
+    kept_last = sum(1 for block, key in last_row.items() if kept.get(key, (None,))[0] == block)
+    return tuple(per_block), after, kept_last
+
+
+def recomputed_last_reductions(cfg, tp: int, micro_batch: int) -> int:
+    """Blocks whose checkpointed recomputation runs their last row-wise reduction again (it keeps that output for
+    backward), 0 where not measured."""
+    measured = saved_bytes(cfg, tp, micro_batch)
+    return 0 if isinstance(measured, str) else measured[2]
 
 
 def _left(where: list) -> None:
