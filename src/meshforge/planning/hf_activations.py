@@ -96,13 +96,14 @@ def _saved(model_json: str, block_classes: tuple, tp_plan: tuple, tp: int, micro
             alive.append(storage)
         return x
 
-    handles = []
     last_row: dict[int, int] = {}  # block -> the storage of its last row-wise projection's output
-    for name, mod in model.named_modules():
-        if styles.get(name, "").startswith("rowwise"):
-            handles.append(mod.register_forward_hook(
-                lambda m, a, o: last_row.__setitem__(where[-1], o.untyped_storage()._cdata)
-                if isinstance(where[-1], int) else None))
+
+    def row_output(_module, _args, out) -> None:
+        if isinstance(where[-1], int) and isinstance(out, torch.Tensor):
+            last_row[where[-1]] = out.untyped_storage()._cdata
+
+    handles = [mod.register_forward_hook(row_output) for name, mod in model.named_modules()
+               if styles.get(name, "").startswith("rowwise")]
     for i, block in enumerate(blocks):
         handles.append(block.register_forward_pre_hook(lambda m, a, i=i: where.append(i)))
         handles.append(block.register_forward_hook(lambda m, a, o: _left(where)))
