@@ -119,7 +119,12 @@ def write_models() -> None:
 PLAN_COMM = {"qwen3_tp2": base("qwen3") + ["distributed.strategy=fsdp2", "distributed.tp_size=2"],
              "glm_tp2": base("glm") + ["distributed.strategy=fsdp2", "distributed.tp_size=2"],
              "glm_tp2_ac_full": base("glm") + ["distributed.strategy=fsdp2", "distributed.tp_size=2",
-                                               "distributed.activation_checkpointing=full"]}
+                                               "distributed.activation_checkpointing=full"],
+             # per-block terms (each block's all-gather again in backward, flat buffers per unit) and an MoE,
+             # which the scale trace cannot run (tests/parallel/test_scale_trace_hf.py)
+             "qwen3_fsdp2": base("qwen3") + ["distributed.strategy=fsdp2"],
+             "qwen3_moe_fsdp2": base("qwen3_moe") + ["distributed.strategy=fsdp2"],
+             "qwen3_moe_megatron_fsdp": base("qwen3_moe") + ["distributed.strategy=megatron_fsdp"]}
 GROUP_JOBS = [Job("hf_model parity n2", "meshforge.testing.parity:configs_job",
                   {"configs": {k: base(m) + v for k, (m, v) in LAYOUTS.items()}, "steps": STEPS}, 2,
                   prepare=write_models),
@@ -178,7 +183,7 @@ def test_plan_counts_transformers_styles_collectives(group):
     from meshforge.testing.parity import config
 
     got = group("hf_model plan comm n2")
-    for name, overrides in PLAN_COMM.items():
+    for name, overrides in ((k, v) for k, v in PLAN_COMM.items() if "_tp2" in k):
         cfg = config(overrides, steps=3, world_size=2)
         t = cfg.training
         params, _ = model_params(cfg)
@@ -189,3 +194,16 @@ def test_plan_counts_transformers_styles_collectives(group):
         assert (summed > 0) == name.startswith("qwen3") and (gathered > 0) == name.startswith("glm")
         assert by_op.get("c10d::allreduce_", 0) == summed, name
         assert by_op.get("_c10d_functional::all_gather_into_tensor", 0) == gathered, name
+
+
+def test_plan_state_and_collectives_of_hf_models(group):
+    """Every rank's parameters, gradients and optimizer state and every collective (by kind) of a model.hf_model
+    plan equal the bench's count at N=2: its parameters have their blocks (FSDP units: a block's all-gather again in
+    backward, megatron_fsdp's flat buffers) and places (the vocabulary-parallel embedding's gradient whole on each
+    tp rank, the embedding's and the head's TP collectives). Before, Qwen3 at TP2 planned 189,952 B of gradients
+    for 222,720 B held and none of the activations' all-reduces (1,051,708 B)."""
+    from tests.parallel.test_plan_accuracy import _compare
+
+    for name, bench, plan in _compare(group("hf_model plan comm n2"), PLAN_COMM, 2):
+        print(f"{name}: plan {plan} bench {bench}")
+        assert bench == plan, (name, bench, plan)

@@ -50,7 +50,8 @@ def build_parallel_model(cfg, mesh_ctx: MeshContext, device: torch.device, load_
         raise ConfigError(f"the model ({type(meta_probe).__name__}) declares no blocks (a transformers model: no "
                           "_no_split_modules): set distributed.block_classes to its layer class")
     n_params = sum(p.numel() for p in meta_probe.parameters())
-    meta = use_meta_init(cfg, mesh_ctx.world_size, n_params)
+    # the scale trace builds on meta (its fake tensors have no values: a model.hf_model's buffers need none either)
+    meta = use_meta_init(cfg, mesh_ctx.world_size, n_params) or bool(shape_only is not None and cfg.model.hf_model)
     if shape_only is not None and not meta:
         raise ConfigError("a shape-only build (the scale trace) needs the meta-device path: set model.init_device=meta")
     if mesh_ctx.pp_size > 1:

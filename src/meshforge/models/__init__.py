@@ -29,8 +29,8 @@ from meshforge.models.protocol import (
 __all__ = ["FAMILIES", "HF_PREFIX", "PRESETS", "AdapterLayout", "ForeignModel", "InitSpec", "ModelArgs",
            "ModelContract", "PipelineLayout", "StateDictAdapter", "args_from_hf_config", "blocks_of", "build_model",
            "contract_of", "hf_config_dict", "init_weights", "load_folder_weights", "meta_modules",
-           "persistent_buffers", "plan_modules", "param_init_tensor", "probe_model", "resolve_model_args",
-           "set_submodule", "submodule_or_none"]
+           "persistent_buffers", "plan_layout", "plan_modules", "param_init_tensor", "probe_model",
+           "resolve_model_args", "set_submodule", "submodule_or_none"]
 
 
 def resolve_model_args(model_cfg: Any) -> ModelArgs:
@@ -105,6 +105,18 @@ def plan_modules(model_cfg: Any):
     small, stand_in = family.stand_ins(args)
     one = family.describe(small)
     return one, _whole_model_names(one, one.pipeline_layout().split_points, stand_in)
+
+
+def plan_layout(model: Any, block_classes: list[str] | None = None) -> PipelineLayout | None:
+    """The structure the planner reads from `plan_modules`' model: the blocks (split points, in forward order) and
+    the modules of the model's first and last ends. A built-in model's pipeline layout; a model without one that
+    declares `plan_layout` (model.hf_model: the blocks the runtime wraps, `distributed.block_classes` honoured) its
+    own; else None."""
+    from meshforge.models.shapes import model_contract
+
+    contract = model_contract(model)
+    own = getattr(contract, "plan_layout", None)
+    return own(block_classes or None) if own is not None else contract.pipeline_layout()
 
 
 def _whole_model_names(one, blocks: tuple[str, ...], stand_in: tuple[int, ...]) -> dict:

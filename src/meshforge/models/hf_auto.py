@@ -41,7 +41,7 @@ from meshforge.models.hf_auto_moe import (
     experts_modules,
 )
 from meshforge.models.args import ModelArgs
-from meshforge.models.protocol import AdapterLayout, ForeignModel, InitSpec, Undeclared
+from meshforge.models.protocol import AdapterLayout, ForeignModel, InitSpec, PipelineLayout, Undeclared, blocks_of
 from meshforge.models.shapes import is_adapter_param, pattern_matches
 
 # transformers' tp styles -> meshforge's (distributed/tensor_parallel.py); on the output head the gather-output
@@ -339,6 +339,17 @@ class HFCausalLM(Undeclared, nn.Module):
         names = set(getattr(self.hf, "_no_split_modules", None) or ())
         found = [m for m in self.hf.modules() if type(m).__name__ in names]
         return found or ForeignModel(self.hf).blocks()
+
+    def plan_layout(self, block_classes: list[str] | None = None) -> PipelineLayout:
+        """The structure the planner reads (`models.plan_layout`; not a pipeline split: PP is refused): the blocks by
+        name in module order, as the runtime finds them (`blocks_of`: FSDP units, checkpointed regions; a parameter
+        belongs to the innermost block around it, as FSDP's units hold it), the input embedding (first) and the
+        output head (last)."""
+        names = {id(m): n for n, m in self.named_modules()}
+        blocks = tuple(names[id(b)] for b in blocks_of(self, block_classes))
+        emb, head = self.hf.get_input_embeddings(), self.hf.get_output_embeddings()
+        return PipelineLayout(blocks, (names[id(emb)],) if id(emb) in names else (),
+                              (names[id(head)],) if head is not None and id(head) in names else ())
 
     def tp_plan(self, sequence_parallel: bool = False) -> dict[str, str] | None:
         """transformers' own plan (`_tp_plan`, with the base model's under its prefix), in meshforge's styles."""

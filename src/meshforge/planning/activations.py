@@ -36,10 +36,15 @@ def activation_bytes(args, cfg, layout: Layout, blocks: int, first: bool, last: 
     Measured against saved-tensor hooks on CPU: exact on one process, within 1% under TP/SP/CP.
     """
     d, t = cfg.distributed, cfg.training
-    return dict(_activation_bytes(args, bf16_compute(cfg), micro_batch or t.micro_batch_size,
-                                  t.seq_len, layout.cp, layout.tp, d.sequence_parallel, d.ac_mode,
-                                  fused_loss_on(cfg), blocks, first, last, lora_profile(cfg, args),
-                                  compiled(cfg)))
+    out = dict(_activation_bytes(args, bf16_compute(cfg), micro_batch or t.micro_batch_size,
+                                 t.seq_len, layout.cp, layout.tp, d.sequence_parallel, d.ac_mode,
+                                 fused_loss_on(cfg), blocks, first, last, lora_profile(cfg, args),
+                                 compiled(cfg)))
+    if args.hf_model:  # a transformers model's own blocks and final norm: measured (planning/hf_activations.py)
+        from meshforge.planning.hf_activations import measured_activations
+
+        out = measured_activations(out, args, cfg, layout, micro_batch or t.micro_batch_size)
+    return out
 
 
 LORA_ROLES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -209,6 +209,10 @@ def _tensor_parallel(mine_all: list[ParamRec], args, cfg, layout: Layout, n_micr
         add("tp", "all_reduce", n_micro * (whole * act + cols + loss) + partial + summed)
     else:
         redo = rows - n_blocks if recompute else 0
+        if recompute and args.hf_model:  # a block keeping its last reduction's output recomputes that one too
+            from meshforge.planning.hf_activations import recomputed_last_reductions
+
+            redo += recomputed_last_reductions(cfg, layout.tp, micro)
         add("tp", "all_reduce", n_micro * ((rows + head + redo) * act + first * emb + cols + loss) + partial + summed)
 
 

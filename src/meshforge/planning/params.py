@@ -41,7 +41,7 @@ class ParamRec:
 
 def model_params(cfg) -> tuple[list[ParamRec], object]:
     """Every parameter of the configured built-in model (tied weights once), from its meta description."""
-    from meshforge.models import plan_modules, resolve_model_args
+    from meshforge.models import plan_layout, plan_modules, resolve_model_args
     from meshforge.models.shapes import ADAPTER_PARTS, is_adapter_param
     from meshforge.models.shapes import model_contract
     from meshforge.planning.tp_plan import PARTIAL_GRAD_STYLES, resolve_plan, sharded_dim
@@ -51,8 +51,8 @@ def model_params(cfg) -> tuple[list[ParamRec], object]:
     if cfg.peft is not None:
         one, modules = _with_lora(one, modules, cfg.peft)
     contract = model_contract(one)
-    layout = contract.pipeline_layout()
-    container = layout.split_points[0].rpartition(".")[0] if layout else None
+    layout = plan_layout(one, cfg.distributed.block_classes)
+    block_of = _block_index(layout)
     d = cfg.distributed
     styles = {}
     if d.tp_size > 1:
@@ -61,9 +61,7 @@ def model_params(cfg) -> tuple[list[ParamRec], object]:
     expert_ids = {id(p) for layer in contract.moe_layers() for p in layer.experts.parameters()}
     out, seen = [], {}
     for mname, mod in modules.items():
-        block = None
-        if container is not None and mname.startswith(container + "."):
-            block = int(mname[len(container) + 1:].split(".")[0])
+        block = block_of(mname)
         for pname, p in mod.named_parameters(recurse=False):
             key = (id(p), block)
             if key in seen:
@@ -93,6 +91,28 @@ def model_params(cfg) -> tuple[list[ParamRec], object]:
     return out, args
 
 
+def _block_index(layout):
+    """module name -> index of the block it is in (None outside the blocks): the innermost split point at or above
+    it (a model.hf_model's blocks, each named), else, for a built-in model's stand-in blocks (`plan_modules`: the
+    whole model's blocks under the names of one container), the index after that container's name."""
+    if not layout or not layout.split_points:
+        return lambda mname: None
+    points = {name: i for i, name in enumerate(layout.split_points)}
+    container = layout.split_points[0].rpartition(".")[0]
+
+    def block_of(mname: str) -> int | None:
+        name = mname
+        while name:
+            if name in points:
+                return points[name]
+            name = name.rpartition(".")[0]
+        if container and mname.startswith(container + "."):
+            return int(mname[len(container) + 1:].split(".")[0])
+        return None
+
+    return block_of
+
+
 def _gathering(mname: str, styles: dict[str, str]) -> str | None:
     """The nearest module at or above `mname` that gathers the sequence (sequence parallelism), or None."""
     name = mname
@@ -105,10 +125,12 @@ def _gathering(mname: str, styles: dict[str, str]) -> str | None:
 
 def _place(mname: str, layout) -> str:
     """The pipeline place of a module outside the blocks: "first", "last" or "other"."""
-    if layout is None:
-        return "other"
-    top = mname.split(".")[0]
-    return "first" if top in layout.first_stage else "last" if top in layout.last_stage else "other"
+    name = mname
+    while layout is not None and name:
+        if name in layout.first_stage or name in layout.last_stage:
+            return "first" if name in layout.first_stage else "last"
+        name = name.rpartition(".")[0]
+    return "other"
 
 
 def _with_lora(one, modules: dict, peft):

@@ -34,7 +34,7 @@ from meshforge.planning.hardware import Device, Efficiency, default_efficiency, 
 from meshforge.planning.headroom import Headroom, communicators
 from meshforge.planning.layout import Layout, MeshAxis
 from meshforge.planning.params import ParamRec, model_params, n_params
-from meshforge.planning.precision import bf16_params, compiled, fused_loss_note, residual_bytes
+from meshforge.planning.precision import bf16_params, compiled, fused_loss_note, on_cuda, residual_bytes
 from meshforge.planning.state import pipeline_plan_of, rank_held, rank_state, spec_of, terms_of
 from meshforge.planning.step import StepTime, flops_per_token, largest_state_per_pp_rank, step_time
 from meshforge.planning.terms import Parts
@@ -293,6 +293,21 @@ def _notes(cfg, eff: Efficiency, layout: Layout | None = None) -> list[str]:
     if cfg.peft is not None and lora_profile(cfg, _args_of(cfg)) is None:
         out.append("LoRA: activations are counted as for full training (this model's adapter roles are not the "
                    "Llama block's); parameters, gradients, optimizer state and communication are exact")
+    if cfg.model.hf_model:
+        from meshforge.planning.hf_activations import unmeasured_note
+
+        out += [n for n in (unmeasured_note(cfg),) if n]
+        if on_cuda(cfg):
+            out.append("model.hf_model on a GPU: its activations and TP collectives are counted in fp32 (or CPU "
+                       "autocast's dtypes), where the GPU's bf16 gathers make the model compute in bf16: over by "
+                       "6-10% in the scale trace (docs/scale.md); fp32 on CPU is checked")
+        spec = spec_of(cfg)
+        if spec is not None and not spec.shards_parameters and layout is not None and layout.size("dp_cp") > 1:
+            out.append("model.hf_model with whole replicas: the broadcast of the model's buffers (e.g. its rotary "
+                       "tables) before every forward is not counted (a few hundred bytes a step)")
+        if d.ep_size > 1:
+            out.append("model.hf_model with expert parallelism: the token copies' all-to-all is not counted (the "
+                       "plan does not read transformers' top-k); the rest of the communication is")
     if d.pp_size > 1 and d.pipeline_or_default.pp_schedule == "dualpipev":
         out.append("pp_schedule=dualpipev: its bubble and in-flight microbatches are counted as interleaved 1F1B's "
                    "over the V's two stages per rank (DualPipeV's overlap of one microbatch's forward with "

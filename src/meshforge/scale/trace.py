@@ -69,7 +69,9 @@ def traced_config(cfg):
     from meshforge.distributed.compile import compile_enabled
     from meshforge.distributed.env import device_policy
 
-    c = cfg.model_copy(update={"model": cfg.model.model_copy(update={"init_device": "meta"}),
+    # (a model.hf_model keeps init_device auto, which its rules require: a shape-only build takes the meta path)
+    model = cfg.model if cfg.model.hf_model else cfg.model.model_copy(update={"init_device": "meta"})
+    c = cfg.model_copy(update={"model": model,
                                "training": cfg.training.model_copy()})
     notes = []
     import torch
