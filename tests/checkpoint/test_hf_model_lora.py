@@ -114,3 +114,18 @@ def test_a_changed_base_folder_is_refused_on_resume_and_merge(flow, tmp_path, ca
             _train([f"model.hf_model={tmp / 'base'}", *LORA, f"run.output_dir={tmp_path / 'resumed'}",
                     f"checkpoint.resume={ck}"])
         assert_merge_refuses_changed_base(ck, tmp_path / "merged", capsys)
+
+
+def test_planning_an_adapted_hf_model_twice_leaves_the_cached_model_alone(tmp_path):
+    """The planner adapts a copy of the model validation caches: a second plan in the same process (`--fit`,
+    `--compare`, validate then plan) raised "q_proj is a LoRALinear", and a plan without LoRA saw the adapters."""
+    from meshforge.planning.params import model_params
+
+    random_qwen2(tmp_path / "base")
+    base = [f"model.hf_model={tmp_path / 'base'}", "training.seq_len=16"]
+    lora = [*base, "peft.rank=4", "peft.target_modules=['*_proj']"]
+    first, again = (model_params(config(lora, world_size=1))[0] for _ in range(2))
+    plain = model_params(config(base, world_size=1))[0]
+    assert [(p.name, p.trainable) for p in first] == [(p.name, p.trainable) for p in again]
+    assert any("lora" in p.name for p in first) and not any("lora" in p.name for p in plain)
+    assert all(p.trainable for p in plain) and not all(p.trainable for p in first)

@@ -141,8 +141,14 @@ def _with_lora(one, modules: dict, peft):
 
     if isinstance(one, ModelShape):
         apply_lora = apply_to_description  # the same adapters and freeze policy, without torch
-    else:
+    else:  # a torch model (model.hf_model's, cached for validation and every plan): adapted as a copy, never itself
+        import copy
+
         from meshforge.models.lora import apply_lora
+
+        memo: dict = {}
+        one = copy.deepcopy(one, memo)
+        modules = {n: memo[id(m)] for n, m in modules.items()}
 
     names: dict[int, list[str]] = {}  # each module object -> every name it stands under
     for n, m in modules.items():
