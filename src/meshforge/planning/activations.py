@@ -290,6 +290,23 @@ def alive_peak(schedule: str, p: int, r: int, m: int, weights: tuple[int, ...]) 
     if schedule == "v_schedule":  # ScheduleZBVZeroBubble: 2(p-r)-1 forwards on chunk 0, r on each chunk, one more
         n0, n1 = min(m, 2 * p - r - 1), min(m, r + 1)
         return n0 * weights[0] + n1 * weights[1], n0 + n1
+    peak = count = n = now = 0
+    for s in _alive_events(schedule, p, r, m, v):
+        if s >= 0:  # a forward on local stage s: its micro batch becomes alive
+            now += weights[s]
+            n += 1
+            if now > peak:
+                peak, count = now, n
+        else:  # a micro batch of local stage ~s freed
+            now -= weights[~s]
+            n -= 1
+    return peak, count
+
+
+@functools.lru_cache(maxsize=4096)
+def _alive_events(schedule: str, p: int, r: int, m: int, v: int) -> tuple[int, ...]:
+    """The replay of `alive_peak`, its weights apart (a search asks it for many weights of one schedule): the
+    local stage s of each forward, ~s of the stage each freeing backward frees, in order."""
     total = m * v
     if v == 1:  # Schedule1F1B: p - 1 - r warm-up forwards
         warmup = min(m, p - 1 - r)
@@ -307,21 +324,15 @@ def alive_peak(schedule: str, p: int, r: int, m: int, weights: tuple[int, ...]) 
     # zero_bubble: torch keeps a micro batch's graph from its forward to its weight pass (W), which on pp rank r
     # runs r backward passes after its input-gradient pass (`_get_1f1b_rank_ops`), the rest at the end
     lag = r if schedule == "zero_bubble" else 0
-    peak = count = n = now = f = b = 0
+    out, f, b = [], 0, 0
     pending: list[int] = []
-    order = ["F"] * warmup + ["F", "B"] * (total - warmup) + ["B"] * warmup
-    for op in order:
+    for op in ["F"] * warmup + ["F", "B"] * (total - warmup) + ["B"] * warmup:
         if op == "F":
-            now += weights[f_stage(f)]
+            out.append(f_stage(f))
             f += 1
-            n += 1
-            if now > peak:
-                peak, count = now, n
             continue
         pending.append(b_stage(warmup + b))
         if b >= lag:
-            now -= weights[pending.pop(0)]
-            n -= 1
+            out.append(~pending.pop(0))
         b += 1
-    return peak, count
-
+    return tuple(out)

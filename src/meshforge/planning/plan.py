@@ -199,10 +199,10 @@ def _rank_states(params: list[ParamRec], cfg, layout: Layout, pplan, extra: list
     accum = t.global_batch_size // layout.dp // t.micro_batch_size
     states, same = [], {}
     n_layers = sum(len(blocks) for blocks in pplan.stage_layers) if pplan is not None else None
+    stages_of = functools.cache(lambda pp: pp if pplan is None else _stage_signature(pplan, pp))  # per pp rank
     for r in sorted(set(representative_ranks(layout, every=terms_of(cfg).every_rank)) | set(extra)):
         c = layout.coords(r)
-        sig = (c[MeshAxis.DP_SHARD_CP], c[MeshAxis.DP_CP], c[MeshAxis.EP_SHARD], c[MeshAxis.PP] if pplan is None
-               else _stage_signature(pplan, c[MeshAxis.PP]))
+        sig = (c[MeshAxis.DP_SHARD_CP], c[MeshAxis.DP_CP], c[MeshAxis.EP_SHARD], stages_of(c[MeshAxis.PP]))
         if sig not in same:
             same[sig] = (rank_state(params, cfg, layout, r, n_layers), rank_held(params, cfg, layout, r, accum,
                                                                                  n_layers))
