@@ -7,6 +7,7 @@ Calibrated against saved-tensor hooks on CPU (tests/unit/test_plan.py, tests/par
 from __future__ import annotations
 
 import functools
+import itertools
 
 from meshforge.planning.layout import Layout
 from meshforge.planning.pipeline_plan import SINGLE_STAGE
@@ -239,11 +240,15 @@ def lowered_passes(schedule: str, p: int, r: int, m: int, v: int) -> tuple[tuple
     if passes is None or schedule in SINGLE_STAGE:
         return passes
     # the next MAX_ACTIVE_STAGES stages to run from each action on (in the order they next run): from the end
-    # backwards, each stage's next action, so the whole schedule is read once (a long schedule has thousands)
-    upcoming_at, nxt = [], {}
+    # backwards, so the whole schedule is read once (a long schedule has thousands); the stage of the action
+    # read runs next of all, so it moves to the front of the stages ordered by their next action
+    upcoming_at, by_next = [], []
     for i in range(len(passes) - 1, -1, -1):
-        nxt[passes[i][1]] = i
-        upcoming_at.append(sorted(nxt, key=nxt.__getitem__)[:MAX_ACTIVE_STAGES])
+        s = passes[i][1]
+        if s in by_next:
+            by_next.remove(s)
+        by_next.insert(0, s)
+        upcoming_at.append(by_next[:MAX_ACTIVE_STAGES])
     upcoming_at.reverse()
     out, active = [], []
     for action, upcoming in zip(passes, upcoming_at):
@@ -290,17 +295,14 @@ def alive_peak(schedule: str, p: int, r: int, m: int, weights: tuple[int, ...]) 
     if schedule == "v_schedule":  # ScheduleZBVZeroBubble: 2(p-r)-1 forwards on chunk 0, r on each chunk, one more
         n0, n1 = min(m, 2 * p - r - 1), min(m, r + 1)
         return n0 * weights[0] + n1 * weights[1], n0 + n1
-    peak = count = n = now = 0
-    for s in _alive_events(schedule, p, r, m, v):
-        if s >= 0:  # a forward on local stage s: its micro batch becomes alive
-            now += weights[s]
-            n += 1
-            if now > peak:
-                peak, count = now, n
-        else:  # a micro batch of local stage ~s freed
-            now -= weights[~s]
-            n -= 1
-    return peak, count
+    events = _alive_events(schedule, p, r, m, v)  # a forward on local stage s: s; a freeing backward: ~s
+    alive = list(itertools.accumulate(weights[s] if s >= 0 else -weights[~s] for s in events))
+    peak = max(alive, default=0)
+    if peak <= 0:
+        return 0, 0
+    # first reached at a forward (a backward never adds); the micro batches alive then
+    first = alive.index(peak)
+    return peak, sum(1 if s >= 0 else -1 for s in events[:first + 1])
 
 
 @functools.lru_cache(maxsize=4096)

@@ -231,23 +231,26 @@ def _rank_plans(states: list[tuple[int, Parts, dict]], args, cfg, layout: Layout
     # at its first step): the activations a stage receives and the gradients it receives back
     hidden = 0 if pplan is None else (pplan.microbatch_size * cfg.training.seq_len // layout.cp // (
         layout.tp if cfg.distributed.sequence_parallel else 1) * args.dim * residual_bytes(cfg, layout))
+
+    @functools.cache
+    def activations_of(pp_rank: int) -> tuple:
+        """(activations, alive bytes, in-flight micro batches, receive buffers, first, last) of a pp rank's ranks."""
+        if pplan is None:
+            acts = acts_of(args.n_layers, True, True)
+            return acts, acts["total"], 1, 0, True, True
+        here = pplan.rank_stages(pp_rank)
+        blocks = sum(len(pplan.stage_layers[s]) for s in here) // len(here)
+        weights = tuple(acts_of(len(pplan.stage_layers[s]), s == 0, s == pplan.num_stages - 1)["total"]
+                        for s in here)
+        alive, in_flight = alive_peak(pplan.schedule, layout.pp, pp_rank, pplan.n_microbatches, weights)
+        recv = pplan.n_microbatches * hidden * sum((s > 0) + (s < pplan.num_stages - 1) for s in here)
+        first, last = 0 in here, pplan.num_stages - 1 in here
+        return acts_of(blocks, first, last), alive, in_flight, recv, first, last
+
     ranks = []
     for r, parts, held in states:
-        c = layout.coords(r)
-        if pplan is not None:
-            here = pplan.rank_stages(c[MeshAxis.PP])
-            blocks = sum(len(pplan.stage_layers[s]) for s in here) // len(here)
-            first, last = 0 in here, pplan.num_stages - 1 in here
-            acts = dict(acts_of(blocks, first, last))
-            weights = tuple(acts_of(len(pplan.stage_layers[s]), s == 0, s == pplan.num_stages - 1)["total"]
-                            for s in here)
-            alive, in_flight = alive_peak(pplan.schedule, layout.pp, c[MeshAxis.PP], pplan.n_microbatches, weights)
-            recv = pplan.n_microbatches * hidden * sum((s > 0) + (s < pplan.num_stages - 1) for s in here)
-        else:
-            acts = dict(acts_of(args.n_layers, True, True))
-            in_flight, alive = 1, acts["total"]
-            first = last = True
-            recv = 0
+        shared, alive, in_flight, recv, first, last = activations_of(layout.coords(r)[MeshAxis.PP])
+        acts = dict(shared)
         base = parts.optimizer + recv
         moments = {"head": base + held["head"] + alive + (loss_bw if last else 0),
                    "block": base + held["block"] + alive - acts["head"] + acts["recompute"],
