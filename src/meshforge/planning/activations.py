@@ -252,6 +252,9 @@ def lowered_passes(schedule: str, p: int, r: int, m: int, v: int) -> tuple[tuple
     upcoming_at.reverse()
     out, active = [], []
     for action, upcoming in zip(passes, upcoming_at):
+        if active == upcoming:  # (the steady state: nothing to reshard or unshard)
+            out.append(action)
+            continue
         for s in [s for s in active if s not in upcoming]:
             active.remove(s)
             out.append(("R", s))
@@ -296,13 +299,14 @@ def alive_peak(schedule: str, p: int, r: int, m: int, weights: tuple[int, ...]) 
         n0, n1 = min(m, 2 * p - r - 1), min(m, r + 1)
         return n0 * weights[0] + n1 * weights[1], n0 + n1
     events = _alive_events(schedule, p, r, m, v)  # a forward on local stage s: s; a freeing backward: ~s
-    alive = list(itertools.accumulate(weights[s] if s >= 0 else -weights[~s] for s in events))
+    delta = list(weights) + [-w for w in reversed(weights)]  # delta[s] = weights[s], delta[~s] = -weights[s]
+    alive = list(itertools.accumulate(map(delta.__getitem__, events)))
     peak = max(alive, default=0)
     if peak <= 0:
         return 0, 0
-    # first reached at a forward (a backward never adds); the micro batches alive then
-    first = alive.index(peak)
-    return peak, sum(1 if s >= 0 else -1 for s in events[:first + 1])
+    # first reached at a forward (a backward never adds); the micro batches alive then: forwards less backwards
+    first = alive.index(peak) + 1
+    return peak, 2 * sum(map((0).__le__, events[:first])) - first
 
 
 @functools.lru_cache(maxsize=4096)
