@@ -25,7 +25,6 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -104,10 +103,6 @@ class StepMemory(MemTracker):
             self._restore = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is _DEVICE and len(args) == 1 and isinstance(args[0], FakeTensor):
-            # what the fake mode below answers (its `_device_handler`), without a second dispatch: a third of
-            # the step's ops are these queries
-            return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
         if func is _DEVICE or self._propagating:
             return func(*args, **(kwargs or {}))
         out = super().__torch_dispatch__(func, types, args, kwargs)
