@@ -329,7 +329,8 @@ class DistributedConfig(Section):
         options = data.get("options")
         options = dict(options) if isinstance(options, dict) else {}
         foreign = []
-        for key in [k for k in data if k not in cls.model_fields]:
+        fields = cls.model_fields  # once: a class property that pydantic computes on every read
+        for key in [k for k in data if k not in fields]:
             owners = option_owners(key)
             if key in mine:
                 options[key] = data.pop(key)

@@ -7,6 +7,7 @@ Calibrated against saved-tensor hooks on CPU (tests/unit/test_plan.py, tests/par
 from __future__ import annotations
 
 import functools
+import itertools
 
 from meshforge.planning.layout import Layout
 from meshforge.planning.pipeline_plan import SINGLE_STAGE
@@ -273,14 +274,21 @@ def lowered_passes(schedule: str, p: int, r: int, m: int, v: int) -> tuple[tuple
     if passes is None or schedule in SINGLE_STAGE:
         return passes
     # the next MAX_ACTIVE_STAGES stages to run from each action on (in the order they next run): from the end
-    # backwards, each stage's next action, so the whole schedule is read once (a long schedule has thousands)
-    upcoming_at, nxt = [], {}
+    # backwards, so the whole schedule is read once (a long schedule has thousands); the stage of the action
+    # read runs next of all, so it moves to the front of the stages ordered by their next action
+    upcoming_at, by_next = [], []
     for i in range(len(passes) - 1, -1, -1):
-        nxt[passes[i][1]] = i
-        upcoming_at.append(sorted(nxt, key=nxt.__getitem__)[:MAX_ACTIVE_STAGES])
+        s = passes[i][1]
+        if s in by_next:
+            by_next.remove(s)
+        by_next.insert(0, s)
+        upcoming_at.append(by_next[:MAX_ACTIVE_STAGES])
     upcoming_at.reverse()
     out, active = [], []
     for action, upcoming in zip(passes, upcoming_at):
+        if active == upcoming:  # (the steady state: nothing to reshard or unshard)
+            out.append(action)
+            continue
         for s in [s for s in active if s not in upcoming]:
             active.remove(s)
             out.append(("R", s))
@@ -324,6 +332,21 @@ def alive_peak(schedule: str, p: int, r: int, m: int, weights: tuple[int, ...]) 
     if schedule == "v_schedule":  # ScheduleZBVZeroBubble: 2(p-r)-1 forwards on chunk 0, r on each chunk, one more
         n0, n1 = min(m, 2 * p - r - 1), min(m, r + 1)
         return n0 * weights[0] + n1 * weights[1], n0 + n1
+    events = _alive_events(schedule, p, r, m, v)  # a forward on local stage s: s; a freeing backward: ~s
+    delta = list(weights) + [-w for w in reversed(weights)]  # delta[s] = weights[s], delta[~s] = -weights[s]
+    alive = list(itertools.accumulate(map(delta.__getitem__, events)))
+    peak = max(alive, default=0)
+    if peak <= 0:
+        return 0, 0
+    # first reached at a forward (a backward never adds); the micro batches alive then: forwards less backwards
+    first = alive.index(peak) + 1
+    return peak, 2 * sum(map((0).__le__, events[:first])) - first
+
+
+@functools.lru_cache(maxsize=4096)
+def _alive_events(schedule: str, p: int, r: int, m: int, v: int) -> tuple[int, ...]:
+    """The replay of `alive_peak`, its weights apart (a search asks it for many weights of one schedule): the
+    local stage s of each forward, ~s of the stage each freeing backward frees, in order."""
     total = m * v
     if v == 1:  # Schedule1F1B: p - 1 - r warm-up forwards
         warmup = min(m, p - 1 - r)
@@ -341,21 +364,15 @@ def alive_peak(schedule: str, p: int, r: int, m: int, weights: tuple[int, ...]) 
     # zero_bubble: torch keeps a micro batch's graph from its forward to its weight pass (W), which on pp rank r
     # runs r backward passes after its input-gradient pass (`_get_1f1b_rank_ops`), the rest at the end
     lag = r if schedule == "zero_bubble" else 0
-    peak = count = n = now = f = b = 0
+    out, f, b = [], 0, 0
     pending: list[int] = []
-    order = ["F"] * warmup + ["F", "B"] * (total - warmup) + ["B"] * warmup
-    for op in order:
+    for op in ["F"] * warmup + ["F", "B"] * (total - warmup) + ["B"] * warmup:
         if op == "F":
-            now += weights[f_stage(f)]
+            out.append(f_stage(f))
             f += 1
-            n += 1
-            if now > peak:
-                peak, count = now, n
             continue
         pending.append(b_stage(warmup + b))
         if b >= lag:
-            now -= weights[pending.pop(0)]
-            n -= 1
+            out.append(~pending.pop(0))
         b += 1
-    return peak, count
-
+    return tuple(out)

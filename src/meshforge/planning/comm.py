@@ -284,10 +284,10 @@ def _gathered_sublayers(mine_all: list[ParamRec], projections: list[ParamRec], r
     for p in projections:
         if p.tp_dim == 1:
             rows.setdefault(p.seq_sub, set()).add(p.name.rsplit(".", 1)[0])
-    regather = 0 if recompute else sum(
-        any(q.trainable and q.seq_sub == sub and not any(q.name.startswith(r + ".") for r in rows.get(sub, ()))
-            for q in mine_all) for sub in subs)
-    return len(subs), regather
+    # the sub-layers a trainable parameter outside their row-wise projections reads (one pass over the parameters)
+    read = {q.seq_sub for q in mine_all if q.trainable and q.seq_sub is not None
+            and not any(q.name.startswith(r + ".") for r in rows.get(q.seq_sub, ()))}
+    return len(subs), 0 if recompute else len(subs & read)
 
 
 def _expert_parallel(mine: list[ParamRec], args, cfg, layout: Layout, n_micro: int, micro: int,

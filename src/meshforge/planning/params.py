@@ -231,5 +231,23 @@ def alike(stage: list[ParamRec]) -> list[tuple[ParamRec, int]]:
     return memo("alike", stage, (), compute)
 
 
+def blocks_alike(params: list[ParamRec]) -> list[tuple[int | None, tuple, list[tuple[ParamRec, int]]]]:
+    """[(block, its signature, [(a parameter, how many of the block's parameters are stored like it)])] for each
+    block of `params` in order (None: those outside the blocks), blocks of equal signature having equal
+    parameters (shape, split, expert-ness, trainability): a sum per block is computed once per signature
+    (memoised per list: the blocks of a deep model are alike, and the search asks for every candidate)."""
+    def compute():
+        by_block: dict = {}
+        for p in params:
+            kinds = by_block.setdefault(p.block, {})
+            k = (p.shape, p.tp_dim, p.expert, p.trainable)
+            rep, n = kinds.get(k, (p, 0))
+            kinds[k] = (rep, n + 1)
+        return [(b, tuple((k, n) for k, (_, n) in kinds.items()), list(kinds.values()))
+                for b, kinds in by_block.items()]
+
+    return memo("blocks_alike", params, (), compute)
+
+
 def n_params(params: list[ParamRec]) -> int:
     return memo("n", params, (), lambda: sum(math.prod(p.shape) for p in params))

@@ -199,10 +199,10 @@ def _rank_states(params: list[ParamRec], cfg, layout: Layout, pplan, extra: list
     accum = t.global_batch_size // layout.dp // t.micro_batch_size
     states, same = [], {}
     n_layers = sum(len(blocks) for blocks in pplan.stage_layers) if pplan is not None else None
+    stages_of = functools.cache(lambda pp: pp if pplan is None else _stage_signature(pplan, pp))  # per pp rank
     for r in sorted(set(representative_ranks(layout, every=terms_of(cfg).every_rank)) | set(extra)):
         c = layout.coords(r)
-        sig = (c[MeshAxis.DP_SHARD_CP], c[MeshAxis.DP_CP], c[MeshAxis.EP_SHARD], c[MeshAxis.PP] if pplan is None
-               else _stage_signature(pplan, c[MeshAxis.PP]))
+        sig = (c[MeshAxis.DP_SHARD_CP], c[MeshAxis.DP_CP], c[MeshAxis.EP_SHARD], stages_of(c[MeshAxis.PP]))
         if sig not in same:
             same[sig] = (rank_state(params, cfg, layout, r, n_layers), rank_held(params, cfg, layout, r, accum,
                                                                                  n_layers))
@@ -231,29 +231,32 @@ def _rank_plans(states: list[tuple[int, Parts, dict]], args, cfg, layout: Layout
     # at its first step): the activations a stage receives and the gradients it receives back
     hidden = 0 if pplan is None else (pplan.microbatch_size * cfg.training.seq_len // layout.cp // (
         layout.tp if cfg.distributed.sequence_parallel else 1) * args.dim * residual_bytes(cfg, layout))
+
+    @functools.cache
+    def activations_of(pp_rank: int) -> tuple:
+        """(activations, alive bytes, in-flight micro batches, receive buffers, first, last, alive at the loss's
+        backward, alive at the embedding's) of a pp rank's ranks."""
+        if pplan is None:
+            acts = acts_of(args.n_layers, True, True)
+            return acts, acts["total"], 1, 0, True, True, acts["total"], acts["total"]
+        here = pplan.rank_stages(pp_rank)
+        blocks = sum(len(pplan.stage_layers[s]) for s in here) // len(here)
+        weights = tuple(acts_of(len(pplan.stage_layers[s]), s == 0, s == pplan.num_stages - 1)["total"]
+                        for s in here)
+        alive, in_flight = alive_peak(pplan.schedule, layout.pp, pp_rank, pplan.n_microbatches, weights)
+        # the activations alive when the loss's (the embedding's) backward runs: a backward of the last (first)
+        # stage; the schedule's peak, in some forward, is a moment without either's buffers
+        at_loss, at_emb = (alive_at_backward(pplan.schedule, layout.pp, pp_rank, pplan.n_microbatches, weights,
+                                             here.index(s)) if s in here else alive
+                           for s in (pplan.num_stages - 1, 0))
+        recv = pplan.n_microbatches * hidden * sum((s > 0) + (s < pplan.num_stages - 1) for s in here)
+        first, last = 0 in here, pplan.num_stages - 1 in here
+        return acts_of(blocks, first, last), alive, in_flight, recv, first, last, at_loss, at_emb
+
     ranks = []
     for r, parts, held in states:
-        c = layout.coords(r)
-        if pplan is not None:
-            here = pplan.rank_stages(c[MeshAxis.PP])
-            blocks = sum(len(pplan.stage_layers[s]) for s in here) // len(here)
-            first, last = 0 in here, pplan.num_stages - 1 in here
-            acts = dict(acts_of(blocks, first, last))
-            weights = tuple(acts_of(len(pplan.stage_layers[s]), s == 0, s == pplan.num_stages - 1)["total"]
-                            for s in here)
-            alive, in_flight = alive_peak(pplan.schedule, layout.pp, c[MeshAxis.PP], pplan.n_microbatches, weights)
-            # the activations alive when the loss's (the embedding's) backward runs: a backward of the last (first)
-            # stage; the schedule's peak, in some forward, is a moment without either's buffers
-            at_loss, at_emb = (alive_at_backward(pplan.schedule, layout.pp, c[MeshAxis.PP], pplan.n_microbatches,
-                                                 weights, here.index(s)) if s in here else alive
-                               for s in (pplan.num_stages - 1, 0))
-            recv = pplan.n_microbatches * hidden * sum((s > 0) + (s < pplan.num_stages - 1) for s in here)
-        else:
-            acts = dict(acts_of(args.n_layers, True, True))
-            in_flight, alive = 1, acts["total"]
-            at_loss = at_emb = alive
-            first = last = True
-            recv = 0
+        shared, alive, in_flight, recv, first, last, at_loss, at_emb = activations_of(layout.coords(r)[MeshAxis.PP])
+        acts = dict(shared)
         base = parts.optimizer + recv
         moments = {"head": base + held["head"] + max(alive, at_loss + (loss_bw if last else 0)),
                    "block": base + held["block"] + alive - acts["head"] + acts["recompute"],

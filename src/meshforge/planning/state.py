@@ -40,19 +40,23 @@ def stage_params(params: list[ParamRec], cfg, layout: Layout, pp_rank: int,
         return [params]
     pplan = pipeline_plan_of(cfg, layout, n_layers)
 
+    # what the lists depend on: each local stage's blocks and whether it is the first or the last (pipelines that
+    # split alike share the lists, and what is memoised on them downstream)
+    last = pplan.num_stages - 1
+    here = tuple((tuple(pplan.stage_layers[s]), s == 0, s == last) for s in pplan.rank_stages(pp_rank))
+
     def compute():
         by = _by_place(params)
         stages = []
-        last = pplan.num_stages - 1
-        for s in pplan.rank_stages(pp_rank):
-            picked = [i for b in pplan.stage_layers[s] for i in by.get(b, ())] + list(by.get("other", ()))
-            picked += list(by.get("first", ())) if s == 0 else []
-            picked += list(by.get("last", ())) if s == last else []
+        for blocks, first, is_last in here:
+            picked = [i for b in blocks for i in by.get(b, ())] + list(by.get("other", ()))
+            picked += list(by.get("first", ())) if first else []
+            picked += list(by.get("last", ())) if is_last else []
             stages.append([params[i] for i in sorted(set(picked))]  # in the model's order, as a filter keeps them
-                          + ([tied_copy(p) for p in params if p.tied_copy] if s == last else []))
+                          + ([tied_copy(p) for p in params if p.tied_copy] if is_last else []))
         return stages
 
-    return memo("stages", params, (pplan, pp_rank), compute)
+    return memo("stages", params, here, compute)
 
 
 def tied_copy(p: ParamRec) -> ParamRec:

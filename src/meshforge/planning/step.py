@@ -96,6 +96,7 @@ def step_time(params: list[ParamRec], args, cfg, layout: Layout, pplan, device: 
                t.seq_len, tokens, t.fp8.enabled, t.fp8.recipe, t.fp8.filter, fused_loss_on(cfg))
     per_rank, parts_of = [], []
     block = _block_seconds(params, args, key, device, eff)
+    ends_of = functools.cache(lambda first, last: _end_seconds(args, key, device, eff, first, last))  # per step
     first = comm_of(0)
     gathered = any(kind == "all_gather" and axis in DP_AXES for (axis, kind) in first)  # parameters gathered
     # the data-parallel collectives' buffers are copied in and out once each (FSDP's copy-in/out, DDP's buckets)
@@ -106,7 +107,7 @@ def step_time(params: list[ParamRec], args, cfg, layout: Layout, pplan, device: 
         units = 0
         for s in here:
             blocks = len(pplan.stage_layers[s]) if pplan is not None else args.n_layers
-            ends = _end_seconds(args, key, device, eff, s == 0, pplan is None or s == pplan.num_stages - 1)
+            ends = ends_of(s == 0, pplan is None or s == pplan.num_stages - 1)
             for kind in block.keys() | ends.keys():
                 total[kind] = total.get(kind, 0.0) + n_mb * (blocks * block.get(kind, 0.0) + ends.get(kind, 0.0))
             units += blocks + 1

@@ -80,8 +80,10 @@ class CommRecorder:
         return self._ranks[key]
 
     def record(self, func, args, kwargs) -> None:
+        if func not in collective_ops:  # (most ops: asked first, before the schema)
+            return
         name = func._schema.name
-        if func in collective_ops and name.split("::", 1)[1] not in ("wait_tensor", "barrier", "monitored_barrier_"):
+        if name.split("::", 1)[1] not in ("wait_tensor", "barrier", "monitored_barrier_"):
             n = collective_bytes(name, args, kwargs)
             self.events.append((self.phase, self._axis(func, args), kind_of(name), n))
 

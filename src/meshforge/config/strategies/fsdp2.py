@@ -24,7 +24,16 @@ from pydantic import ConfigDict, field_validator
 
 from meshforge.config.strategies import AXES, StrategyOptions, StrategySpec, StrictSection, dp_size, register_strategy
 from meshforge.planning.layout import MeshAxis
-from meshforge.planning.params import F32, STEP_BYTES, alike, chunk_rows, local_shape, memo, replicate_grad
+from meshforge.planning.params import (
+    F32,
+    STEP_BYTES,
+    alike,
+    blocks_alike,
+    chunk_rows,
+    local_shape,
+    memo,
+    replicate_grad,
+)
 from meshforge.planning.precision import (
     FLOAT8_AMAX,
     bf16_params,
@@ -132,12 +141,17 @@ def _fsdp_units(group: list, layout, dim: int, n: int) -> tuple[dict, dict]:
     def compute():
         units: dict = {}
         grads: dict = {}  # the trainable part of each unit: what its reduce-scatter carries
-        for p in group:
-            s = local_shape(p, layout)
-            rest = math.prod(s) // s[dim] if s[dim] else 0
-            padded = -(-s[dim] // n) * n * rest
-            units[p.block] = units.get(p.block, 0) + padded
-            grads[p.block] = grads.get(p.block, 0) + (padded if p.trainable else 0)
+        of_kind: dict = {}  # each block signature's (padded, trainable padded) elements, computed once
+        for block, sig, kinds in blocks_alike(group):
+            if sig not in of_kind:
+                padded = trained = 0
+                for p, k in kinds:
+                    s = local_shape(p, layout)
+                    rest = math.prod(s) // s[dim] if s[dim] else 0
+                    padded += k * -(-s[dim] // n) * n * rest
+                    trained += k * -(-s[dim] // n) * n * rest if p.trainable else 0
+                of_kind[sig] = padded, trained
+            units[block], grads[block] = of_kind[sig]
         return units, grads
 
     return memo("units", group, (layout.tp, layout.ep, dim, n), compute)
@@ -197,8 +211,10 @@ def _split_experts(stage: list, layout) -> tuple[list, list]:
 def _replicated_embedding_grad(stage, layout) -> int:
     """Elements a vocabulary-parallel embedding's gradient has beyond its TP shard: it arrives Replicate, the whole
     (vocab x dim) on every tp rank, and is accumulated so (measured with the scale trace, torch 2.13)."""
-    return sum(math.prod(p.shape) - math.prod(local_shape(p, layout)) for p in stage
-               if p.place == "first" and p.tp_dim is not None and p.trainable and layout.tp > 1)
+    if layout.tp == 1:
+        return 0
+    return sum(k * (math.prod(p.shape) - math.prod(local_shape(p, layout))) for p, k in alike(stage)
+               if p.place == "first" and p.tp_dim is not None and p.trainable)
 
 
 def _root_last_grad(stage, layout) -> int:
@@ -210,10 +226,9 @@ def _root_last_grad(stage, layout) -> int:
 
 
 def _largest_block(stage, layout) -> int:
-    def compute():
-        sizes: dict = {}
-        for p in stage:
-            sizes[p.block] = sizes.get(p.block, 0) + math.prod(local_shape(p, layout))
+    def compute():  # each block signature's size once
+        sizes = {sig: sum(k * math.prod(local_shape(p, layout)) for p, k in kinds)
+                 for _, sig, kinds in blocks_alike(stage)}
         return max(sizes.values(), default=0)
 
     return memo("largest", stage, (layout.tp, layout.ep), compute)
