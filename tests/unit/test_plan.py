@@ -300,3 +300,24 @@ def test_llama3_405b_layouts_land_near_the_published_mfu_and_do_not_fit(capsys, 
     assert not out["fits"] and out["peak_bytes"] > 80 * 2**30
     assert out["layout"]["tp"] == 8 and out["layout"]["pp"] == 16
     assert abs(out["mfu"] - published) <= 0.10 * published, out["mfu"]
+
+
+def test_the_plan_is_the_same_whatever_pythons_hash_seed():
+    """A plan is a pure function of its config: the step time's parts were summed in a set's order, so the printed
+    parts and the last digit of the step time moved with PYTHONHASHSEED."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import contextlib, io; from meshforge.cli import main\n"
+            "for ex, n, *args in (('llama3_8b_tp', 64), ('llama3_70b_tp_pp', 1024), ('qwen3_moe_ep8', 64),\n"
+            "                     ('llama3_8b', 8, '--fit')):\n"
+            "    out = io.StringIO()\n"
+            "    with contextlib.redirect_stdout(out):\n"
+            "        main(['plan', f'examples/{ex}.yaml', '--world-size', str(n), '--json', *args])\n"
+            "    print(out.getvalue())\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONHASHSEED": seed}) for seed in ("1", "2")]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert outs[0][0] == outs[1][0] and len(outs[0][0]) > 1000

@@ -108,7 +108,8 @@ def step_time(params: list[ParamRec], args, cfg, layout: Layout, pplan, device: 
         for s in here:
             blocks = len(pplan.stage_layers[s]) if pplan is not None else args.n_layers
             ends = ends_of(s == 0, pplan is None or s == pplan.num_stages - 1)
-            for kind in block.keys() | ends.keys():
+            for kind in dict.fromkeys([*block, *ends]):  # in order (a set's order, and so the float sums, moved
+                # with Python's hash seed: the printed parts and the step time's last digit differed run to run)
                 total[kind] = total.get(kind, 0.0) + n_mb * (blocks * block.get(kind, 0.0) + ends.get(kind, 0.0))
             units += blocks + 1
         calls = 2 * n_mb * units if gathered else 0
