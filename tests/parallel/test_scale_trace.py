@@ -1,5 +1,5 @@
-"""The plan against the scale trace (meshforge.scale): one real training step of rank 0 and the last rank of a
-4-rank job (and of an 8-rank one for MATRIX8), each in one process on fake tensors, for a matrix of layouts at
+"""The plan against the scale trace (meshforge.scale): one real training step of rank 0 (every layout) and the
+last rank (the layouts in LAST_RANK) of a 4-rank job (and of an 8-rank one for MATRIX8), each in one process on fake tensors, for a matrix of layouts at
 shapes wide enough to be like real ones (the trace's cost is the number of ops, not their size). Asked of the
 plan (issue 27): state bytes and collective bytes per (mesh axis, kind) exact, peak memory within 3%.
 
