@@ -25,7 +25,8 @@ from pydantic import (
     model_validator,
 )
 
-from meshforge.config.strategies import (
+from meshforge.config.strategies import (  # noqa: F401 - BRIDGE_SECTIONS: the schema's readers import it here
+    BRIDGE_SECTIONS,
     StrategyOptions,
     StrategySpec,
     canonical_name,
@@ -659,7 +660,6 @@ class ProfilingConfig(Section):
 
 
 # -------------------------------------------------- Megatron-Bridge style spellings
-BRIDGE_SECTIONS = {"dist", "ddp"}  # folded into `distributed` on validation; never dumped
 
 
 class BridgeDistConfig(Section):

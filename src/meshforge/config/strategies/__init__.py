@@ -71,6 +71,9 @@ class StrategyOptions(StrictSection):
     aliases: ClassVar[tuple[str, ...]] = ()
 
 
+# Megatron-Bridge's YAML sections (`dist.<key>`, `ddp.<key>`): folded into `distributed` on validation, never dumped
+BRIDGE_SECTIONS = frozenset({"dist", "ddp"})
+
 @dataclass(frozen=True)
 class StrategySpec:
     name: str
@@ -109,7 +112,7 @@ class StrategySpec:
         if unknown:
             raise ValueError(f"strategy {self.name}: composes_with has unknown axes {sorted(unknown)}; known: {AXES}")
         bridge = [f for f in (*self.bridge_flags, *(k for k, _ in self.bridge_refused))
-                  if f.split(".", 1)[0] not in ("dist", "ddp") or "." not in f]
+                  if f.split(".", 1)[0] not in BRIDGE_SECTIONS or "." not in f]
         if bridge:
             raise ValueError(f"strategy {self.name}: Bridge keys are `dist.<key>` or `ddp.<key>`, not {bridge[0]!r}")
         object.__setattr__(self, "option_keys", frozenset(self.options.model_fields) | set(self.options.aliases))
