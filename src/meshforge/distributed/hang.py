@@ -340,10 +340,10 @@ def nccl_dump_prefix(run_dir: str) -> str:
 
 
 def enable_nccl_flight_recorder(run_dir: str) -> str | None:
-    """Turn NCCL's flight recorder on before the process group starts (values the user set win): the last 2000
-    collectives per rank, dumped on a timeout to `run_dir/nccl_trace_rank_<R>`. Returns where, None when the
+    """Turn NCCL's flight recorder on before the process group starts (values the user set win): the last
+    `FR_BUFFER` collectives per rank, dumped on a timeout to `run_dir/nccl_trace_rank_<R>`. Returns where, None when the
     user chose otherwise."""
-    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", FR_BUFFER)
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", nccl_dump_prefix(run_dir))
     if os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] in ("", "0"):
